@@ -1,0 +1,197 @@
+"""`specdecode plan`: predict the speedup from α and c, or (--memory) how many sequences fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdecode.planner import (
+    MemoryPlan,
+    ModelMemory,
+    SpeedupPlan,
+    VerifyCost,
+    dtype_bytes,
+    model_memory,
+    plan_speedup,
+    speedup_table,
+)
+
+GIB = 2**30
+
+
+def plan(
+    alpha: Annotated[float | None, typer.Option(help="Per-token acceptance probability α in [0, 1].")] = None,
+    cost: Annotated[
+        float | None, typer.Option(help="Cost c of one draft step relative to one target step (>= 0).")
+    ] = None,
+    gamma: Annotated[
+        int | None, typer.Option(help="Draft tokens per round (>= 1); default: the best gamma in 1..16.")
+    ] = None,
+    verify_cost: Annotated[
+        Path | None,
+        typer.Option(
+            "--verify-cost",
+            help='JSON file, {"k": cost, ...} or a list of costs for k = 1, 2, ...: the cost of a '
+            "k-token target forward relative to a 1-token one.",
+        ),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    memory: Annotated[
+        bool, typer.Option("--memory", help="Plan memory instead: weights, KV cache, sequences that fit.")
+    ] = False,
+    target: Annotated[str | None, typer.Option(help="--memory: the target (name, folder or .gguf).")] = None,
+    draft: Annotated[str | None, typer.Option(help="--memory: the draft model, if any.")] = None,
+    context: Annotated[
+        int | None, typer.Option(help="--memory: tokens per sequence (prompt and output).")
+    ] = None,
+    budget: Annotated[float | None, typer.Option(help="--memory: memory budget in GiB.")] = None,
+    dtype: Annotated[str, typer.Option(help="--memory: dtype of weights and KV cache.")] = "float32",
+) -> None:
+    """Predict the speedup of speculative decoding for α, c and γ (or, with --memory, what fits)."""
+    try:
+        if memory:
+            _run_memory(target, draft, context, budget, dtype, json_output)
+        else:
+            _run_speedup(alpha, cost, gamma, verify_cost, json_output)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def load_verify_cost(path: Path) -> VerifyCost:
+    """Read a verify-cost curve from a JSON file."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read --verify-cost file {path}: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--verify-cost file {path} is not valid JSON: {e}") from e
+    return VerifyCost.from_json(data)
+
+
+def _run_speedup(
+    alpha: float | None, cost: float | None, gamma: int | None, verify_cost: Path | None, json_output: bool
+) -> None:
+    if alpha is None or cost is None:
+        raise ValueError("give --alpha and --cost (or --memory with --target, --context and --budget)")
+    curve = None if verify_cost is None else load_verify_cost(verify_cost)
+    result = plan_speedup(alpha, cost, gamma, curve)
+    if json_output:
+        typer.echo(json.dumps(dataclasses.asdict(result)))
+        return
+    console = Console()
+    console.print(_speedup_table(alpha, cost, curve, result.gamma))
+    console.print(_speedup_summary(result))
+
+
+def _speedup_table(alpha: float, cost: float, curve: VerifyCost | None, chosen: int) -> Table:
+    table = Table(title=f"α = {alpha:g}, c = {cost:g}" + (", measured verify cost" if curve else ""))
+    for name in ("γ", "tokens/round", "round cost", "speedup"):
+        table.add_column(name, justify="right")
+    for row in speedup_table(alpha, cost, curve):
+        table.add_row(
+            str(row.gamma),
+            f"{row.expected_tokens:.2f}",
+            f"{row.round_cost:.2f}",
+            f"{row.speedup:.2f}×",
+            style="bold" if row.gamma == chosen else None,
+        )
+    return table
+
+
+def _speedup_summary(result: SpeedupPlan) -> str:
+    lines = [
+        f"γ = {result.gamma}: {result.expected_tokens:.2f} tokens per round, round cost "
+        f"{result.round_cost:.2f}, speedup {result.speedup:.2f}×",
+        f"best γ in 1..16: {result.best_gamma} ({result.best_speedup:.2f}×)"
+        + ("; plain decoding (γ = 0, 1.00×) is better" if result.best_speedup <= 1.0 else ""),
+    ]
+    if result.break_even_alpha is None:
+        lines.append(f"break-even α at γ = {result.gamma}: none (speculation never pays at this cost)")
+    else:
+        lines.append(f"break-even α at γ = {result.gamma}: {result.break_even_alpha:.3f}")
+    return "\n".join(lines)
+
+
+def _run_memory(
+    target: str | None,
+    draft: str | None,
+    context: int | None,
+    budget: float | None,
+    dtype: str,
+    json_output: bool,
+) -> None:
+    if target is None or context is None or budget is None:
+        raise ValueError("--memory needs --target, --context and --budget (GiB)")
+    # Fail on bad values before spending time loading models.
+    if context < 1:
+        raise ValueError(f"--context must be >= 1 token, got {context}")
+    if not budget > 0:
+        raise ValueError(f"--budget must be > 0 GiB, got {budget}")
+    dtype_bytes(dtype)
+    target_memory = _measured_memory(target, dtype)
+    draft_memory = None if draft is None else _measured_memory(draft, dtype)
+    result = MemoryPlan(target_memory, draft_memory, context, int(budget * GIB))
+    if json_output:
+        typer.echo(json.dumps(memory_summary(result)))
+    else:
+        Console().print(_memory_table(result, target, draft, dtype))
+
+
+def _measured_memory(source: str, dtype: str) -> ModelMemory:
+    """Memory of a loaded model: its config and its actual parameter count."""
+    import specdecode  # deferred: loading models pulls in torch and transformers
+
+    try:
+        model = specdecode.load_model(source).model
+    except (OSError, specdecode.SpecDecodeError) as e:
+        raise ValueError(f"cannot load model {source!r}: {e}") from e
+    return model_memory(model.config, dtype, sum(p.numel() for p in model.parameters()))
+
+
+def memory_summary(result: MemoryPlan) -> dict[str, int | None]:
+    """The memory plan as flat JSON-ready numbers (bytes and sequence counts)."""
+    return {
+        "context": result.context,
+        "budget_bytes": result.budget_bytes,
+        "target_weight_bytes": result.target.weight_bytes,
+        "target_kv_bytes_per_token": result.target.kv_bytes_per_token,
+        "draft_weight_bytes": None if result.draft is None else result.draft.weight_bytes,
+        "draft_kv_bytes_per_token": None if result.draft is None else result.draft.kv_bytes_per_token,
+        "speculation_fixed_bytes": result.draft_weight_bytes,
+        "speculation_bytes_per_sequence": result.draft_bytes_per_sequence,
+        "sequences_without_draft": result.sequences_without_draft,
+        "sequences_with_draft": result.sequences_with_draft,
+    }
+
+
+def _memory_table(result: MemoryPlan, target: str, draft: str | None, dtype: str) -> Table:
+    budget = _bytes(result.budget_bytes)
+    table = Table(title=f"memory at {dtype}, {result.context} tokens/sequence, budget {budget}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row(f"target weights ({target})", _bytes(result.target.weight_bytes))
+    table.add_row("target KV cache per token", _bytes(result.target.kv_bytes_per_token))
+    if result.draft is not None:
+        table.add_row(f"draft weights ({draft})", _bytes(result.draft.weight_bytes))
+        table.add_row("draft KV cache per token", _bytes(result.draft.kv_bytes_per_token))
+    table.add_row("speculation: fixed extra (draft weights)", _bytes(result.draft_weight_bytes))
+    table.add_row("speculation: extra per sequence (draft KV)", _bytes(result.draft_bytes_per_sequence))
+    table.add_row("sequences that fit without draft", str(result.sequences_without_draft))
+    if result.draft is not None:
+        table.add_row("sequences that fit with draft", str(result.sequences_with_draft))
+    return table
+
+
+def _bytes(n: int) -> str:
+    """n bytes in binary units: B, KiB, MiB or GiB."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,381 @@
+"""The analytic planner: the seed's worked example, limits, break-even, memory, and the `plan` command."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import typer
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+import specdecode
+from specdecode.commands.plan import plan
+from specdecode.planner import (
+    MemoryPlan,
+    ModelMemory,
+    VerifyCost,
+    best_gamma,
+    break_even_alpha,
+    expected_tokens,
+    expected_tokens_per_position,
+    gamma_row,
+    kv_bytes_per_token,
+    llama_parameter_count,
+    model_memory,
+    plan_speedup,
+    round_cost,
+    speedup,
+    speedup_table,
+)
+
+# --- the worked example: c = 0.1 -------------------------------------------------------------------------
+
+
+def test_worked_example_alpha_08_gamma_4():
+    row = gamma_row(0.8, 4, 0.1)
+    assert round(row.expected_tokens, 2) == 3.36
+    assert row.round_cost == pytest.approx(1.4)
+    assert round(row.speedup, 2) == 2.40
+
+
+@pytest.mark.parametrize(("alpha", "expected"), [(0.6, 1.65), (0.4, 1.18)])
+def test_worked_example_other_alphas(alpha, expected):
+    assert round(speedup(alpha, 4, 0.1), 2) == expected
+
+
+def test_worked_example_gamma_8():
+    row = gamma_row(0.8, 8, 0.1)
+    assert row.speedup == pytest.approx(4.32891136 / 1.8)
+    # The seed's 2.41× rounds E to 4.33 before dividing; the unrounded value is 2.40495 → 2.40.
+    assert round(row.speedup, 2) == 2.40
+    assert round(round(row.expected_tokens, 2) / row.round_cost, 2) == 2.41
+
+
+def test_worked_example_best_gamma():
+    best = best_gamma(0.8, 0.1)
+    assert best.gamma == 6
+    assert round(best.speedup, 2) == 2.47
+    assert not best.plain_is_better
+
+
+def test_article_numbers():
+    assert round(speedup(0.6, 3, 0.1), 2) == 1.67
+    assert round((1 - 0.8**8) / (1 - 0.8) / 1.8, 2) == 2.31
+
+
+# --- formulas and limits ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 16])
+def test_expected_tokens_limits(gamma):
+    assert expected_tokens(1.0, gamma) == gamma + 1
+    assert expected_tokens(0.0, gamma) == 1.0
+
+
+@pytest.mark.parametrize(("alpha", "gamma"), [(0.3, 2), (0.8, 4), (0.99, 16)])
+def test_expected_tokens_closed_form(alpha, gamma):
+    assert expected_tokens(alpha, gamma) == pytest.approx((1 - alpha ** (gamma + 1)) / (1 - alpha))
+
+
+@pytest.mark.parametrize(("alpha", "gamma"), [(0.0, 3), (0.55, 5), (0.8, 4), (1.0, 7)])
+def test_per_position_equals_iid(alpha, gamma):
+    assert expected_tokens_per_position([alpha] * gamma) == pytest.approx(expected_tokens(alpha, gamma))
+
+
+def test_per_position_not_iid():
+    assert expected_tokens_per_position([0.9, 0.5, 0.0, 1.0]) == pytest.approx(1 + 0.9 + 0.45)
+
+
+def test_speedup_limits():
+    assert speedup(1.0, 4, 0.0) == 5.0
+    assert speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    best = best_gamma(0.0, 0.1)
+    assert best.gamma == 1
+    assert best.plain_is_better
+
+
+def test_best_gamma_at_alpha_1_is_the_largest():
+    assert best_gamma(1.0, 0.0).gamma == 16
+    assert best_gamma(1.0, 0.0, max_gamma=5).speedup == 6.0
+
+
+def test_table_covers_gamma_1_to_10():
+    rows = speedup_table(0.8, 0.1)
+    assert [r.gamma for r in rows] == list(range(1, 11))
+    assert rows[3] == gamma_row(0.8, 4, 0.1)
+
+
+@pytest.mark.parametrize(("gamma", "cost"), [(1, 0.1), (4, 0.1), (8, 0.3), (3, 0.9)])
+def test_break_even(gamma, cost):
+    alpha = break_even_alpha(gamma, cost)
+    assert 0.0 < alpha < 1.0
+    assert speedup(alpha, gamma, cost) == pytest.approx(1.0, abs=1e-9)
+    assert speedup(min(alpha + 0.01, 1.0), gamma, cost) > 1.0
+
+
+@pytest.mark.parametrize("cost", [1.0, 1.5])
+def test_break_even_none_when_drafting_costs_a_target_step(cost):
+    assert break_even_alpha(4, cost) is None
+    assert plan_speedup(0.9, cost, gamma=4).break_even_alpha is None
+
+
+def test_break_even_zero_when_free():
+    assert break_even_alpha(4, 0.0) == 0.0
+
+
+# --- measured verify cost -------------------------------------------------------------------------------
+
+
+def test_verify_cost_round_cost_and_interpolation():
+    curve = VerifyCost.from_json({"1": 1.0, "3": 1.2, "9": 1.8})
+    assert curve(2) == pytest.approx(1.1)
+    assert round_cost(4, 0.1, curve) == pytest.approx(1.4 + 0.4)
+    assert speedup(0.8, 4, 0.1, curve) == pytest.approx(expected_tokens(0.8, 4) / 1.8)
+
+
+def test_verify_cost_list_is_normalised_to_k1():
+    curve = VerifyCost.from_json([20.0, 22.0, 24.0])
+    assert curve.points == ((1, 1.0), (2, 1.1), (3, 1.2))
+
+
+def test_verify_cost_flat_curve_matches_default():
+    flat = VerifyCost.from_json([1.0] * 17)
+    assert best_gamma(0.8, 0.1, flat) == best_gamma(0.8, 0.1)
+    assert break_even_alpha(4, 0.1, flat) == pytest.approx(break_even_alpha(4, 0.1))
+
+
+def test_verify_cost_limits_gamma_search_and_break_even():
+    curve = VerifyCost.from_json({"1": 1.0, "5": 1.0})
+    assert [r.gamma for r in speedup_table(0.8, 0.1, curve)] == [1, 2, 3, 4]
+    assert best_gamma(0.9, 0.0, curve).gamma == 4
+    with pytest.raises(ValueError, match="k in \\[1, 5\\]"):
+        speedup(0.8, 5, 0.1, curve)
+    steep = VerifyCost.from_json({"1": 1.0, "5": 6.0})
+    assert break_even_alpha(4, 0.0, steep) is None
+
+
+@pytest.mark.parametrize("bad", [{}, {"a": 1}, {"1": 1.0, "2": -1.0}, "1.0", [1.0, "x"]])
+def test_verify_cost_rejects_bad_input(bad):
+    with pytest.raises(ValueError):
+        VerifyCost.from_json(bad)
+
+
+# --- validation -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: expected_tokens(1.2, 4), "alpha must be in \\[0, 1\\]"),
+        (lambda: expected_tokens(-0.1, 4), "alpha"),
+        (lambda: expected_tokens(float("nan"), 4), "alpha"),
+        (lambda: expected_tokens(0.5, 0), "gamma must be an integer >= 1"),
+        (lambda: expected_tokens(0.5, 2.5), "gamma"),
+        (lambda: expected_tokens(0.5, True), "gamma"),
+        (lambda: round_cost(4, -0.1), "cost must be"),
+        (lambda: round_cost(4, float("inf")), "cost"),
+        (lambda: expected_tokens_per_position([]), "at least one"),
+        (lambda: expected_tokens_per_position([0.5, 1.5]), "alpha"),
+        (lambda: plan_speedup(0.8, 0.1, gamma=0), "gamma"),
+    ],
+)
+def test_bad_values_raise_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --- memory ----------------------------------------------------------------------------------------------
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    settings = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaConfig(**(settings | overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"attention_bias": True, "mlp_bias": True},
+        {"head_dim": 16},
+        {"num_key_value_heads": 4},
+    ],
+)
+def test_parameter_count_matches_model(overrides):
+    config = tiny_config(**overrides)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    assert llama_parameter_count(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_parameter_count_smollm2_135m():
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    )
+    assert llama_parameter_count(config) == 134_515_008
+
+
+def test_kv_bytes_per_token_formula():
+    config = tiny_config()
+    assert kv_bytes_per_token(config, "float32") == 2 * 3 * 2 * 8 * 4
+    assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 3 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_estimate_matches_measured_allocation(dtype):
+    torch.manual_seed(0)
+    config = tiny_config(tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    n = 40
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, n)), cache=cache, use_cache=True)
+    weights = sum(p.nbytes for p in model.parameters())
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    estimate = model_memory(config, dtype)
+    assert estimate.weight_bytes == pytest.approx(weights, rel=0.10)
+    assert n * estimate.kv_bytes_per_token == pytest.approx(kv, rel=0.10)
+
+
+def test_memory_plan_counts_sequences():
+    target = ModelMemory(weight_bytes=1000, kv_bytes_per_token=10)
+    draft = ModelMemory(weight_bytes=200, kv_bytes_per_token=2)
+    result = MemoryPlan(target, draft, context=5, budget_bytes=1500)
+    assert result.sequences_without_draft == 500 // 50
+    assert result.draft_weight_bytes == 200
+    assert result.draft_bytes_per_sequence == 10
+    assert result.sequences_with_draft == 300 // 60
+    assert MemoryPlan(target, None, 5, 1500).sequences_with_draft == 10
+    assert MemoryPlan(target, draft, 5, 900).sequences_with_draft == 0
+
+
+@pytest.mark.parametrize(("context", "budget"), [(0, 1000), (5, 0)])
+def test_memory_plan_rejects_bad_values(context, budget):
+    with pytest.raises(ValueError):
+        MemoryPlan(ModelMemory(1, 1), None, context, budget)
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown dtype"):
+        kv_bytes_per_token(tiny_config(), "float12")
+
+
+# --- the `plan` command ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def invoke():
+    app = typer.Typer()
+    app.command()(plan)
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, list(args))
+
+
+def test_cli_json(invoke):
+    result = invoke("--alpha", "0.8", "--cost", "0.1", "--gamma", "4", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data) == {
+        "alpha",
+        "cost",
+        "gamma",
+        "expected_tokens",
+        "round_cost",
+        "speedup",
+        "best_gamma",
+        "best_speedup",
+        "break_even_alpha",
+    }
+    assert data["gamma"] == 4
+    assert round(data["expected_tokens"], 2) == 3.36
+    assert data["round_cost"] == pytest.approx(1.4)
+    assert round(data["speedup"], 2) == 2.40
+    assert data["best_gamma"] == 6
+    assert round(data["best_speedup"], 2) == 2.47
+    assert data["break_even_alpha"] == pytest.approx(break_even_alpha(4, 0.1))
+
+
+def test_cli_json_defaults_to_best_gamma_and_null_break_even(invoke):
+    data = json.loads(invoke("--alpha", "0.8", "--cost", "0.1", "--json").stdout)
+    assert data["gamma"] == 6
+    data = json.loads(invoke("--alpha", "0.8", "--cost", "1.2", "--json").stdout)
+    assert data["break_even_alpha"] is None
+    assert data["best_speedup"] < 1.0
+
+
+def test_cli_table(invoke):
+    result = invoke("--alpha", "0.8", "--cost", "0.1")
+    assert result.exit_code == 0, result.output
+    assert "2.40×" in result.stdout
+    assert "best γ in 1..16: 6 (2.47×)" in result.stdout
+    assert "break-even α" in result.stdout
+
+
+def test_cli_verify_cost_file(invoke, tmp_path):
+    path = tmp_path / "verify.json"
+    path.write_text(json.dumps({"1": 1.0, "5": 1.4, "17": 3.0}))
+    data = json.loads(
+        invoke("--alpha", "0.8", "--cost", "0.1", "--gamma", "4", "--verify-cost", str(path), "--json").stdout
+    )
+    assert data["round_cost"] == pytest.approx(1.8)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--alpha", "1.5", "--cost", "0.1"),
+        ("--alpha", "0.8", "--cost", "-1"),
+        ("--alpha", "0.8", "--cost", "0.1", "--gamma", "0"),
+        ("--alpha", "0.8"),
+        ("--alpha", "0.8", "--cost", "0.1", "--verify-cost", "/nonexistent/verify.json"),
+        ("--memory", "--target", "x"),
+        ("--memory", "--target", "x", "--context", "0", "--budget", "1"),
+        ("--memory", "--target", "x", "--context", "10", "--budget", "1", "--dtype", "float12"),
+        ("--memory", "--target", "/nonexistent/model", "--context", "10", "--budget", "1"),
+    ],
+)
+def test_cli_bad_values(invoke, args):
+    result = invoke(*args, "--json")
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("error: ")
+
+
+def test_cli_memory(invoke, monkeypatch):
+    models = {
+        "target": LlamaForCausalLM(tiny_config()),
+        "draft": LlamaForCausalLM(tiny_config(num_hidden_layers=1)),
+    }
+    monkeypatch.setattr(
+        specdecode, "load_model", lambda name: SimpleNamespace(model=models[name]), raising=False
+    )
+    args = ("--memory", "--target", "target", "--draft", "draft", "--context", "100", "--budget", "0.001")
+    data = json.loads(invoke(*args, "--json").stdout)
+    target = sum(p.nbytes for p in models["target"].parameters())
+    draft = sum(p.nbytes for p in models["draft"].parameters())
+    budget = int(0.001 * 2**30)
+    assert data["target_weight_bytes"] == target
+    assert data["speculation_fixed_bytes"] == draft
+    assert data["speculation_bytes_per_sequence"] == 100 * 2 * 1 * 2 * 8 * 4
+    assert data["sequences_without_draft"] == (budget - target) // (100 * 2 * 3 * 2 * 8 * 4)
+    assert data["sequences_with_draft"] == (budget - target - draft) // (100 * 2 * 4 * 2 * 8 * 4)
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "sequences that fit with draft" in result.stdout
