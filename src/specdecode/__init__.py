@@ -1,0 +1,29 @@
+"""specdecode: speculative decoding that makes generation faster without changing its output."""
+
+from . import sampling, verify
+from .engine import GenerationOutput, SpeculativeDecoder, autoregressive_generate
+from .errors import ModelNotAvailable, SpecDecodeError, VocabularyMismatch
+from .models import LoadedModel, load_model
+from .params import SamplingParams
+from .proposers import Draft, DraftModelProposer, LayerSkipProposer, PromptLookupProposer, Proposer
+from .stats import DecodeStats
+
+__all__ = [
+    "DecodeStats",
+    "Draft",
+    "DraftModelProposer",
+    "GenerationOutput",
+    "LayerSkipProposer",
+    "LoadedModel",
+    "ModelNotAvailable",
+    "PromptLookupProposer",
+    "Proposer",
+    "SamplingParams",
+    "SpecDecodeError",
+    "SpeculativeDecoder",
+    "VocabularyMismatch",
+    "autoregressive_generate",
+    "load_model",
+    "sampling",
+    "verify",
+]

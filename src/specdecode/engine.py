@@ -1,0 +1,186 @@
+"""The speculative decoding loop and the plain autoregressive baseline, over the same runner and sampling."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .models.loader import LoadedModel, load_model
+from .output import OutputSink
+from .params import SamplingParams
+from .proposers.base import Proposer
+from .proposers.prompt_lookup import PromptLookupProposer
+from .sampling import next_token, probs_from_logits
+from .stats import DecodeStats
+from .verify import greedy_verify, speculative_sample
+from .vocab import check_vocabularies
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass
+class GenerationOutput:
+    """Result of one request: generated ids (EOS included if it ended generation), text, seed and stats."""
+
+    token_ids: list[int]
+    text: str
+    seed: int
+    stats: DecodeStats
+    finish_reason: str
+    prompt_ids: list[int]
+
+
+def fresh_seed() -> int:
+    """A seed from the OS's entropy, in [0, 2**63)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class _Request:
+    """Per-request state shared by both loops: context, output sink, generator, stats, stream callback."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        prompt: str | list[int],
+        params: SamplingParams,
+        on_text: TextCallback | None,
+    ) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and target.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model was loaded without one")
+        self.prompt_ids = target.encode(prompt)
+        self.context = list(self.prompt_ids)
+        self.params = params
+        self.seed = fresh_seed() if params.seed is None else params.seed
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.sink = OutputSink(target.decode, target.eos_token_ids, params.max_new_tokens, params.stop)
+        self.stats = DecodeStats()
+        self.on_text = on_text
+        self.started = time.perf_counter()
+
+    def prefill(self, runner) -> None:
+        """Fill the cache with every prompt token but the last, which leads the first round."""
+        t0 = time.perf_counter()
+        runner.reset()
+        if len(self.context) > 1:
+            runner.forward(torch.tensor(self.context[:-1], dtype=torch.int64))
+        self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append tokens up to the first stop condition; stream new text; return how many were kept."""
+        kept = self.sink.push(tokens)
+        self.context.extend(self.sink.token_ids[len(self.sink.token_ids) - kept :])
+        if self.on_text is not None:
+            delta = self.sink.take_delta()
+            if delta:
+                self.on_text(delta)
+        return kept
+
+    @property
+    def done(self) -> bool:
+        return self.sink.finish_reason is not None
+
+    def finish(self) -> GenerationOutput:
+        self.stats.generated = len(self.sink.token_ids)
+        self.stats.total_seconds = time.perf_counter() - self.started
+        return GenerationOutput(
+            list(self.sink.token_ids),
+            self.sink.text,
+            self.seed,
+            self.stats,
+            self.sink.finish_reason or "length",
+            self.prompt_ids,
+        )
+
+
+class SpeculativeDecoder:
+    """Draft up to ``gamma`` tokens, score them in one target pass, keep the longest acceptable run + 1.
+
+    Cache invariant between rounds: the target's cache holds every context token but the newest, which
+    leads the next round's forward pass ahead of the draft tokens.
+    """
+
+    def __init__(self, target: LoadedModel, proposer: Proposer | None = None, gamma: int = 4) -> None:
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+        self.target = load_model(target)
+        self.proposer = PromptLookupProposer() if proposer is None else proposer
+        draft_model = getattr(self.proposer, "model", None)
+        if isinstance(draft_model, LoadedModel):
+            check_vocabularies(self.target, draft_model)
+        self.gamma = gamma
+        self._runner = self.target.new_runner()
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        on_text: TextCallback | None = None,
+    ) -> GenerationOutput:
+        """Generate from ``prompt``; ``on_text`` receives text as soon as tokens are accepted."""
+        params = SamplingParams() if params is None else params
+        request = _Request(self.target, prompt, params, on_text)
+        request.prefill(self._runner)
+        while not request.done:
+            self._round(request)
+        return request.finish()
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text pieces as they are accepted (runs the generation in this thread, step by step)."""
+        chunks: list[str] = []
+        params = SamplingParams() if params is None else params
+        request = _Request(self.target, prompt, params, chunks.append)
+        request.prefill(self._runner)
+        while not request.done:
+            self._round(request)
+            yield from chunks
+            chunks.clear()
+        self.last_output = request.finish()
+
+    def _round(self, request: _Request) -> None:
+        params, context, stats = request.params, request.context, request.stats
+        k = min(self.gamma, request.sink.remaining - 1)
+        t0 = time.perf_counter()
+        draft = self.proposer.propose(context, k, params, request.generator)
+        t1 = time.perf_counter()
+        n_drafted = len(draft)
+        tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens])
+        logits = self._runner.forward(tokens)
+        if params.greedy:
+            n_accepted, token = greedy_verify(logits, draft.tokens)
+        else:
+            target_probs = probs_from_logits(logits, params)
+            n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
+        t2 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.record_round(n_drafted, n_accepted)
+        request.emit(draft.tokens[:n_accepted].tolist() + [token])
+        self._runner.rollback_to(len(context) - 1)
+
+
+def autoregressive_generate(
+    target: LoadedModel,
+    prompt: str | list[int],
+    params: SamplingParams | None = None,
+    on_text: TextCallback | None = None,
+) -> GenerationOutput:
+    """Plain decoding, one target pass per token, through the same runner, sampling and stop handling."""
+    target = load_model(target)
+    params = SamplingParams() if params is None else params
+    request = _Request(target, prompt, params, on_text)
+    runner = target.new_runner()
+    request.prefill(runner)
+    while not request.done:
+        t0 = time.perf_counter()
+        logits = runner.forward(torch.tensor(request.context[-1:], dtype=torch.int64))[0]
+        token = next_token(logits, params, request.generator)
+        request.stats.verify_seconds += time.perf_counter() - t0
+        request.stats.record_round(0, 0)
+        request.emit([token])
+    return request.finish()

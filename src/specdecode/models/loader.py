@@ -1,0 +1,180 @@
+"""``load_model``: a bundled name, an HF folder, a .gguf file or a built model → a ``LoadedModel``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from ..errors import ModelNotAvailable
+from .base import ModelRunner
+from .bundled import BUNDLED
+from .hf import HFRunner
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer (optional: without one, prompts are token-id lists) and runner factory."""
+
+    model: PreTrainedModel
+    tokenizer: Any | None
+    name: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    backend: str = "hf"
+    _extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def new_runner(self) -> ModelRunner:
+        """A fresh runner with its own empty KV cache over this model's weights."""
+        return HFRunner(self.model, self.vocab_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt: a string is tokenized as the tokenizer does; a list is checked and kept."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model '{self.name}' has no tokenizer: pass the prompt as a list of token ids")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` (special tokens skipped); without a tokenizer, the ids space-separated."""
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(self, text: str) -> list[int]:
+        """Token ids of ``text`` as one user turn in the model's chat template (plain text if it has none)."""
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        if not template:
+            return self.encode(text)
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``torch.float32`` / ``"bfloat16"`` / ``"bf16"`` … → a torch dtype (float32 and bfloat16 only)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float32, torch.bfloat16):
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+
+
+def load_model(source: Any, tokenizer: Any = None, dtype: str | torch.dtype = torch.float32) -> LoadedModel:
+    """Load a bundled name (``smollm2``, ``gemma3-270m``), a local HF folder, a ``.gguf`` file, or wrap a model."""
+    dtype = resolve_dtype(dtype)
+    if isinstance(source, LoadedModel):
+        return source
+    if isinstance(source, torch.nn.Module):
+        model = source.eval()
+        name = getattr(model.config, "name_or_path", "") or type(model).__name__
+        return _wrap(model.to(dtype) if dtype != next(model.parameters()).dtype else model, tokenizer, name)
+    if not isinstance(source, str | os.PathLike):
+        raise ValueError(f"cannot load a model from {type(source).__name__}: give a name, a path or a model")
+    text = str(source)
+    if text in BUNDLED:
+        folder = _dense_cache(BUNDLED[text].gguf_path())
+        name = text
+    else:
+        path = Path(text).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise ModelNotAvailable(f"GGUF file not found: {path}")
+            folder, name = _dense_cache(path), path.name
+        elif path.is_dir():
+            folder, name = path, path.name
+        else:
+            known = ", ".join(BUNDLED)
+            raise ModelNotAvailable(f"'{text}' is neither a bundled model ({known}), a .gguf file nor a model folder")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError):
+            tokenizer = None
+    return _wrap(model, tokenizer, name)
+
+
+def _wrap(model: PreTrainedModel, tokenizer: Any, name: str) -> LoadedModel:
+    vocab_size = len(tokenizer) if tokenizer is not None else model.config.get_text_config().vocab_size
+    vocab_size = min(vocab_size, model.get_output_embeddings().weight.shape[0])
+    return LoadedModel(model, tokenizer, name, vocab_size, _eos_ids(model, tokenizer))
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends generation: the tokenizer's EOS and the model's (generation) config EOS ids."""
+    found: set[int] = set()
+    sources = [model.config.get_text_config(), getattr(model, "generation_config", None)]
+    for config in sources:
+        value = getattr(config, "eos_token_id", None) if config is not None else None
+        found.update([value] if isinstance(value, int) else (value or []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        found.add(int(tokenizer.eos_token_id))
+    return frozenset(found)
+
+
+def cache_root() -> Path:
+    """Where dense copies of GGUF models live: $SPECDECODE_CACHE, else $XDG_CACHE_HOME/specdecode, else ~/.cache."""
+    if os.environ.get("SPECDECODE_CACHE"):
+        return Path(os.environ["SPECDECODE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode"
+
+
+def _dense_cache(gguf: Path) -> Path:
+    """A HF folder with the GGUF's weights dequantized once to float32 safetensors (built on first use)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    folder = cache_root() / "dense" / f"{gguf.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    from safetensors.torch import save_model
+    from transformers import GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    try:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        save_model(model, str(staging / "model.safetensors"))
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder)
+    except Exception:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
+    return folder

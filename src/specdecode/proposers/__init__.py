@@ -1,0 +1,8 @@
+"""Proposers: where draft tokens come from."""
+
+from .base import Draft, Proposer
+from .draft_model import DraftModelProposer
+from .layer_skip import LayerSkipProposer
+from .prompt_lookup import PromptLookupProposer
+
+__all__ = ["Draft", "DraftModelProposer", "LayerSkipProposer", "PromptLookupProposer", "Proposer"]

@@ -1,0 +1,51 @@
+"""The proposer contract: guess up to k next tokens for a context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Guessed tokens ``[k]`` (int64) and the distributions they were drawn from ``[k, V]``.
+
+    ``probs`` is None for a deterministic proposer: a point mass on each token (q_i(x_i) = 1).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.int64))
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Guesses continuations; resyncs any state of its own (a KV cache) to the context it is given."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        """At most ``k`` guessed tokens following ``context`` (prompt + generated so far)."""
+        ...
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,54 @@
+"""Logits → probabilities: temperature, top-k, top-p (applied in that order), and drawing from them.
+
+All functions are pure and batched over leading dimensions; the same warps are applied to the target's and
+the draft's logits so that p and q are comparable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .params import SamplingParams
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Scaled logits ``logits / T`` with tokens outside top-k, then outside the nucleus, set to −inf.
+
+    The nucleus is the smallest set of most probable tokens (stable descending sort) whose renormalised
+    mass, accumulated in float64, reaches ``top_p``; the token that crosses ``top_p`` is kept.
+    """
+    if temperature <= 0:
+        raise ValueError("warp_logits needs temperature > 0; greedy decoding takes the argmax instead")
+    scaled = logits.float() / temperature
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        sorted_probs = torch.softmax(sorted_logits.double(), dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from: softmax of the warped logits, or one-hot argmax if greedy."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)
+    return torch.softmax(warp_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per row of ``probs`` ([..., V]), drawn with the request's generator."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The token plain decoding emits after one position's ``logits`` ([V])."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(probs_from_logits(logits, params), generator))
