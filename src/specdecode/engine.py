@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .adaptive import AdaptiveGamma, CostModel
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
@@ -61,6 +62,7 @@ class _Request:
         self.sink = OutputSink(target.decode, target.eos_token_ids, params.max_new_tokens, params.stop)
         self.stats = DecodeStats()
         self.on_text = on_text
+        self.controller: AdaptiveGamma | None = None
         self.started = time.perf_counter()
 
     def prefill(self, runner) -> None:
@@ -105,15 +107,19 @@ class SpeculativeDecoder:
     leads the next round's forward pass ahead of the draft tokens.
     """
 
-    def __init__(self, target: LoadedModel, proposer: Proposer | None = None, gamma: int = 4) -> None:
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-            raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    def __init__(
+        self, target: LoadedModel, proposer: Proposer | None = None, gamma: int | str = 4, max_gamma: int = 8
+    ) -> None:
+        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+            raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
         self.target = load_model(target)
         self.proposer = PromptLookupProposer() if proposer is None else proposer
         draft_model = getattr(self.proposer, "model", None)
         if isinstance(draft_model, LoadedModel):
             check_vocabularies(self.target, draft_model)
         self.gamma = gamma
+        self.max_gamma = max_gamma
+        self.costs = CostModel()
         self._runner = self.target.new_runner()
 
     def generate(
@@ -124,8 +130,7 @@ class SpeculativeDecoder:
     ) -> GenerationOutput:
         """Generate from ``prompt``; ``on_text`` receives text as soon as tokens are accepted."""
         params = SamplingParams() if params is None else params
-        request = _Request(self.target, prompt, params, on_text)
-        request.prefill(self._runner)
+        request = self._start(prompt, params, on_text)
         while not request.done:
             self._round(request)
         return request.finish()
@@ -134,17 +139,23 @@ class SpeculativeDecoder:
         """Yield text pieces as they are accepted (runs the generation in this thread, step by step)."""
         chunks: list[str] = []
         params = SamplingParams() if params is None else params
-        request = _Request(self.target, prompt, params, chunks.append)
-        request.prefill(self._runner)
+        request = self._start(prompt, params, chunks.append)
         while not request.done:
             self._round(request)
             yield from chunks
             chunks.clear()
         self.last_output = request.finish()
 
+    def _start(self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None) -> _Request:
+        request = _Request(self.target, prompt, params, on_text)
+        if self.gamma == "auto":
+            request.controller = AdaptiveGamma(self.max_gamma, self.costs)
+        request.prefill(self._runner)
+        return request
+
     def _round(self, request: _Request) -> None:
-        params, context, stats = request.params, request.context, request.stats
-        k = min(self.gamma, request.sink.remaining - 1)
+        params, context, stats, controller = request.params, request.context, request.stats, request.controller
+        k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
         t0 = time.perf_counter()
         draft = self.proposer.propose(context, k, params, request.generator)
         t1 = time.perf_counter()
@@ -160,6 +171,9 @@ class SpeculativeDecoder:
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.record_round(n_drafted, n_accepted)
+        if controller is not None:
+            controller.observe(n_drafted, n_accepted)
+            self.costs.observe(n_drafted + 1, t2 - t1, n_drafted, t1 - t0)
         request.emit(draft.tokens[:n_accepted].tolist() + [token])
         self._runner.rollback_to(len(context) - 1)
 

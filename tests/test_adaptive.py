@@ -1,0 +1,94 @@
+"""gamma="auto": decisions tested by counting rounds, with fixed (injected) costs so nothing depends on timing."""
+
+from __future__ import annotations
+
+import torch
+from conftest import LARGE_VOCAB, tiny_llama
+
+import specdecode as sd
+from specdecode.adaptive import AdaptiveGamma, CostModel
+from specdecode.proposers.base import Draft
+
+
+def fixed_costs(step: float = 1.0, extra_per_token: float = 0.05, draft_per_token: float = 0.1) -> CostModel:
+    """v(k) = 1 + 0.05 (k-1) and c = 0.1 by default, frozen."""
+    return CostModel(step, extra_per_token, draft_per_token, fixed=True)
+
+
+def test_useless_proposer_is_switched_off_then_probed_rarely():
+    controller = AdaptiveGamma(max_gamma=8, costs=fixed_costs())
+    choices = []
+    for _ in range(400):
+        gamma = controller.choose()
+        choices.append(gamma)
+        controller.observe(drafted=gamma, accepted=0)
+    first_off = choices.index(0)
+    assert first_off <= 10
+    probes_after = sum(1 for g in choices[first_off:] if g > 0)
+    # probe intervals double from 8: 8 + 16 + 32 + 64 + 128 + 256 > 400 rounds → at most 6 probes
+    assert probes_after <= 6
+    assert all(g <= 1 for g in choices[first_off:])
+
+
+def test_perfect_proposer_climbs_to_the_cap():
+    controller = AdaptiveGamma(max_gamma=8, costs=fixed_costs(draft_per_token=0.0))
+    choices = []
+    for _ in range(60):
+        gamma = controller.choose()
+        choices.append(gamma)
+        controller.observe(drafted=gamma, accepted=gamma)
+    assert choices[-20:] == [8] * 20
+
+
+def test_free_drafting_with_flat_verify_always_pays():
+    controller = AdaptiveGamma(max_gamma=4, costs=fixed_costs(extra_per_token=0.0, draft_per_token=0.0))
+    for _ in range(50):
+        controller.observe(drafted=controller.choose(), accepted=0)
+    assert controller.predicted_speedup(1) > 1.0  # any α > 0 pays when drafting and verifying are free
+
+
+def test_cost_model_measures_linear_verify_cost_and_draft_cost():
+    costs = CostModel(smoothing=1.0)
+    costs.observe(verified=1, verify_seconds=0.02, drafted=0, draft_seconds=0.0)
+    costs.observe(verified=5, verify_seconds=0.03, drafted=4, draft_seconds=0.008)
+    assert abs(costs.verify_cost(5) - 1.5) < 1e-9
+    assert abs(costs.verify_cost(9) - 2.0) < 1e-9
+    assert abs(costs.draft_cost() - 0.1) < 1e-9
+
+
+class RandomProposer:
+    """Proposes uniformly random tokens (almost never accepted); records every k it is asked for."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.asked: list[int] = []
+        self.rng = torch.Generator().manual_seed(0)
+
+    def propose(self, context, k, params, generator):
+        self.asked.append(k)
+        return Draft(torch.randint(0, self.vocab_size, (k,), generator=self.rng))
+
+
+def test_engine_auto_gamma_turns_a_useless_proposer_off_and_stays_greedy_identical():
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
+    proposer = RandomProposer(LARGE_VOCAB)
+    decoder = sd.SpeculativeDecoder(target, proposer, gamma="auto")
+    decoder.costs = fixed_costs()
+    params = sd.SamplingParams(max_new_tokens=120)
+    prompt = list(range(10))
+    out = decoder.generate(prompt, params)
+    assert out.token_ids == sd.autoregressive_generate(target, prompt, params).token_ids
+    first_off = proposer.asked.index(0)
+    assert first_off <= 16  # a random token is still accepted now and then, so allow a few more rounds
+    assert sum(k > 0 for k in proposer.asked[first_off:]) <= 5
+
+
+def test_auto_gamma_is_validated():
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
+    for bad in ("fast", 0, -1, 2.5, True):
+        try:
+            sd.SpeculativeDecoder(target, gamma=bad)
+        except ValueError as exc:
+            assert "gamma" in str(exc)
+        else:
+            raise AssertionError(f"gamma={bad!r} was accepted")
