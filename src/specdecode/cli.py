@@ -52,6 +52,7 @@ def quiet_transformers() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
 
 
 @app.command()
@@ -72,7 +73,7 @@ def generate(
         "lookup (prompt lookup) or none (plain decoding). Default: "
         "draft if --draft is given, else lookup.",
     ),
-    gamma: int = typer.Option(4, min=1, help="Tokens guessed per round."),
+    gamma: str = typer.Option("4", help="Tokens guessed per round, or auto (adapts each round, 0 = plain)."),
     temperature: float = typer.Option(0.0, help="0 = greedy (identical to plain decoding)."),
     top_k: int = typer.Option(0, help="Keep the k most probable tokens (0 = off)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
@@ -117,7 +118,7 @@ def generate(
     if chosen is None:
         out = autoregressive_generate(target_model, ids, params, on_text=on_text)
     else:
-        out = SpeculativeDecoder(target_model, chosen, gamma=gamma).generate(ids, params, on_text=on_text)
+        out = SpeculativeDecoder(target_model, chosen, gamma=parse_gamma(gamma)).generate(ids, params, on_text=on_text)
     if as_json:
         print(
             json.dumps(
@@ -136,6 +137,15 @@ def generate(
     else:
         print(out.text)
     err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
+
+
+def parse_gamma(text: str) -> int | str:
+    """``auto`` or a positive integer, from the command line."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--gamma must be an integer >= 1 or auto, got {text!r}")
+    return int(text)
 
 
 def _load(name: str, dtype: str):
