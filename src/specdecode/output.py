@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 
@@ -52,9 +53,10 @@ class OutputSink:
         return taken
 
     def _completes_stop(self) -> bool:
-        before = len(self.text_so_far())
+        old = self._text  # the text before the newest token: it holds no stop string
         text = self._refresh()
-        start = max(0, before - max(map(len, self._stop)) + 1)
+        stable = len(old) if text.startswith(old) else len(os.path.commonprefix([old, text]))
+        start = max(0, stable - max(map(len, self._stop)) + 1)
         hits = [i for s in self._stop if (i := text.find(s, start)) >= 0]
         if hits:
             self._cut = min(hits)
