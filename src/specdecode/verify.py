@@ -57,8 +57,17 @@ def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
 
     ``target_logits`` (or probabilities) is ``[k+1, V]``; returns ``(n_accepted, next_token)``.
     """
+    return coupled_verify(target_logits.argmax(dim=-1), draft_tokens)
+
+
+def coupled_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
+    """Seed-coupled rule: accept while draft token i equals the target's own token i; then emit that token.
+
+    ``target_tokens`` ``[k+1]`` are the tokens plain decoding would emit after context + draft[:i] (the
+    argmax, or Gumbel-max with noise keyed by (seed, position)); returns ``(n_accepted, next_token)``. Every
+    emitted token equals the target's, so the output is plain decoding's, token for token.
+    """
     k = int(draft_tokens.shape[0])
-    target_tokens = target_logits.argmax(dim=-1)
     mismatch = torch.nonzero(target_tokens[:k] != draft_tokens)
     n_accepted = int(mismatch[0, 0]) if mismatch.numel() else k
     return n_accepted, int(target_tokens[n_accepted])
