@@ -10,14 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from .adaptive import AdaptiveGamma, CostModel
+from .keyed_noise import KeyedNoise
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
-from .proposers.base import Proposer
+from .proposers.base import CoupledProposer, Proposer
 from .proposers.prompt_lookup import PromptLookupProposer
-from .sampling import next_token, probs_from_logits
+from .sampling import probs_from_logits
 from .stats import DecodeStats
-from .verify import greedy_verify, speculative_sample
+from .verify import coupled_verify, greedy_verify, speculative_sample
 from .vocab import check_vocabularies
 
 TextCallback = Callable[[str], None]
@@ -59,6 +60,7 @@ class _Request:
         self.params = params
         self.seed = fresh_seed() if params.seed is None else params.seed
         self.generator = torch.Generator().manual_seed(self.seed)
+        self.noise = KeyedNoise(self.seed)
         self.sink = OutputSink(target.decode, target.eos_token_ids, params.max_new_tokens, params.stop)
         self.stats = DecodeStats()
         self.on_text = on_text
@@ -105,11 +107,23 @@ class SpeculativeDecoder:
 
     Cache invariant between rounds: the target's cache holds every context token but the newest, which
     leads the next round's forward pass ahead of the draft tokens.
+
+    ``mode="exact"`` verifies with min(1, p/q) and the request's generator: every token is distributed as
+    the target's, but the text differs from plain decoding with the same seed. ``mode="reproducible"``
+    verifies with the keyed noise plain decoding uses (``keyed_noise``, ``verify.coupled_verify``): the
+    output equals ``autoregressive_generate`` with the same seed, token for token.
     """
 
     def __init__(
-        self, target: LoadedModel, proposer: Proposer | None = None, gamma: int | str = 4, max_gamma: int = 8
+        self,
+        target: LoadedModel,
+        proposer: Proposer | None = None,
+        gamma: int | str = 4,
+        max_gamma: int = 8,
+        mode: str = "exact",
     ) -> None:
+        if mode not in ("exact", "reproducible"):
+            raise ValueError(f"mode must be 'exact' or 'reproducible', got {mode!r}")
         if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
             raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
         self.target = load_model(target)
@@ -119,6 +133,7 @@ class SpeculativeDecoder:
             check_vocabularies(self.target, draft_model)
         self.gamma = gamma
         self.max_gamma = max_gamma
+        self.mode = mode
         self.costs = CostModel()
         self._runner = self.target.new_runner()
 
@@ -157,13 +172,19 @@ class SpeculativeDecoder:
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
         t0 = time.perf_counter()
-        draft = self.proposer.propose(context, k, params, request.generator)
+        if self.mode == "reproducible" and isinstance(self.proposer, CoupledProposer):
+            draft = self.proposer.propose_coupled(context, k, params, request.noise)
+        else:
+            draft = self.proposer.propose(context, k, params, request.generator)
         t1 = time.perf_counter()
         n_drafted = len(draft)
         tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens])
         logits = self._runner.forward(tokens)
         if params.greedy:
             n_accepted, token = greedy_verify(logits, draft.tokens)
+        elif self.mode == "reproducible":
+            target_tokens = request.noise.tokens(logits, params, len(context))
+            n_accepted, token = coupled_verify(target_tokens, draft.tokens)
         else:
             target_probs = probs_from_logits(logits, params)
             n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
@@ -193,7 +214,7 @@ def autoregressive_generate(
     while not request.done:
         t0 = time.perf_counter()
         logits = runner.forward(torch.tensor(request.context[-1:], dtype=torch.int64))[0]
-        token = next_token(logits, params, request.generator)
+        token = request.noise.token(logits, params, len(request.context))
         request.stats.verify_seconds += time.perf_counter() - t0
         request.stats.record_round(0, 0)
         request.emit([token])

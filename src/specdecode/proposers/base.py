@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..keyed_noise import KeyedNoise
 from ..params import SamplingParams
 
 
@@ -33,6 +34,15 @@ class Proposer(Protocol):
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """At most ``k`` guessed tokens following ``context`` (prompt + generated so far)."""
+        ...
+
+
+@runtime_checkable
+class CoupledProposer(Protocol):
+    """A proposer that can draw its guesses with the request's keyed noise (reproducible mode's coupling)."""
+
+    def propose_coupled(self, context: list[int], k: int, params: SamplingParams, noise: KeyedNoise) -> Draft:
+        """At most ``k`` guesses, guess i drawn with the noise of absolute position ``len(context) + i``."""
         ...
 
 

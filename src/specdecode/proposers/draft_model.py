@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..keyed_noise import KeyedNoise
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..sampling import probs_from_logits, sample
 from .base import EMPTY_DRAFT, Draft, common_prefix_length
+
+Pick = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
 
 
 class DraftModelProposer:
@@ -24,21 +29,38 @@ class DraftModelProposer:
         self._cached: list[int] = []
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        def pick(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:
+            if params.greedy:
+                return int(logits.argmax()), None
+            probs = probs_from_logits(logits, params)
+            return int(sample(probs, generator)), probs
+
+        return self._draft(context, k, pick)
+
+    def propose_coupled(self, context: list[int], k: int, params: SamplingParams, noise: KeyedNoise) -> Draft:
+        """Guess i = argmax(warp(draft logits) + g(seed, len(context) + i)): the target's own noise.
+
+        Given the noise each guess is a point mass, so ``probs`` is None; the guess equals the target's token
+        whenever the two perturbed argmaxes agree, which is likely when the draft's distribution is close.
+        """
+        start = len(context)
+        return self._draft(context, k, lambda logits, i: (noise.token(logits, params, start + i), None))
+
+    def _draft(self, context: list[int], k: int, pick: Pick) -> Draft:
+        """Feed the draft up to ``context`` and take ``k`` guesses, each ``pick(logits, i)`` → (token, probs)."""
         if k <= 0:
             return EMPTY_DRAFT
         keep = min(common_prefix_length(self._cached, context), len(context) - 1)
         self._runner.rollback_to(keep)
         logits = self._runner.forward(torch.tensor(context[keep:], dtype=torch.int64))[-1]
         tokens = torch.empty(k, dtype=torch.int64)
-        probs = None if params.greedy else torch.empty(k, logits.shape[-1])
+        rows: list[torch.Tensor | None] = []
         for i in range(k):
-            if probs is None:
-                tokens[i] = logits.argmax()
-            else:
-                probs[i] = probs_from_logits(logits, params)
-                tokens[i] = sample(probs[i], generator)
+            token, probs = pick(logits, i)
+            tokens[i] = token
+            rows.append(probs)
             if i + 1 < k:
                 logits = self._runner.forward(tokens[i : i + 1])[-1]
         guesses = tokens.tolist()
         self._cached = context + guesses[:-1]
-        return Draft(tokens, probs)
+        return Draft(tokens, None if rows[0] is None else torch.stack(rows))
