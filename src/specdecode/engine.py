@@ -135,6 +135,7 @@ class SpeculativeDecoder:
         self.max_gamma = max_gamma
         self.mode = mode
         self.costs = CostModel()
+        self.last_output: GenerationOutput | None = None
         self._runner = self.target.new_runner()
 
     def generate(
@@ -151,7 +152,7 @@ class SpeculativeDecoder:
         return request.finish()
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text pieces as they are accepted (runs the generation in this thread, step by step)."""
+        """Yield text pieces as they are accepted; afterwards ``last_output`` holds the full result."""
         chunks: list[str] = []
         params = SamplingParams() if params is None else params
         request = self._start(prompt, params, chunks.append)
