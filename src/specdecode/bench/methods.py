@@ -1,0 +1,208 @@
+"""The decoding methods a bench compares: ours (plain, speculative) and transformers' ``generate``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import SpeculativeDecoder, autoregressive_generate
+from ..models.loader import LoadedModel
+from ..params import SamplingParams
+from ..proposers import DraftModelProposer, LayerSkipProposer, PromptLookupProposer, Proposer
+from ..stats import DecodeStats
+
+PLAIN = "ours:plain"
+HF_PLAIN = "hf:plain"
+HF_PROMPT_LOOKUP_TOKENS = 10
+PROPOSERS = ("lookup", "draft")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method is, for the report: its family, proposer and gamma."""
+
+    name: str
+    family: str  # "ours" or "transformers"
+    proposer: str | None = None
+    gamma: int | None = None
+    description: str = ""
+
+
+@dataclass
+class Generation:
+    """One timed generation: new token ids (EOS included if it ended), wall seconds, our stats if any."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: DecodeStats | None
+
+
+class Method:
+    """A method bound to a loaded target; ``start()`` gives a fresh per-question session (fresh proposer)."""
+
+    def __init__(
+        self,
+        spec: MethodSpec,
+        run: Callable[[list[int], SamplingParams], Generation],
+        start: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self._run = run
+        self._start = start
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def start(self) -> None:
+        """Reset per-question state (untimed): a fresh proposer, so no cache leaks between questions."""
+        if self._start is not None:
+            self._start()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return self._run(prompt_ids, params)
+
+
+def _ours_plain(target: LoadedModel) -> Method:
+    def run(prompt_ids: list[int], params: SamplingParams) -> Generation:
+        t0 = time.perf_counter()
+        out = autoregressive_generate(target, prompt_ids, params)
+        return Generation(out.token_ids, time.perf_counter() - t0, out.stats)
+
+    return Method(MethodSpec(PLAIN, "ours", description="our autoregressive decode"), run)
+
+
+def _ours_speculative(target: LoadedModel, proposer: str, make: Callable[[], Proposer], gamma: int) -> Method:
+    state: dict[str, SpeculativeDecoder] = {}
+
+    def start() -> None:
+        state["decoder"] = SpeculativeDecoder(target, make(), gamma)
+
+    def run(prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if "decoder" not in state:
+            start()
+        t0 = time.perf_counter()
+        out = state["decoder"].generate(prompt_ids, params)
+        return Generation(out.token_ids, time.perf_counter() - t0, out.stats)
+
+    spec = MethodSpec(
+        f"ours:{proposer}:g{gamma}",
+        "ours",
+        proposer,
+        gamma,
+        f"our speculative decoding, {proposer} proposer, gamma={gamma}",
+    )
+    return Method(spec, run, start)
+
+
+def _hf_generate(target: LoadedModel, spec: MethodSpec, **extra) -> Method:
+    model = target.model
+    eos = sorted(target.eos_token_ids) or None
+
+    @torch.inference_mode()
+    def run(prompt_ids: list[int], params: SamplingParams) -> Generation:
+        ids = torch.tensor([prompt_ids], dtype=torch.int64)
+        sampling = (
+            {"do_sample": False}
+            if params.greedy
+            else {
+                "do_sample": True,
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+            }
+        )
+        if not params.greedy and params.seed is not None:
+            torch.manual_seed(params.seed)
+        t0 = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
+            **sampling,
+            **extra,
+        )
+        seconds = time.perf_counter() - t0
+        return Generation(out[0, ids.shape[1] :].tolist(), seconds, None)
+
+    return Method(spec, run)
+
+
+def draft_proposer_factory(
+    target: LoadedModel, draft: str | LoadedModel, dtype: str | torch.dtype = torch.float32
+) -> tuple[Callable[[], Proposer], LoadedModel]:
+    """A factory of fresh draft proposers and the draft's LoadedModel; ``self:N`` = the target's first N layers."""
+    if isinstance(draft, str) and draft.startswith("self:"):
+        try:
+            layers = int(draft.removeprefix("self:"))
+        except ValueError:
+            raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}") from None
+        probe = LayerSkipProposer(target, layers)
+        return (lambda: LayerSkipProposer(target, layers)), probe.model
+    from ..models.loader import load_model
+
+    loaded = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype)
+    return (lambda: DraftModelProposer(loaded)), loaded
+
+
+def build_methods(
+    target: LoadedModel,
+    proposers: Sequence[str] = ("lookup",),
+    gammas: Sequence[int] = (4,),
+    draft: str | LoadedModel | None = None,
+    transformers: bool = True,
+    dtype: str | torch.dtype = torch.float32,
+) -> list[Method]:
+    """Ours plain; ours speculative for each proposer × gamma; transformers plain / prompt lookup / assisted.
+
+    The ``draft`` proposer and transformers' assisted generation need ``draft``; without it they are left out.
+    """
+    unknown = [p for p in proposers if p not in PROPOSERS]
+    if unknown:
+        raise ValueError(f"unknown proposer {unknown[0]!r}; choose from {', '.join(PROPOSERS)}")
+    bad = [g for g in gammas if isinstance(g, bool) or not isinstance(g, int) or g < 1]
+    if bad:
+        raise ValueError(f"gamma must be an integer >= 1, got {bad[0]!r}")
+    make_draft, draft_model = (None, None) if draft is None else draft_proposer_factory(target, draft, dtype)
+    methods = [_ours_plain(target)]
+    for proposer in proposers:
+        if proposer == "draft" and make_draft is None:
+            continue
+        make = make_draft if proposer == "draft" else PromptLookupProposer
+        methods += [_ours_speculative(target, proposer, make, g) for g in gammas]
+    if transformers:
+        methods.append(
+            _hf_generate(target, MethodSpec(HF_PLAIN, "transformers", description="transformers generate()"))
+        )
+        methods.append(
+            _hf_generate(
+                target,
+                MethodSpec(
+                    f"hf:lookup{HF_PROMPT_LOOKUP_TOKENS}",
+                    "transformers",
+                    "lookup",
+                    HF_PROMPT_LOOKUP_TOKENS,
+                    f"transformers generate(prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})",
+                ),
+                prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS,
+            )
+        )
+        if draft_model is not None:
+            methods.append(
+                _hf_generate(
+                    target,
+                    MethodSpec(
+                        "hf:assisted",
+                        "transformers",
+                        "draft",
+                        description="transformers generate(assistant_model=draft)",
+                    ),
+                    assistant_model=draft_model.model,
+                )
+            )
+    return methods

@@ -1,0 +1,248 @@
+"""Bench output: results.json (records + aggregates + machine), report.md and the on-screen table."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.table import Table
+
+from .methods import HF_PLAIN, PLAIN
+from .metrics import OVERALL
+from .runner import BenchResult
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux, else platform.processor())."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(argv: Sequence[str] | None = None) -> dict:
+    """Where and how the bench ran: CPU, threads, library versions, command line, time."""
+    import os
+
+    import torch
+    import transformers
+
+    return {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": " ".join(sys.argv if argv is None else argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _clean(value):
+    """JSON-safe: NaN/inf become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def results_dict(result: BenchResult, machine: dict, setup: dict) -> dict:
+    """Everything the bench measured, JSON-ready."""
+    return _clean(
+        {
+            "machine": machine,
+            "setup": setup,
+            "config": {
+                "max_new_tokens": result.config.max_new_tokens,
+                "temperature": result.config.temperature,
+                "seed": result.config.seed,
+                "warmup": result.config.warmup,
+            },
+            "methods": [vars(m) for m in result.methods],
+            "baselines": result.baselines,
+            "verify_cost": result.verify_cost,
+            "aggregates": result.aggregates,
+            "records": [r.to_dict() for r in result.records],
+        }
+    )
+
+
+def write_json(result: BenchResult, path: Path, machine: dict, setup: dict) -> None:
+    path.write_text(json.dumps(results_dict(result, machine, setup), indent=1) + "\n")
+
+
+def _f(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{value:.1%}"
+
+
+def _subtasks(result: BenchResult) -> list[str]:
+    return [s for s in result.aggregates if s != OVERALL]
+
+
+COLUMNS = (
+    "method",
+    "tok/s",
+    "× ours plain",
+    "× hf plain",
+    "tokens/pass",
+    "accept",
+    "α",
+    "c",
+    "predicted ×",
+    "not identical",
+    "other time",
+)
+SHORT_COLUMNS = ("method", "tok/s", "×plain", "×hf", "tok/pass", "accept", "α", "c", "pred ×", "≠plain", "other")
+
+
+def _row(method: str, row: dict) -> list[str]:
+    identical = row["non_identical"]
+    return [
+        method,
+        _f(row["tokens_per_second"], ".1f"),
+        _f(row["speedup_vs_plain"], ".2f", "×"),
+        _f(row["speedup_vs_hf_plain"], ".2f", "×"),
+        _f(row["tokens_per_pass"]),
+        _pct(row["acceptance_rate"]),
+        _f(row["alpha"]),
+        _f(row["draft_cost"], ".3f"),
+        _f(row["predicted_speedup"], ".2f", "×"),
+        "–" if identical is None else f"{identical}/{row['turns']}",
+        _pct(row["other_share"]),
+    ]
+
+
+def summary_table(result: BenchResult, subtask: str = OVERALL) -> Table:
+    """The rich table printed at the end of a bench: one row per method."""
+    table = Table(title=f"specdecode bench — {subtask}")
+    for name in SHORT_COLUMNS:
+        if name == "method":
+            table.add_column(name, no_wrap=True)
+        else:
+            table.add_column(name, justify="right")
+    for method, row in result.aggregates[subtask].items():
+        table.add_row(*_row(method, row), style="bold" if method in (PLAIN, HF_PLAIN) else None)
+    return table
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines + [""]
+
+
+def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Sequence[str]) -> str:
+    """report.md: setup, the overall table, speedup by subtask, per-position acceptance, costs, figures."""
+    cfg = result.config
+    sampling = "greedy" if cfg.greedy else f"temperature {cfg.temperature} (seeded; no identity check)"
+    n_questions = len({(r.subtask, r.question_id) for r in result.records})
+    lines = [
+        "# specdecode bench",
+        "",
+        f"- command: `{machine['command']}`",
+        f"- target: {setup.get('target')} ({setup.get('dtype')}); draft: {setup.get('draft') or 'none'}",
+        f"- workload: {setup.get('prompts')}, {n_questions} questions, {len(result.records)} timed generations "
+        f"in subtasks {', '.join(_subtasks(result))}",
+        f"- {sampling}, max_new_tokens {cfg.max_new_tokens}, warm-up {cfg.warmup} question(s)",
+        f"- machine: {machine['cpu']} ({machine['cpu_count']} CPUs, torch threads {machine['torch_threads']}"
+        + (f", GPU {machine['cuda']}" if machine.get("cuda") else "")
+        + f"); torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
+        "",
+        "Methods run in one process on the same loaded model, interleaved per question in a rotating order.",
+        "tok/s is Spec-Bench's: the mean over questions of (new tokens / wall seconds), prefill included;",
+        "speedup (×) is the ratio of those means. tokens/pass = new tokens per target forward (bonus",
+        "included); accept = accepted / drafted; α = accepted / (accepted + rejections); c = draft seconds",
+        "per drafted token / target seconds per 1-token step (from our plain decode); predicted × is the",
+        "planner's E(α, γ) / (v(γ+1) + γc) with "
+        + ("the measured verify-cost curve v;" if result.verify_cost else "v = 1 (no --quirk curve measured);"),
+        "it ignores prefill and loop overhead and assumes γ drafted tokens every round (prompt lookup often",
+        "drafts fewer). not identical = greedy outputs (per turn) that differ from our plain decode, token",
+        "for token. other time = share of wall time outside prefill, draft and verify.",
+        "",
+        "## Overall",
+        "",
+    ]
+    lines += _md_table(COLUMNS, [_row(m, row) for m, row in result.aggregates[OVERALL].items()])
+    subtasks = _subtasks(result)
+    methods = list(result.aggregates[OVERALL])
+    for baseline, key in ((PLAIN, "speedup_vs_plain"), (HF_PLAIN, "speedup_vs_hf_plain")):
+        if baseline not in methods:
+            continue
+        lines += [f"## Speedup over {baseline} by subtask", ""]
+        rows = [
+            [m] + [_f(result.aggregates[s].get(m, {}).get(key), ".2f", "×") for s in [*subtasks, OVERALL]]
+            for m in methods
+        ]
+        lines += _md_table(["method", *subtasks, OVERALL], rows)
+    lines += ["## Tokens per second by subtask", ""]
+    rows = [
+        [m] + [_f(result.aggregates[s].get(m, {}).get("tokens_per_second"), ".1f") for s in [*subtasks, OVERALL]]
+        for m in methods
+    ]
+    lines += _md_table(["method", *subtasks, OVERALL], rows)
+    speculative = {m: row for m, row in result.aggregates[OVERALL].items() if row["per_position"]}
+    if speculative:
+        width = max(len(row["per_position"]) for row in speculative.values())
+        lines += [
+            "## Acceptance by draft position (overall)",
+            "",
+            "Conditional acceptance a_i = P(position i accepted | positions < i accepted).",
+            "",
+        ]
+        rows = [
+            [m] + [_pct(row["per_position"][i]) if i < len(row["per_position"]) else "–" for i in range(width)]
+            for m, row in speculative.items()
+        ]
+        lines += _md_table(["method", *(str(i + 1) for i in range(width))], rows)
+    for subtask in subtasks:
+        lines += [f"## {subtask}", ""]
+        lines += _md_table(COLUMNS, [_row(m, row) for m, row in result.aggregates[subtask].items()])
+    if result.verify_cost:
+        lines += [
+            "## Verify cost v(k) (--quirk)",
+            "",
+            "Forward time for k new tokens on a ~500-token cache, relative to k = 1 (medians).",
+            "",
+        ]
+        ks = sorted(result.verify_cost)
+        lines += _md_table(["k", *map(str, ks)], [["v(k)", *(f"{result.verify_cost[k]:.2f}" for k in ks)]])
+    notes = [m for m in result.methods if m.description]
+    lines += ["## Methods", ""] + [f"- `{m.name}`: {m.description}" for m in notes] + [""]
+    if str(setup.get("draft") or "").startswith("self:"):
+        lines += [
+            "`self:N` drafts with the target's own first N layers and its LM head, untrained: a stand-in",
+            "for a real draft model, to exercise the draft-model path.",
+            "",
+        ]
+    if figures:
+        lines += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in figures] + [""]
+    return "\n".join(lines)
+
+
+def write_outputs(result: BenchResult, out: Path, machine: dict, setup: dict) -> list[Path]:
+    """results.json, report.md and the PNG figures in ``out``; returns every path written."""
+    from .plots import write_plots  # deferred: matplotlib is slow to import
+
+    out.mkdir(parents=True, exist_ok=True)
+    figures = write_plots(result, out)
+    write_json(result, out / "results.json", machine, setup)
+    (out / "report.md").write_text(markdown_report(result, machine, setup, [str(f) for f in figures]))
+    return [out / "results.json", out / "report.md", *figures]

@@ -1,0 +1,202 @@
+"""`specdecode bench`: compare our plain and speculative decoding with transformers' generate, in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+QUIRK_MAX_K = 32
+QUIRK_CONTEXT = 500
+
+
+def _split(text: str | None, what: str) -> list[str]:
+    items = [t.strip() for t in (text or "").split(",") if t.strip()]
+    if text is not None and not items:
+        raise ValueError(f"{what} is empty")
+    return items
+
+
+def _gammas(text: str) -> list[int]:
+    try:
+        gammas = [int(g) for g in _split(text, "--gamma")]
+    except ValueError:
+        raise ValueError(f"--gamma must be a comma list of integers >= 1, got {text!r}") from None
+    if any(g < 1 for g in gammas):
+        raise ValueError(f"--gamma values must be >= 1, got {text!r}")
+    return gammas
+
+
+def bench(
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            help="FastChat-format JSONL (question_id, category, turns), e.g. Spec-Bench's "
+            "question.jsonl; default: a small built-in set."
+        ),
+    ] = None,
+    categories: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma list of subtasks (mt_bench, translation, summarization, qa, math_reasoning, "
+            "rag) or raw categories to keep."
+        ),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="At most N questions per subtask.")] = None,
+    target: Annotated[str, typer.Option(help="Target model: a bundled name, HF folder or .gguf.")] = "smollm2",
+    draft: Annotated[
+        str | None,
+        typer.Option(
+            help="Draft model (name, folder, .gguf) or self:N = the target's first N layers "
+            "(untrained early exit, a stand-in for a real draft)."
+        ),
+    ] = None,
+    proposer: Annotated[
+        str, typer.Option(help="Comma list of our proposers: lookup, draft (draft needs --draft).")
+    ] = "lookup,draft",
+    gamma: Annotated[str, typer.Option(help="Comma list of gammas for each proposer.")] = "2,4,8",
+    max_new_tokens: Annotated[int, typer.Option(help="New-token budget, the same for every method.")] = 128,
+    temperature: Annotated[
+        float, typer.Option(help="0 = greedy (outputs checked against our plain decode); > 0 samples.")
+    ] = 0.0,
+    seed: Annotated[int, typer.Option(help="Base seed when sampling (question i uses seed + i).")] = 0,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    hf: Annotated[
+        bool, typer.Option("--hf/--no-hf", help="Include transformers' generate (plain, prompt lookup, assisted).")
+    ] = True,
+    quirk: Annotated[
+        bool, typer.Option("--quirk", help=f"Measure the verify-cost curve v(k), k = 1..{QUIRK_MAX_K}.")
+    ] = False,
+    quirk_repeats: Annotated[int, typer.Option(help="--quirk: timed sweeps over k (medians).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Questions run untimed by every method first.")] = 1,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("bench-out"),
+) -> None:
+    """Benchmark plain and speculative decoding on Spec-Bench-style workloads; write a report and plots."""
+    console = Console(stderr=True)
+    try:
+        _run(
+            console,
+            prompts,
+            categories,
+            limit,
+            target,
+            draft,
+            proposer,
+            gamma,
+            max_new_tokens,
+            temperature,
+            seed,
+            dtype,
+            hf,
+            quirk,
+            quirk_repeats,
+            warmup,
+            threads,
+            out,
+        )
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _run(
+    console,
+    prompts,
+    categories,
+    limit,
+    target,
+    draft,
+    proposer,
+    gamma,
+    max_new_tokens,
+    temperature,
+    seed,
+    dtype,
+    hf,
+    quirk,
+    quirk_repeats,
+    warmup,
+    threads,
+    out,
+) -> None:
+    # Validate everything cheap before loading models.
+    from specdecode.bench.workloads import default_items, load_items, select_items
+
+    proposers = _split(proposer, "--proposer")
+    gammas = _gammas(gamma)
+    if quirk_repeats < 1:
+        raise ValueError(f"--quirk-repeats must be >= 1, got {quirk_repeats}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    items = load_items(prompts) if prompts is not None else default_items()
+    items = select_items(items, _split(categories, "--categories") or None, limit)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create --out folder {out}: {e.strerror or e}") from None
+
+    import torch
+
+    import specdecode
+    from specdecode.bench.methods import build_methods
+    from specdecode.bench.quirk import measure_verify_cost
+    from specdecode.bench.report import machine_info, summary_table, write_outputs
+    from specdecode.bench.runner import BenchConfig, run_bench
+
+    config = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, warmup=warmup)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if "draft" in proposers and draft is None:
+        console.print("[yellow]note:[/] no --draft given: the draft proposer and assisted generation are skipped")
+    try:
+        loaded = specdecode.load_model(target, dtype=dtype)
+        methods = build_methods(loaded, proposers, gammas, draft, transformers=hf, dtype=dtype)
+    except (OSError, specdecode.SpecDecodeError) as e:
+        raise ValueError(f"cannot load model: {e}") from None
+    _quiet_transformers()
+    turns = sum(len(i.turns) for i in items)
+    console.print(
+        f"{len(items)} questions ({turns} turns) × {len(methods)} methods: " + ", ".join(m.name for m in methods)
+    )
+    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        verify_cost = None
+        if quirk:
+            task = progress.add_task("verify-cost curve", total=quirk_repeats + 1)
+            verify_cost = measure_verify_cost(
+                loaded, QUIRK_MAX_K, QUIRK_CONTEXT, quirk_repeats, on_step=lambda: progress.advance(task)
+            )
+        task = progress.add_task("warm-up, then questions × methods", total=len(items) * len(methods))
+        result = run_bench(
+            loaded,
+            items,
+            methods,
+            config,
+            verify_cost,
+            on_progress=lambda what: progress.update(task, advance=1, description=what),
+        )
+    machine = machine_info()
+    setup = {
+        "target": target,
+        "dtype": dtype,
+        "draft": draft,
+        "prompts": str(prompts) if prompts is not None else "built-in default set",
+        "categories": categories,
+        "limit": limit,
+        "proposers": proposers,
+        "gammas": gammas,
+    }
+    written = write_outputs(result, out, machine, setup)
+    Console(width=max(Console().width, 120)).print(summary_table(result))
+    console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
+
+
+def _quiet_transformers() -> None:
+    """transformers' generate() warns about generation-config details on every call; keep the screen clean."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()

@@ -1,0 +1,263 @@
+"""The bench: pure arithmetic on fake timings, workload parsing, and one tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import typer
+from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+import specdecode as sd
+from specdecode.bench.methods import PLAIN, build_methods
+from specdecode.bench.metrics import (
+    OVERALL,
+    TurnRecord,
+    aggregate,
+    draft_cost_ratio,
+    mark_identity,
+    mean,
+    mean_tokens_per_second,
+    predicted_speedup,
+    question_tokens_per_second,
+    ratio,
+)
+from specdecode.bench.quirk import relative_curve
+from specdecode.bench.report import machine_info, write_outputs
+from specdecode.bench.runner import BenchConfig, rotation, run_bench
+from specdecode.bench.workloads import (
+    WorkItem,
+    build_prompt,
+    default_items,
+    load_items,
+    parse_items,
+    select_items,
+    subtask_of,
+)
+from specdecode.commands.bench import bench
+from specdecode.planner import speedup
+from specdecode.stats import DecodeStats
+
+
+def _record(method, qid, tokens, seconds, turn=0, subtask="qa", stats=None, ids=None):
+    return TurnRecord(qid, subtask, subtask, turn, method, 10, tokens, seconds, ids or [], stats)
+
+
+# --- workloads ------------------------------------------------------------------------------------------
+
+
+def test_mt_bench_categories_group_into_one_subtask():
+    for category in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"):
+        assert subtask_of(category) == "mt_bench"
+    assert subtask_of("summarization") == "summarization"
+    assert subtask_of("math_reasoning") == "math_reasoning"
+
+
+def _items():
+    lines = [
+        json.dumps({"question_id": i, "category": c, "turns": ["hi"]})
+        for i, c in enumerate(["writing", "coding", "qa", "qa", "qa", "rag"])
+    ]
+    return parse_items(lines, "test")
+
+
+def test_select_by_subtask_or_category_with_limit_per_subtask():
+    items = _items()
+    assert [i.question_id for i in select_items(items, ["mt_bench", "qa"], limit=2)] == [0, 1, 2, 3]
+    assert [i.question_id for i in select_items(items, ["coding"])] == [1]
+    assert [i.question_id for i in select_items(items, None, limit=1)] == [0, 2, 5]
+    with pytest.raises(ValueError, match="unknown category 'poetry'"):
+        select_items(items, ["poetry"])
+    with pytest.raises(ValueError, match="--limit"):
+        select_items(items, None, limit=0)
+
+
+def test_bad_files_give_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_items(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "category": "qa", "turns": ["a"]}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+        load_items(bad)
+    bad.write_text('{"question_id": 1, "turns": ["a"]}\n')
+    with pytest.raises(ValueError, match="missing category"):
+        load_items(bad)
+    bad.write_text('{"question_id": 1, "category": "qa", "turns": []}\n')
+    with pytest.raises(ValueError, match="turns must be"):
+        load_items(bad)
+
+
+def test_default_set_spans_subtasks_and_has_a_passage_task():
+    items = default_items()
+    assert 6 <= len(items) <= 8
+    assert {"mt_bench", "summarization", "qa", "translation"} <= {i.subtask for i in items}
+    assert any(len(i.turns) == 2 for i in items)
+
+
+def test_spec_bench_file_parses_if_present():
+    path = "/work/shared/data/spec_bench/question.jsonl"
+    try:
+        items = load_items(path)
+    except ValueError:
+        pytest.skip("Spec-Bench questions not available")
+    assert len(items) == 480
+    assert {len(select_items(items, [s])) for s in ("mt_bench", "qa", "rag")} == {80}
+
+
+def test_token_id_turns_take_the_own_answer_as_history():
+    turns = ([1, 2], [3])
+    assert build_prompt(None, turns, []) == [1, 2]
+    assert build_prompt(None, turns, [[7, 8]]) == [1, 2, 7, 8, 3]
+
+
+def test_rotation_changes_who_goes_first():
+    assert [rotation("abc", i) for i in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+
+
+# --- metrics on fake timings ----------------------------------------------------------------------------
+
+
+def test_per_question_speed_sums_turns():
+    records = [_record("m", 1, 10, 1.0, turn=0), _record("m", 1, 30, 1.0, turn=1), _record("m", 2, 5, 0.5)]
+    assert question_tokens_per_second(records) == {("m", 1): 20.0, ("m", 2): 10.0}
+    assert mean_tokens_per_second(records, "m") == pytest.approx(15.0)
+    assert mean_tokens_per_second(records, "other") is None
+
+
+def test_speedup_is_a_ratio_of_means_not_a_mean_of_ratios():
+    records = [
+        _record("base", 1, 10, 1.0),
+        _record("base", 2, 100, 1.0),  # 10 and 100 tok/s: mean 55
+        _record("fast", 1, 40, 1.0),
+        _record("fast", 2, 100, 1.0),  # 40 and 100 tok/s: mean 70
+    ]
+    base, fast = mean_tokens_per_second(records, "base"), mean_tokens_per_second(records, "fast")
+    assert ratio(fast, base) == pytest.approx(70 / 55)
+    assert mean([4.0, 1.0]) != pytest.approx(70 / 55)
+    assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None and mean([]) is None
+
+
+def test_draft_cost_ratio():
+    spec = DecodeStats(drafted=10, draft_seconds=0.5)  # 50 ms per drafted token
+    assert draft_cost_ratio(spec, 0.2) == pytest.approx(0.25)
+    assert draft_cost_ratio(DecodeStats(), 0.2) is None
+    assert draft_cost_ratio(spec, None) is None
+
+
+def _stats(generated, rounds, drafted, accepted, rejections, draft_s, verify_s, total_s, prefill_s=0.0):
+    return DecodeStats(
+        generated=generated,
+        rounds=rounds,
+        drafted=drafted,
+        accepted=accepted,
+        rejections=rejections,
+        per_position=[accepted],
+        per_position_reached=[drafted],
+        prefill_seconds=prefill_s,
+        draft_seconds=draft_s,
+        verify_seconds=verify_s,
+        total_seconds=total_s,
+    )
+
+
+def test_aggregate_on_fake_timings():
+    plain_stats = _stats(10, 10, 0, 0, 0, 0.0, 1.0, 1.25, prefill_s=0.25)  # 0.1 s per target step
+    spec_stats = _stats(10, 5, 10, 5, 5, 0.1, 0.5, 0.8)  # 0.01 s per drafted token -> c = 0.1
+    records = [
+        _record(PLAIN, 1, 10, 1.25, stats=plain_stats, ids=[1, 2]),
+        _record("spec", 1, 10, 0.8, stats=spec_stats, ids=[1, 2]),
+        _record("hf", 1, 10, 1.0, ids=[1, 3]),
+    ]
+    mark_identity(records, PLAIN)
+    table = aggregate(records, [PLAIN, "spec", "hf"], {PLAIN: None, "spec": 1}, PLAIN, "hf")
+    assert set(table) == {"qa", OVERALL}
+    spec = table[OVERALL]["spec"]
+    assert spec["tokens_per_second"] == pytest.approx(12.5)
+    assert spec["speedup_vs_plain"] == pytest.approx(12.5 / 8.0)
+    assert spec["speedup_vs_hf_plain"] == pytest.approx(1.25)
+    assert spec["tokens_per_pass"] == pytest.approx(2.0)
+    assert spec["acceptance_rate"] == pytest.approx(0.5) and spec["alpha"] == pytest.approx(0.5)
+    assert spec["per_position"] == [0.5]
+    assert spec["draft_cost"] == pytest.approx(0.1)
+    assert spec["predicted_speedup"] == pytest.approx(speedup(0.5, 1, 0.1))
+    assert spec["other_share"] == pytest.approx(0.2 / 0.8)
+    assert spec["non_identical"] == 0
+    assert table[OVERALL]["hf"]["non_identical"] == 1
+    assert table[OVERALL]["hf"]["tokens_per_pass"] is None
+    assert table[OVERALL][PLAIN]["alpha"] is None and table[OVERALL][PLAIN]["speedup_vs_plain"] == 1.0
+
+
+def test_prediction_uses_the_verify_curve_within_its_range():
+    curve = sd.planner.VerifyCost(((1, 1.0), (3, 1.5)))
+    assert predicted_speedup(0.8, 2, 0.1, curve) == pytest.approx(speedup(0.8, 2, 0.1, curve))
+    assert predicted_speedup(0.8, 4, 0.1, curve) == pytest.approx(speedup(0.8, 4, 0.1))
+    assert predicted_speedup(None, 2, 0.1) is None
+
+
+def test_verify_curve_is_relative_to_one_token():
+    assert relative_curve({1: 0.02, 2: 0.03, 4: 0.05}) == pytest.approx({1: 1.0, 2: 1.5, 4: 2.5})
+    with pytest.raises(ValueError):
+        relative_curve({2: 0.03})
+
+
+# --- end to end on a tiny random model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    return sd.load_model(LlamaForCausalLM(config))
+
+
+def test_bench_end_to_end_on_a_tiny_model(tiny_target, tmp_path):
+    items = [
+        WorkItem(1, "summarization", ([3, 4, 5, 6, 3, 4, 5, 6, 3, 4],)),
+        WorkItem(2, "writing", ([7, 8, 9], [10, 11])),
+    ]
+    methods = build_methods(tiny_target, ["lookup"], [2], transformers=False)
+    assert [m.name for m in methods] == [PLAIN, "ours:lookup:g2"]
+    result = run_bench(tiny_target, items, methods, BenchConfig(max_new_tokens=6))
+    assert len(result.records) == 2 * 3  # 3 turns, 2 methods
+    assert all(r.identical for r in result.records)
+    written = write_outputs(result, tmp_path, machine_info(["specdecode", "bench"]), {"target": "tiny"})
+    assert tmp_path / "results.json" in written and tmp_path / "report.md" in written
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["records"]) == 6 and data["machine"]["torch_threads"] >= 1
+    assert set(data["aggregates"]) == {"mt_bench", "summarization", OVERALL}
+    assert data["aggregates"][OVERALL]["ours:lookup:g2"]["non_identical"] == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "ours:lookup:g2" in report and "mt_bench" in report
+
+
+def test_transformers_generate_counts_only_new_tokens(tiny_target):
+    methods = build_methods(tiny_target, [], [], transformers=True)
+    hf = next(m for m in methods if m.name == "hf:plain")
+    plain = next(m for m in methods if m.name == PLAIN)
+    params = BenchConfig(max_new_tokens=5).params(0)
+    assert hf.generate([1, 2, 3], params).token_ids == plain.generate([1, 2, 3], params).token_ids
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    app = typer.Typer()
+    app.command()(bench)
+    runner = CliRunner()
+    result = runner.invoke(app, ["--prompts", str(tmp_path / "none.jsonl")])
+    assert result.exit_code == 2 and "prompts file not found" in result.output
+    result = runner.invoke(app, ["--categories", "poetry", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown category 'poetry'" in result.output
+    result = runner.invoke(app, ["--gamma", "0", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--gamma" in result.output
