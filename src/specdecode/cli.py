@@ -74,6 +74,9 @@ def generate(
         "draft if --draft is given, else lookup.",
     ),
     gamma: str = typer.Option("4", help="Tokens guessed per round, or auto (adapts each round, 0 = plain)."),
+    mode: str = typer.Option(
+        "exact", help="exact (min(1, p/q) rule) or reproducible (the same text as --proposer none, same seed)."
+    ),
     temperature: float = typer.Option(0.0, help="0 = greedy (identical to plain decoding)."),
     top_k: int = typer.Option(0, help="Keep the k most probable tokens (0 = off)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
@@ -118,7 +121,8 @@ def generate(
     if chosen is None:
         out = autoregressive_generate(target_model, ids, params, on_text=on_text)
     else:
-        out = SpeculativeDecoder(target_model, chosen, gamma=parse_gamma(gamma)).generate(ids, params, on_text=on_text)
+        decoder = SpeculativeDecoder(target_model, chosen, gamma=parse_gamma(gamma), mode=mode)
+        out = decoder.generate(ids, params, on_text=on_text)
     if as_json:
         print(
             json.dumps(
