@@ -4,8 +4,24 @@ The noise at absolute context position t is a function of (seed, t) alone: V flo
 (a counter-based generator, Salmon et al. 2011) whose 128-bit key is the pair (t, seed). It does not depend on
 how many random numbers earlier positions consumed, nor on which path (plain or speculative) reaches t.
 
-Gumbel-max: with g_x i.i.d. standard Gumbel, P(argmax_x (ℓ_x + g_x) = y) = softmax(ℓ)_y. Tokens warped away
-(ℓ_x = −inf) are never chosen, so argmax(warp(logits) + g) is a draw from the request's warped distribution.
+Gumbel-max: with g_x i.i.d. standard Gumbel (CDF F(z) = exp(−e^{−z})), argmax_x (ℓ_x + g_x) ~ softmax(ℓ):
+P(argmax = y) = ∫ e^{−g} e^{−e^{−g}} Π_{x≠y} F(ℓ_y + g − ℓ_x) dg = ∫ e^{−g} exp(−e^{−g} Σ_x e^{ℓ_x−ℓ_y}) dg
+= e^{ℓ_y} / Σ_x e^{ℓ_x}. Tokens warped away (ℓ_x = −inf) are never chosen, so argmax(warp(logits) + g) is a
+draw from the request's warped distribution (float64 sums; float32 warped logits).
+
+Why reproducible speculative decoding is plain sampling, token for token. Plain decoding emits at position t
+the token T_t(c) = argmax(warp(target(c)) + g(seed, t)), c the context before t. A speculative round at
+context c (|c| = t) scores c + d[:i] for i = 0..k in one pass and computes target_i = T_{t+i}(c + d[:i]);
+``verify.coupled_verify`` accepts d_i while d_i = target_i and then emits target_n. By induction on i, every
+accepted d[:i] equals plain decoding's tokens at t..t+i−1, so c + d[:i] is plain decoding's context at t+i and
+target_i is plain decoding's token there; the emitted target_n is too. So the outputs agree whatever the
+draft proposes (its guesses change only how many tokens a pass yields), given equal target logits (the
+same numerics on both paths: test it in float32).
+
+Why each token has the target's law. The keys (t, seed) differ for every position, so g(seed, t) is fresh
+noise, independent of the context at t (a function of g at earlier positions only); by Gumbel-max the token
+at t given the past is distributed as softmax(warp(target(c))). A fixed seed fixes the output; a random seed
+makes it a sample of the target's warped autoregressive law, the same law as exact mode.
 """
 
 from __future__ import annotations
