@@ -1,0 +1,106 @@
+"""check-exact's statistics: exact laws, pooling, the chi-square verdict; it flags a biased verifier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import specdecode as sd
+from specdecode import cli, engine
+from specdecode.exactness import (
+    check_exactness,
+    first_token_law,
+    fit_test,
+    pair_law,
+    pool_cells,
+    tv_upper_bound,
+)
+from specdecode.verify import speculative_sample
+
+PROMPT = [1, 2, 3]
+SAMPLES = 800
+
+
+def resample_from_target(target_probs, draft_probs, draft_tokens, generator):
+    """A classic bug: after a rejection, draw from p instead of norm(max(0, p − q))."""
+    n_accepted, token = speculative_sample(target_probs, draft_probs, draft_tokens, generator)
+    if n_accepted < len(draft_tokens):
+        token = int(torch.multinomial(target_probs[n_accepted].double(), 1, generator=generator))
+    return n_accepted, token
+
+
+def test_pair_law_is_the_exact_joint(small_target):
+    params = sd.SamplingParams(temperature=1.0, top_k=10)
+    law = pair_law(small_target, PROMPT, params, cap=small_target.vocab_size)
+    first = first_token_law(small_target, PROMPT, params)
+    assert float(law.probs.sum()) == pytest.approx(1.0, abs=1e-9)
+    assert float(law.probs[-1]) == pytest.approx(0.0, abs=1e-12)  # every first token enumerated
+    x1 = law.first[0]
+    second = first_token_law(small_target, [*PROMPT, x1], params)
+    row = law.probs[: small_target.vocab_size]
+    assert torch.allclose(row, first[x1] * second, atol=1e-6)
+    assert law.cell([x1, 5]) == 5
+    capped = pair_law(small_target, PROMPT, params, cap=2)
+    assert float(capped.probs[-1]) == pytest.approx(1 - float(first[list(capped.first)].sum()), abs=1e-9)
+    assert capped.cell([t for t in range(16) if t not in capped.first][:1] + [0]) == len(capped.probs) - 1
+
+
+def test_pool_cells_groups_small_expected_counts():
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04, 0.0], dtype=torch.float64)
+    assert pool_cells(probs, 200).tolist() == [0, 1, 2, 3, 4, -1]
+    assert pool_cells(probs, 100).tolist() == [0, 1, 2, 3, 3, -1]  # 4 < 5 joins the smallest cell
+    assert pool_cells(probs, 60).tolist() == [0, 1, 2, 3, 3, -1]  # 3.6 + 2.4 pooled
+    assert pool_cells(probs, 20).tolist() == [0, 1, 1, 1, 1, -1]
+
+
+def test_fit_test_verdicts():
+    probs = torch.tensor([0.5, 0.25, 0.25, 0.0], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    fair = fit_test(probs, torch.tensor([500.0, 250, 250, 0]), 0.01, generator)
+    assert not fair.rejected and fair.p_value == pytest.approx(1.0) and fair.tv == 0.0 and fair.tv_null > 0
+    skewed = fit_test(probs, torch.tensor([600.0, 200, 200, 0]), 0.01, generator)
+    assert skewed.rejected and skewed.tv == pytest.approx(0.1) and skewed.tv_upper >= 0.1
+    impossible = fit_test(probs, torch.tensor([500.0, 250, 249, 1]), 0.01, generator)
+    assert impossible.rejected and impossible.impossible == 1
+    assert "BIASED" in impossible.verdict and "consistent" in fair.verdict
+
+
+def test_tv_upper_bound_covers_the_estimate():
+    assert tv_upper_bound(0.02, 10, 1000, 0.01) > 0.02 + 0.5 * (9 / 1000) ** 0.5
+    assert tv_upper_bound(0.9, 10, 10, 0.01) == 1.0
+
+
+@pytest.mark.parametrize("mode", ["exact", "reproducible"])
+def test_real_verifier_passes(small_target, small_draft, mode):
+    params = sd.SamplingParams(temperature=1.0)
+    proposer = sd.DraftModelProposer(small_draft)
+    report = check_exactness(small_target, proposer, [PROMPT], params, samples=SAMPLES, gamma=2, mode=mode)
+    assert report.passed, report.verdict
+    assert report.accepted > 0.2 * report.drafted  # both the accept and the reject paths ran
+
+
+def test_biased_verifier_is_flagged(small_target, small_draft, monkeypatch):
+    monkeypatch.setattr(engine, "speculative_sample", resample_from_target)
+    params = sd.SamplingParams(temperature=1.0)
+    proposer = sd.DraftModelProposer(small_draft)
+    report = check_exactness(small_target, proposer, [PROMPT], params, samples=SAMPLES, gamma=2)
+    assert not report.passed
+    assert all(test.rejected for test in report.tests)
+    assert report.verdict.startswith("FAIL")
+
+
+def test_check_exact_command_json(small_target, small_draft, monkeypatch, tmp_path):
+    models = {"tiny": small_target, "tiny-draft": small_draft}
+    monkeypatch.setattr(cli, "_load", lambda name, dtype: models[name])
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": [PROMPT]}) + "\n")
+    args = ["check-exact", "--target", "tiny", "--draft", "tiny-draft", "--prompts", str(prompts)]
+    result = CliRunner().invoke(cli.app, [*args, "--samples", "200", "--gamma", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and len(report["tests"]) == 2 and report["mode"] == "exact"
+    bad = CliRunner().invoke(cli.app, [*args, "--samples", "0"])
+    assert bad.exit_code != 0

