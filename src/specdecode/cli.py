@@ -211,4 +211,5 @@ _register_optional_commands()
 
 def main() -> None:
     """Entry point of the ``specdecode`` script."""
+    quiet_transformers()
     app()

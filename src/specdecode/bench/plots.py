@@ -133,3 +133,20 @@ def write_plots(result: BenchResult, out: Path) -> list[Path]:
     if result.verify_cost:
         made.append(plot_verify_cost(result.verify_cost, out / "verify_cost.png"))
     return [p for p in made if p is not None]
+
+
+def plot_plan_measurement(gammas, iid, per_position, measured: dict[int, float], title: str, path: Path) -> Path:
+    """Predicted speedup against γ (i.i.d. α and per-position products) with the measured points."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(gammas, iid, "--", label="predicted: i.i.d. α")
+    ax.plot(gammas, per_position, "-", label="predicted: per-position acceptance")
+    if measured:
+        ax.plot(list(measured), list(measured.values()), "o", color="black", label="measured")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("gamma (draft tokens per round)")
+    ax.set_ylabel(f"speedup over {PLAIN} (×)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

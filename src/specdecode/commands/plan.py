@@ -47,15 +47,44 @@ def plan(
     ] = False,
     target: Annotated[str | None, typer.Option(help="--memory: the target (name, folder or .gguf).")] = None,
     draft: Annotated[str | None, typer.Option(help="--memory: the draft model, if any.")] = None,
-    context: Annotated[
-        int | None, typer.Option(help="--memory: tokens per sequence (prompt and output).")
-    ] = None,
+    context: Annotated[int | None, typer.Option(help="--memory: tokens per sequence (prompt and output).")] = None,
     budget: Annotated[float | None, typer.Option(help="--memory: memory budget in GiB.")] = None,
-    dtype: Annotated[str, typer.Option(help="--memory: dtype of weights and KV cache.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="--memory/--measure: dtype of weights and KV cache.")] = "float32",
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Measure α, c and the verify-cost curve on --target with --proposer/--draft over --prompts, "
+            "then predict every gamma and recommend one.",
+        ),
+    ] = False,
+    proposer: Annotated[str, typer.Option(help="--measure: lookup or draft.")] = "lookup",
+    prompts: Annotated[
+        Path | None, typer.Option(help="--measure: FastChat JSONL (default: the bench's built-in set).")
+    ] = None,
+    categories: Annotated[str | None, typer.Option(help="--measure: comma list of subtasks to keep.")] = None,
+    limit: Annotated[int | None, typer.Option(help="--measure: at most N questions per subtask.")] = None,
+    gammas: Annotated[str, typer.Option(help="--measure: gammas to run and compare with predictions.")] = "2,4,8",
+    max_new_tokens: Annotated[int, typer.Option(help="--measure: new tokens per answer.")] = 128,
+    out: Annotated[Path, typer.Option(help="--measure: folder for plan.json and plan.png.")] = Path("plan-out"),
 ) -> None:
     """Predict the speedup of speculative decoding for α, c and γ (or, with --memory, what fits)."""
     try:
-        if memory:
+        if measure:
+            _run_measure(
+                target or "smollm2",
+                draft,
+                proposer,
+                prompts,
+                categories,
+                limit,
+                gammas,
+                max_new_tokens,
+                dtype,
+                out,
+                json_output,
+            )
+        elif memory:
             _run_memory(target, draft, context, budget, dtype, json_output)
         else:
             _run_speedup(alpha, cost, gamma, verify_cost, json_output)
@@ -195,3 +224,91 @@ def _bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+def _run_measure(
+    target: str,
+    draft: str | None,
+    proposer: str,
+    prompts: Path | None,
+    categories: str | None,
+    limit: int | None,
+    gammas: str,
+    max_new_tokens: int,
+    dtype: str,
+    out: Path,
+    json_output: bool,
+) -> None:
+    from rich.progress import Progress
+
+    from specdecode.bench.measure import measure as run_measure
+    from specdecode.bench.plots import plot_plan_measurement
+    from specdecode.bench.workloads import default_items, load_items, select_items
+    from specdecode.commands.bench import _gammas, _split
+
+    if proposer not in ("lookup", "draft"):
+        raise ValueError(f"--proposer must be lookup or draft, got {proposer!r}")
+    gamma_list = _gammas(gammas)
+    items = select_items(load_items(prompts) if prompts else default_items(), _split(categories, "--categories"), limit)
+    out.mkdir(parents=True, exist_ok=True)
+    import specdecode
+
+    loaded = specdecode.load_model(target, dtype=dtype)
+    console = Console(stderr=True)
+    with Progress(console=console) as progress:
+        task = progress.add_task("measuring", total=len(items) * (len(gamma_list) + 1))
+        found = run_measure(
+            loaded,
+            proposer,
+            draft,
+            items,
+            gamma_list,
+            max_new_tokens,
+            on_progress=lambda what: progress.update(task, advance=1, description=what),
+        )
+    best = found.best
+    verdict = (
+        f"recommend {proposer} with gamma {best.gamma}: predicted {best.per_position:.2f}x"
+        if found.pays
+        else f"speculation with {proposer} will NOT pay here: best predicted {best.per_position:.2f}x at gamma "
+        f"{best.gamma}; decode plainly (or use --gamma auto, which switches itself off)"
+    )
+    summary = {
+        "proposer": proposer,
+        "alpha": found.alpha,
+        "per_position": found.per_position,
+        "cost": found.cost,
+        "verify_cost": found.verify_cost,
+        "predictions": [dataclasses.asdict(p) for p in found.predictions],
+        "recommended_gamma": best.gamma if found.pays else 0,
+        "predicted_speedup": best.per_position if found.pays else 1.0,
+        "verdict": verdict,
+    }
+    (out / "plan.json").write_text(json.dumps(summary, indent=2))
+    preds = found.predictions
+    plot_plan_measurement(
+        [p.gamma for p in preds],
+        [p.iid for p in preds],
+        [p.per_position for p in preds],
+        {p.gamma: p.measured for p in preds if p.measured is not None},
+        f"{target}, {proposer}: α={found.alpha:.2f}, c={found.cost:.3f}, measured v(k)",
+        out / "plan.png",
+    )
+    if json_output:
+        typer.echo(json.dumps(summary))
+        return
+    table = Table(title=f"{target}, {proposer}: α = {found.alpha:.3f}, c = {found.cost:.3f}, measured v(k)")
+    for name in ("γ", "v(γ+1)", "predicted (i.i.d. α)", "predicted (per position)", "measured"):
+        table.add_column(name, justify="right")
+    for p in preds:
+        table.add_row(
+            str(p.gamma),
+            f"{found.verify_cost[p.gamma + 1]:.2f}",
+            f"{p.iid:.2f}×",
+            f"{p.per_position:.2f}×",
+            "" if p.measured is None else f"{p.measured:.2f}×",
+            style="bold" if p is best else None,
+        )
+    Console().print(table)
+    Console().print(verdict)
+    console.print(f"wrote plan.json and plan.png in {out}")
