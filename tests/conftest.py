@@ -1,0 +1,100 @@
+"""Tiny random models built in-process (no downloads), shared by the core test suite.
+
+The models are 2-layer Llamas with peaked next-token distributions (the LM head is scaled up), so that
+distribution tests have power. ``eos_token_id`` is None by default: a random model would otherwise stop
+at whichever id was chosen and the exact-distribution tests would have to model EOS too; tests that need
+an EOS set one on a copy of the ``LoadedModel`` (``with_eos``).
+
+Drafts are the target with seeded Gaussian noise added to every weight: a different model (its own seed)
+that agrees with the target often but not always, so both the accept and the reject paths run a lot.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import specdecode as sd
+
+torch.set_num_threads(1)
+
+SMALL_VOCAB = 16
+LARGE_VOCAB = 64
+
+
+def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers: int = 2) -> LlamaForCausalLM:
+    """A random 2-layer Llama (hidden 32) whose logits are scaled by ``logit_scale`` (entropy ≈ 1.3 nats)."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+            else:
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:
+    """A copy of ``model`` with N(0, (noise·std(W))²) added to every weight W: a related but different draft."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(noise * param.std() * torch.randn(param.shape, generator=generator))
+    return draft
+
+
+def with_eos(model: sd.LoadedModel, *eos_ids: int) -> sd.LoadedModel:
+    """The same model and weights, ending generation at ``eos_ids``."""
+    return dataclasses.replace(model, eos_token_ids=frozenset(eos_ids))
+
+
+def word_tokenizer(words: list[str], eos: str | None = None) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer whose id i is ``words[i]`` (decode joins tokens with spaces)."""
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0], eos_token=eos)
+
+
+@pytest.fixture(scope="session")
+def small_target() -> sd.LoadedModel:
+    """Vocabulary 16: small enough to enumerate the joint law of two tokens (256 cells)."""
+    return sd.load_model(tiny_llama(SMALL_VOCAB, seed=0))
+
+
+@pytest.fixture(scope="session")
+def small_draft(small_target: sd.LoadedModel) -> sd.LoadedModel:
+    """The small target plus strong noise: per-token acceptance ≈ 0.5 at temperature 1."""
+    return sd.load_model(perturbed(small_target.model, seed=1, noise=0.15))
+
+
+@pytest.fixture(scope="session")
+def large_target() -> sd.LoadedModel:
+    """Vocabulary 64, for greedy identity over longer outputs."""
+    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10))
+
+
+@pytest.fixture(scope="session")
+def large_draft(large_target: sd.LoadedModel) -> sd.LoadedModel:
+    """The large target plus mild noise: its greedy guesses are right about half the time."""
+    return sd.load_model(perturbed(large_target.model, seed=11, noise=0.06))

@@ -1,0 +1,152 @@
+"""Logits → probabilities: temperature → top-k → top-p on hand-computed cases, greedy one-hot, drawing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdecode import SamplingParams
+from specdecode.sampling import next_token, probs_from_logits, sample, warp_logits
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    """Logits whose softmax is ``probs`` (float32, like a runner's output)."""
+    return torch.tensor([math.log(p) if p > 0 else float("-inf") for p in probs], dtype=torch.float32)
+
+
+def kept(logits: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(logits)).flatten().tolist())
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    for temperature in (0.25, 1.0, 2.0):
+        torch.testing.assert_close(warp_logits(logits, temperature), logits / temperature)
+        probs = probs_from_logits(logits, SamplingParams(temperature=temperature))
+        torch.testing.assert_close(probs, torch.softmax(logits / temperature, dim=-1))
+
+
+def test_warp_rejects_temperature_zero():
+    with pytest.raises(ValueError, match="temperature"):
+        warp_logits(torch.zeros(4), 0.0)
+
+
+def test_greedy_is_one_hot_argmax_with_first_index_on_ties():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [5.0, 0.0, 0.0, 5.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=0.0))
+    assert probs.dtype == torch.float32
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    generator = torch.Generator().manual_seed(0)
+    assert next_token(logits[0], SamplingParams(), generator) == 1
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0, -5.0])
+    assert kept(warp_logits(logits, 1.0, top_k=2)) == {1, 2}
+    assert kept(warp_logits(logits, 1.0, top_k=1)) == {1}
+    assert kept(warp_logits(logits, 1.0, top_k=5)) == {0, 1, 2, 3, 4}
+    assert kept(warp_logits(logits, 1.0, top_k=0)) == {0, 1, 2, 3, 4}
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(probs, torch.tensor([0.0, 1.0, 1 / math.e, 0.0, 0.0]) / (1 + 1 / math.e))
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([1.0, 2.0, 2.0, 0.0])
+    assert kept(warp_logits(logits, 1.0, top_k=2)) == {1, 2}
+    assert kept(warp_logits(logits, 1.0, top_k=1)) == {1, 2}  # a tie is not broken arbitrarily
+
+
+def test_top_p_keeps_the_token_that_crosses_top_p():
+    logits = logits_of([0.1, 0.5, 0.05, 0.3, 0.05])
+    # sorted: 0.5, 0.3, 0.1, 0.05, 0.05 → cumulative 0.5, 0.8, 0.9, ...
+    assert kept(warp_logits(logits, 1.0, top_p=0.3)) == {1}
+    assert kept(warp_logits(logits, 1.0, top_p=0.55)) == {1, 3}  # 0.3 crosses 0.55 and is kept
+    assert kept(warp_logits(logits, 1.0, top_p=0.79)) == {1, 3}
+    assert kept(warp_logits(logits, 1.0, top_p=0.81)) == {0, 1, 3}
+    assert kept(warp_logits(logits, 1.0, top_p=1.0)) == {0, 1, 2, 3, 4}
+    assert kept(warp_logits(logits, 1.0, top_p=1e-9)) == {1}
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.55))
+    torch.testing.assert_close(probs, torch.tensor([0.0, 0.625, 0.0, 0.375, 0.0]))
+
+
+def test_top_p_breaks_ties_by_lower_id():
+    logits = logits_of([0.2, 0.4, 0.4])
+    assert kept(warp_logits(logits, 1.0, top_p=0.3)) == {1}
+    logits = logits_of([0.1, 0.3, 0.3, 0.3])
+    assert kept(warp_logits(logits, 1.0, top_p=0.5)) == {1, 2}
+
+
+def reference_nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
+    """Brute force: walk tokens by descending probability (lower id first on ties) until the mass reaches top_p."""
+    probs = torch.softmax(logits.double(), dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    chosen, mass = set(), 0.0
+    for i in order:
+        chosen.add(i)
+        mass += probs[i]
+        if mass >= top_p:
+            break
+    return chosen
+
+
+def test_top_p_matches_a_brute_force_nucleus_on_random_logits():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(200, generator=generator) * 3
+        for top_p in (1e-6, 0.1, 0.5, 0.9, 0.99, 0.999999, 1.0):
+            assert kept(warp_logits(logits, 1.0, top_p=top_p)) == reference_nucleus(logits, top_p)
+    assert len(kept(warp_logits(logits, 1.0, top_p=1.0))) == 200
+
+
+def test_temperature_applies_before_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    # T=1: probs 0.665, 0.245, 0.090 → top_p 0.8 keeps {0, 1}; T=0.5: 0.867, 0.117, 0.016 → keeps {0}
+    assert kept(warp_logits(logits, 1.0, top_p=0.8)) == {0, 1}
+    assert kept(warp_logits(logits, 0.5, top_p=0.8)) == {0}
+    # T=3: 0.481, 0.345, 0.174 → keeps {0, 1}; T=10: 0.367, 0.332, 0.301 → 0.8 needs all three
+    assert kept(warp_logits(logits, 10.0, top_p=0.8)) == {0, 1, 2}
+
+
+def test_top_p_applies_after_top_k_on_the_renormalised_mass():
+    logits = logits_of([0.4, 0.3, 0.2, 0.1])
+    # top-k 2 → renormalised 0.571, 0.429: top_p 0.5 keeps only token 0.
+    # (top-p on the original mass would keep {0, 1}: 0.4 < 0.5.)
+    assert kept(warp_logits(logits, 1.0, top_k=2, top_p=0.5)) == {0}
+    assert kept(warp_logits(logits, 1.0, top_k=3, top_p=0.6)) == {0, 1}  # 0.444 + 0.333 crosses 0.6
+    assert kept(warp_logits(logits, 1.0, top_k=3, top_p=0.8)) == {0, 1, 2}
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.6))
+    torch.testing.assert_close(probs, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]))
+
+
+def test_warps_are_batched_over_leading_dimensions():
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(1)) * 3
+    params = SamplingParams(temperature=0.7, top_k=6, top_p=0.8)
+    batched = probs_from_logits(logits, params)
+    for i in range(2):
+        for j in range(3):
+            torch.testing.assert_close(batched[i, j], probs_from_logits(logits[i, j], params))
+    torch.testing.assert_close(batched.sum(-1), torch.ones(2, 3))
+    assert ((batched > 0).sum(-1) <= 6).all()
+
+
+def test_sample_uses_the_generator_and_follows_the_probabilities():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert sample(probs, torch.Generator().manual_seed(0)).tolist() == [1, 2]
+    rows = torch.tensor([0.1, 0.6, 0.0, 0.3]).expand(20_000, 4)
+    draws = sample(rows, torch.Generator().manual_seed(0))
+    again = sample(rows, torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)
+    counts = torch.bincount(draws, minlength=4) / 20_000
+    assert counts[2] == 0
+    # 5 standard deviations at n = 20,000 is < 0.02 for every cell
+    torch.testing.assert_close(counts, torch.tensor([0.1, 0.6, 0.0, 0.3]), atol=0.02, rtol=0)
+
+
+def test_next_token_sampling_draws_from_the_warped_distribution():
+    logits = logits_of([0.4, 0.3, 0.2, 0.1])
+    params = SamplingParams(temperature=1.0, top_k=2)
+    generator = torch.Generator().manual_seed(3)
+    draws = {next_token(logits, params, generator) for _ in range(200)}
+    assert draws == {0, 1}

@@ -1,0 +1,241 @@
+"""Acceptance rules: hand-made cases, then chi-square tests of the laws they must produce.
+
+Statistical tests: each chi-square test (scipy.stats.chisquare, cells with expected count < 5 pooled into
+one) uses a fixed seed and ≥ 20,000 trials and fails when p < ALPHA = 1e-3. There are 10 such tests that
+must pass, so by Bonferroni the chance that a correct verifier fails any of them for a freshly chosen seed
+is ≤ 1%. The negative control runs the same test on a deliberately wrong verifier and requires p < ALPHA,
+which shows the trials are enough to detect a realistic bug.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdecode.verify import greedy_verify, speculative_sample
+
+ALPHA = 1e-3
+TRIALS = 20_000
+
+
+def rows(*probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64)
+
+
+def tokens(*ids: int) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- hand cases
+
+
+def test_accept_all_then_bonus_from_the_last_target_row():
+    target = rows([0.5, 0.5, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4], [0.0, 0.0, 0.0, 1.0])
+    draft = rows([0.5, 0.5, 0.0, 0.0], [0.0, 0.2, 0.8, 0.0])  # p(x) >= q(x) for x = 1, 1
+    for seed in range(50):
+        assert speculative_sample(target, draft, tokens(1, 1), gen(seed)) == (2, 3)
+
+
+def test_reject_at_position_i_then_draw_from_the_residual():
+    target = rows([0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25])
+    draft = rows([0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0])
+    # position 0: p(1) = q(1) = 1 → accepted; position 1: x = 0 has p = 0 → rejected;
+    # residual max(0, p - q) = [0, 0, 0.5, 0] → token 2
+    for seed in range(50):
+        assert speculative_sample(target, draft, tokens(1, 0), gen(seed)) == (1, 2)
+
+
+def test_a_token_the_target_gives_zero_is_never_accepted():
+    target = rows([0.0, 0.6, 0.4], [1.0, 0.0, 0.0])
+    draft = rows([1e-300, 0.5, 0.5])  # ratio p/q = 0 even though q(x) is tiny
+    for seed in range(200):
+        n_accepted, token = speculative_sample(target, draft, tokens(0), gen(seed))
+        assert (n_accepted, token) == (0, 1)  # residual max(0, p - q) = [0, 0.1, 0]
+
+
+def test_draft_probability_zero_rejects_even_if_the_target_likes_the_token():
+    target = rows([0.2, 0.8, 0.0], [0.0, 0.0, 1.0])
+    draft = rows([0.0, 0.5, 0.5])  # the draft token 0 has q = 0: an inconsistent draft is rejected
+    for seed in range(50):
+        n_accepted, token = speculative_sample(target, draft, tokens(0), gen(seed))
+        # residual max(0, p - q) = [0.2, 0.3, 0] → never token 2
+        assert n_accepted == 0 and token in (0, 1)
+
+
+def test_one_hot_target_accepts_only_its_argmax():
+    target = rows([0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0])
+    draft = rows([0.25, 0.25, 0.25, 0.25])
+    for seed in range(20):
+        assert speculative_sample(target, draft, tokens(2), gen(seed)) == (1, 1)
+        assert speculative_sample(target, draft, tokens(3), gen(seed)) == (0, 2)
+        assert speculative_sample(target, None, tokens(0), gen(seed)) == (0, 2)
+
+
+def test_point_mass_draft_accepts_with_probability_p_and_never_recovers_the_rejected_token():
+    target = rows([0.5, 0.3, 0.2], [0.0, 0.0, 1.0])
+    outcomes = [speculative_sample(target, None, tokens(0), gen(seed)) for seed in range(2000)]
+    accepted = sum(n for n, _ in outcomes)
+    assert abs(accepted / 2000 - 0.5) < 0.05
+    assert all(token == 2 for n, token in outcomes if n == 1)
+    assert {token for n, token in outcomes if n == 0} == {1, 2}
+    sure = rows([1.0, 0.0, 0.0], [0.0, 1.0, 0.0])
+    assert all(speculative_sample(sure, None, tokens(0), gen(seed)) == (1, 1) for seed in range(50))
+
+
+def test_residual_falls_back_to_the_target_when_p_equals_q():
+    target = rows([0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0])
+    draft = rows([0.5, 0.5, 0.0, 0.0])
+    # q(x=2) = 0 → rejected; max(0, p - q) = 0 everywhere → draw from p instead of failing
+    drawn = {speculative_sample(target, draft, tokens(2), gen(seed))[1] for seed in range(100)}
+    assert drawn == {0, 1}
+
+
+def test_no_draft_tokens_means_one_draw_from_the_first_row():
+    target = rows([0.0, 0.0, 1.0])
+    assert speculative_sample(target, None, tokens(), gen()) == (0, 2)
+    assert speculative_sample(target, torch.zeros(0, 3), tokens(), gen()) == (0, 2)
+
+
+def test_float32_inputs_and_shape_check():
+    target = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float32)
+    draft = torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float32)
+    assert speculative_sample(target, draft, tokens(1), gen()) == (1, 2)
+    with pytest.raises(ValueError, match="k\\+1"):
+        speculative_sample(target[:1], draft, tokens(1), gen())
+
+
+def test_same_generator_state_same_result():
+    target = rows([0.3, 0.3, 0.4], [0.2, 0.2, 0.6], [0.1, 0.8, 0.1])
+    draft = rows([0.6, 0.2, 0.2], [0.1, 0.1, 0.8])
+    first = [speculative_sample(target, draft, tokens(0, 2), gen(seed)) for seed in range(100)]
+    second = [speculative_sample(target, draft, tokens(0, 2), gen(seed)) for seed in range(100)]
+    assert first == second
+    assert len(set(first)) > 3
+
+
+def test_greedy_verify():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    assert greedy_verify(logits, tokens(1, 0)) == (2, 2)  # all accepted, bonus = argmax of the last row
+    assert greedy_verify(logits, tokens(1, 2)) == (1, 0)  # mismatch at 1 → the target's argmax there
+    assert greedy_verify(logits, tokens(2, 0)) == (0, 1)
+    assert greedy_verify(logits[:1], tokens()) == (0, 1)
+    assert greedy_verify(torch.softmax(logits, -1), tokens(1, 0)) == (2, 2)  # probabilities work as well
+
+
+# ------------------------------------------------------------------------------------ statistical tests
+
+
+def chisquare_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``probs``; cells with expected count < 5 pooled."""
+    counts, probs = np.asarray(counts, float).ravel(), np.asarray(probs, float).ravel()
+    assert np.isclose(probs.sum(), 1.0) and counts[probs == 0].sum() == 0, "an impossible outcome occurred"
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)
+
+
+def run_trials(
+    verifier, target: torch.Tensor, draft: torch.Tensor | None, fixed: torch.Tensor | None, seed: int
+) -> list[tuple[int, int, int]]:
+    """(first emitted token, n_accepted, next token) per trial; draft tokens drawn from ``draft`` each trial."""
+    generator = gen(seed)
+    k = target.shape[0] - 1
+    if draft is None:
+        all_drafts = fixed.expand(TRIALS, k)
+    else:
+        all_drafts = torch.multinomial(draft, TRIALS, replacement=True, generator=generator).T
+    out = []
+    for draft_tokens in all_drafts:
+        n_accepted, token = verifier(target, draft, draft_tokens.contiguous(), generator)
+        first = int(draft_tokens[0]) if n_accepted > 0 else token
+        out.append((first, n_accepted, token))
+    return out
+
+
+def dirichlet_rows(k: int, vocab: int, seed: int, concentration: float = 0.5) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.tensor(rng.dirichlet([concentration] * vocab, size=k), dtype=torch.float64)
+
+
+def _cases():
+    vocab = 8
+    target3 = dirichlet_rows(3, vocab, seed=1)
+    target2 = dirichlet_rows(2, vocab, seed=2)
+    holes = dirichlet_rows(1, vocab, seed=3)
+    holes[0, :3] = 0.0  # q = 0 on tokens the target likes
+    holes /= holes.sum(-1, keepdim=True)
+    return {
+        "k1-random-q": (target2, dirichlet_rows(1, vocab, seed=4), None),
+        "k2-random-q": (target3, dirichlet_rows(2, vocab, seed=5), None),
+        "k1-q-with-zeros": (target2, holes, None),
+        "k2-q-near-p": (target3, (0.8 * target3[:2] + 0.2 / vocab), None),
+        "k1-point-mass": (target2, None, tokens(int(target2[0].argmax()))),
+        "k2-point-mass-unlikely": (target3, None, tokens(int(target3[0].argmin()), 0)),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_first_emitted_token_follows_the_target(name):
+    target, draft, fixed = CASES[name]
+    trials = run_trials(speculative_sample, target, draft, fixed, seed=100)
+    counts = np.bincount([first for first, _, _ in trials], minlength=target.shape[1])
+    assert chisquare_pvalue(counts, target[0].numpy()) > ALPHA
+
+
+def joint_law(target: torch.Tensor, draft: torch.Tensor | None, fixed: torch.Tensor | None) -> np.ndarray:
+    """P(n_accepted = n, next = y) for fixed target rows: prod_{i<n} β_i · r_n(y) (r_k = p_k: the bonus)."""
+    k, vocab = target.shape[0] - 1, target.shape[1]
+    if draft is None:
+        draft = torch.nn.functional.one_hot(fixed, vocab).double()
+    law = np.zeros((k + 1, vocab))
+    reach = 1.0
+    for n in range(k + 1):
+        if n == k:
+            law[n] = reach * target[n].numpy()
+            break
+        overlap = torch.minimum(target[n], draft[n])
+        residual = (target[n] - draft[n]).clamp_min(0).numpy()
+        law[n] = reach * residual
+        reach *= float(overlap.sum())
+    return law
+
+
+@pytest.mark.parametrize("name", ["k1-random-q", "k2-random-q", "k1-q-with-zeros", "k2-point-mass-unlikely"])
+def test_joint_law_of_accepted_count_and_next_token(name):
+    target, draft, fixed = CASES[name]
+    trials = run_trials(speculative_sample, target, draft, fixed, seed=200)
+    counts = np.zeros((target.shape[0], target.shape[1]))
+    for _, n_accepted, token in trials:
+        counts[n_accepted, token] += 1
+    assert chisquare_pvalue(counts, joint_law(target, draft, fixed)) > ALPHA
+
+
+def resample_from_target(target_probs, draft_probs, draft_tokens, generator):
+    """A WRONG verifier: the Leviathan acceptance test, but a rejection resamples from p, not the residual."""
+    k = int(draft_tokens.shape[0])
+    for i in range(k):
+        p = float(target_probs[i, draft_tokens[i]])
+        q = 1.0 if draft_probs is None else float(draft_probs[i, draft_tokens[i]])
+        if not float(torch.rand((), dtype=torch.float64, generator=generator)) < p / q:
+            return i, int(torch.multinomial(target_probs[i], 1, generator=generator))
+    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+
+
+def test_negative_control_the_first_token_test_detects_a_wrong_residual():
+    target, draft, fixed = CASES["k1-random-q"]
+    trials = run_trials(resample_from_target, target, draft, fixed, seed=100)
+    counts = np.bincount([first for first, _, _ in trials], minlength=target.shape[1])
+    assert chisquare_pvalue(counts, target[0].numpy()) < ALPHA
