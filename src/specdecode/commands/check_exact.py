@@ -94,13 +94,11 @@ def check_exact(
 
 
 def _print_report(report, texts: list, console: Console) -> None:
-    table = Table("prompt", "K", "cells", "χ²", "df", "p", "TV", "TV if exact", "TV ≤", "verdict")
+    table = Table("K", "cells", "χ²", "df", "p", "TV", "TV if exact", "TV ≤", "verdict")
+    table.add_column("prompt", no_wrap=True, overflow="ellipsis", max_width=32)
     for test in report.tests:
-        text = texts[test.prompt_index]
-        label = text if isinstance(text, list) else text[:40]
         verdict = "[red]biased[/red]" if test.rejected else "[green]ok[/green]"
         table.add_row(
-            str(label),
             str(test.k),
             str(test.cells),
             f"{test.statistic:.1f}",
@@ -110,6 +108,7 @@ def _print_report(report, texts: list, console: Console) -> None:
             f"{test.tv_null:.3f}",
             f"{test.tv_upper:.3f}",
             verdict,
+            str(texts[test.prompt_index]),
         )
     console.print(table)
     rate = report.accepted / report.drafted if report.drafted else 0.0
