@@ -390,3 +390,16 @@ def test_same_seed_same_output_across_decoders(small_target, small_draft):
     other = sd.SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=25, seed=12346)
     decoder = sd.SpeculativeDecoder(small_target, sd.DraftModelProposer(small_draft), gamma=4)
     assert decoder.generate(LOOKUP_PROMPT, other).token_ids != runs[0].token_ids
+
+
+def test_a_proposer_returning_too_many_tokens_is_cut_to_k(small_target):
+    """A misbehaving proposer (ignores k) cannot push a round past gamma or the token budget."""
+
+    class Greedy:
+        def propose(self, context, k, params, generator):
+            return sd.Draft(torch.zeros(k + 5, dtype=torch.int64))
+
+    decoder = sd.SpeculativeDecoder(small_target, Greedy(), gamma=2)
+    out = decoder.generate([1, 2, 3], sd.SamplingParams(max_new_tokens=7))
+    assert len(out.token_ids) == 7
+    assert out.stats.drafted <= 2 * out.stats.rounds

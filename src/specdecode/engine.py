@@ -178,6 +178,8 @@ class SpeculativeDecoder:
         else:
             draft = self.proposer.propose(context, k, params, request.generator)
         t1 = time.perf_counter()
+        if len(draft) > k:  # a proposer must never push a round past gamma or the token budget
+            draft = draft.truncated(k)
         n_drafted = len(draft)
         tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens])
         logits = self._runner.forward(tokens)

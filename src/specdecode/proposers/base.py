@@ -24,6 +24,10 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def truncated(self, k: int) -> Draft:
+        """The first ``k`` guesses."""
+        return Draft(self.tokens[:k], None if self.probs is None else self.probs[:k])
+
 
 EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.int64))
 
