@@ -363,9 +363,7 @@ def test_cli_memory(invoke, monkeypatch):
         "target": LlamaForCausalLM(tiny_config()),
         "draft": LlamaForCausalLM(tiny_config(num_hidden_layers=1)),
     }
-    monkeypatch.setattr(
-        specdecode, "load_model", lambda name: SimpleNamespace(model=models[name]), raising=False
-    )
+    monkeypatch.setattr(specdecode, "load_model", lambda name: SimpleNamespace(model=models[name]), raising=False)
     args = ("--memory", "--target", "target", "--draft", "draft", "--context", "100", "--budget", "0.001")
     data = json.loads(invoke(*args, "--json").stdout)
     target = sum(p.nbytes for p in models["target"].parameters())
