@@ -261,3 +261,21 @@ def test_cli_errors_are_one_line(tmp_path):
     assert result.exit_code == 2 and "unknown category 'poetry'" in result.output
     result = runner.invoke(app, ["--gamma", "0", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--gamma" in result.output
+
+
+def test_auto_gamma_and_reproducible_mode_are_bench_methods(tiny_target, tmp_path):
+    items = [WorkItem(1, "summarization", ([3, 4, 5, 6, 3, 4, 5, 6, 3, 4],))]
+    methods = build_methods(tiny_target, ["lookup"], [2, "auto"], transformers=False, modes=["exact", "reproducible"])
+    names = [m.name for m in methods]
+    assert names == [
+        PLAIN,
+        "ours:lookup:g2",
+        "ours:lookup:gauto",
+        "ours:lookup:g2:reproducible",
+        "ours:lookup:gauto:reproducible",
+    ]
+    result = run_bench(tiny_target, items, methods, BenchConfig(max_new_tokens=6, temperature=0.8))
+    assert len(result.records) == 5
+    write_outputs(result, tmp_path, machine_info(["specdecode", "bench"]), {"target": "tiny"})
+    with pytest.raises(ValueError, match="mode"):
+        build_methods(tiny_target, ["lookup"], [2], transformers=False, modes=["fast"])

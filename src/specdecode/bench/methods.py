@@ -75,11 +75,13 @@ def _ours_plain(target: LoadedModel) -> Method:
     return Method(MethodSpec(PLAIN, "ours", description="our autoregressive decode"), run)
 
 
-def _ours_speculative(target: LoadedModel, proposer: str, make: Callable[[], Proposer], gamma: int) -> Method:
+def _ours_speculative(
+    target: LoadedModel, proposer: str, make: Callable[[], Proposer], gamma: int | str, mode: str = "exact"
+) -> Method:
     state: dict[str, SpeculativeDecoder] = {}
 
     def start() -> None:
-        state["decoder"] = SpeculativeDecoder(target, make(), gamma)
+        state["decoder"] = SpeculativeDecoder(target, make(), gamma, mode=mode)
 
     def run(prompt_ids: list[int], params: SamplingParams) -> Generation:
         if "decoder" not in state:
@@ -88,12 +90,13 @@ def _ours_speculative(target: LoadedModel, proposer: str, make: Callable[[], Pro
         out = state["decoder"].generate(prompt_ids, params)
         return Generation(out.token_ids, time.perf_counter() - t0, out.stats)
 
+    suffix = "" if mode == "exact" else f":{mode}"
     spec = MethodSpec(
-        f"ours:{proposer}:g{gamma}",
+        f"ours:{proposer}:g{gamma}{suffix}",
         "ours",
         proposer,
-        gamma,
-        f"our speculative decoding, {proposer} proposer, gamma={gamma}",
+        gamma if isinstance(gamma, int) else None,
+        f"our speculative decoding, {proposer} proposer, gamma={gamma}, mode={mode}",
     )
     return Method(spec, run, start)
 
@@ -153,10 +156,11 @@ def draft_proposer_factory(
 def build_methods(
     target: LoadedModel,
     proposers: Sequence[str] = ("lookup",),
-    gammas: Sequence[int] = (4,),
+    gammas: Sequence[int | str] = (4,),
     draft: str | LoadedModel | None = None,
     transformers: bool = True,
     dtype: str | torch.dtype = torch.float32,
+    modes: Sequence[str] = ("exact",),
 ) -> list[Method]:
     """Ours plain; ours speculative for each proposer × gamma; transformers plain / prompt lookup / assisted.
 
@@ -165,16 +169,19 @@ def build_methods(
     unknown = [p for p in proposers if p not in PROPOSERS]
     if unknown:
         raise ValueError(f"unknown proposer {unknown[0]!r}; choose from {', '.join(PROPOSERS)}")
-    bad = [g for g in gammas if isinstance(g, bool) or not isinstance(g, int) or g < 1]
+    bad = [g for g in gammas if g != "auto" and (isinstance(g, bool) or not isinstance(g, int) or g < 1)]
     if bad:
-        raise ValueError(f"gamma must be an integer >= 1, got {bad[0]!r}")
+        raise ValueError(f"gamma must be an integer >= 1 or auto, got {bad[0]!r}")
+    unknown_modes = [m for m in modes if m not in ("exact", "reproducible")]
+    if unknown_modes:
+        raise ValueError(f"unknown mode {unknown_modes[0]!r}; choose from exact, reproducible")
     make_draft, draft_model = (None, None) if draft is None else draft_proposer_factory(target, draft, dtype)
     methods = [_ours_plain(target)]
     for proposer in proposers:
         if proposer == "draft" and make_draft is None:
             continue
         make = make_draft if proposer == "draft" else PromptLookupProposer
-        methods += [_ours_speculative(target, proposer, make, g) for g in gammas]
+        methods += [_ours_speculative(target, proposer, make, g, m) for m in modes for g in gammas]
     if transformers:
         methods.append(
             _hf_generate(target, MethodSpec(HF_PLAIN, "transformers", description="transformers generate()"))

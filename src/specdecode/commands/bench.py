@@ -20,12 +20,13 @@ def _split(text: str | None, what: str) -> list[str]:
     return items
 
 
-def _gammas(text: str) -> list[int]:
+def _gammas(text: str, allow_auto: bool = True) -> list[int | str]:
     try:
-        gammas = [int(g) for g in _split(text, "--gamma")]
+        gammas = [g if g == "auto" and allow_auto else int(g) for g in _split(text, "--gamma")]
     except ValueError:
-        raise ValueError(f"--gamma must be a comma list of integers >= 1, got {text!r}") from None
-    if any(g < 1 for g in gammas):
+        allowed = "integers >= 1 or auto" if allow_auto else "integers >= 1"
+        raise ValueError(f"--gamma must be a comma list of {allowed}, got {text!r}") from None
+    if any(g != "auto" and g < 1 for g in gammas):
         raise ValueError(f"--gamma values must be >= 1, got {text!r}")
     return gammas
 
@@ -57,7 +58,16 @@ def bench(
     proposer: Annotated[
         str, typer.Option(help="Comma list of our proposers: lookup, draft (draft needs --draft).")
     ] = "lookup,draft",
-    gamma: Annotated[str, typer.Option(help="Comma list of gammas for each proposer.")] = "2,4,8",
+    gamma: Annotated[
+        str, typer.Option(help="Comma list of gammas for each proposer; auto = adaptive (may pick 0).")
+    ] = "2,4,8",
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="Comma list of verification modes: exact (min(1, p/q)) and/or reproducible (same text as "
+            "plain sampling with the same seed; differs from exact only when --temperature > 0)."
+        ),
+    ] = "exact",
     max_new_tokens: Annotated[int, typer.Option(help="New-token budget, the same for every method.")] = 128,
     temperature: Annotated[
         float, typer.Option(help="0 = greedy (outputs checked against our plain decode); > 0 samples.")
@@ -87,6 +97,7 @@ def bench(
             draft,
             proposer,
             gamma,
+            mode,
             max_new_tokens,
             temperature,
             seed,
@@ -112,6 +123,7 @@ def _run(
     draft,
     proposer,
     gamma,
+    mode,
     max_new_tokens,
     temperature,
     seed,
@@ -128,6 +140,7 @@ def _run(
 
     proposers = _split(proposer, "--proposer")
     gammas = _gammas(gamma)
+    modes = _split(mode, "--mode")
     if quirk_repeats < 1:
         raise ValueError(f"--quirk-repeats must be >= 1, got {quirk_repeats}")
     if threads is not None and threads < 1:
@@ -154,7 +167,7 @@ def _run(
         console.print("[yellow]note:[/] no --draft given: the draft proposer and assisted generation are skipped")
     try:
         loaded = specdecode.load_model(target, dtype=dtype)
-        methods = build_methods(loaded, proposers, gammas, draft, transformers=hf, dtype=dtype)
+        methods = build_methods(loaded, proposers, gammas, draft, transformers=hf, dtype=dtype, modes=modes)
     except (OSError, specdecode.SpecDecodeError) as e:
         raise ValueError(f"cannot load model: {e}") from None
     _quiet_transformers()
@@ -189,6 +202,7 @@ def _run(
         "limit": limit,
         "proposers": proposers,
         "gammas": gammas,
+        "modes": modes,
     }
     written = write_outputs(result, out, machine, setup)
     Console(width=max(Console().width, 120)).print(summary_table(result))

@@ -248,7 +248,7 @@ def _run_measure(
 
     if proposer not in ("lookup", "draft"):
         raise ValueError(f"--proposer must be lookup or draft, got {proposer!r}")
-    gamma_list = _gammas(gammas)
+    gamma_list = _gammas(gammas, allow_auto=False)
     items = select_items(load_items(prompts) if prompts else default_items(), _split(categories, "--categories"), limit)
     out.mkdir(parents=True, exist_ok=True)
     import specdecode
