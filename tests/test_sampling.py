@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdecode import SamplingParams
-from specdecode.sampling import next_token, probs_from_logits, sample, warp_logits
+from specdecode.sampling import probs_from_logits, sample, warp_logits
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -38,8 +38,6 @@ def test_greedy_is_one_hot_argmax_with_first_index_on_ties():
     probs = probs_from_logits(logits, SamplingParams(temperature=0.0))
     assert probs.dtype == torch.float32
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
-    generator = torch.Generator().manual_seed(0)
-    assert next_token(logits[0], SamplingParams(), generator) == 1
 
 
 def test_top_k_keeps_the_k_largest():
@@ -142,11 +140,3 @@ def test_sample_uses_the_generator_and_follows_the_probabilities():
     assert counts[2] == 0
     # 5 standard deviations at n = 20,000 is < 0.02 for every cell
     torch.testing.assert_close(counts, torch.tensor([0.1, 0.6, 0.0, 0.3]), atol=0.02, rtol=0)
-
-
-def test_next_token_sampling_draws_from_the_warped_distribution():
-    logits = logits_of([0.4, 0.3, 0.2, 0.1])
-    params = SamplingParams(temperature=1.0, top_k=2)
-    generator = torch.Generator().manual_seed(3)
-    draws = {next_token(logits, params, generator) for _ in range(200)}
-    assert draws == {0, 1}

@@ -45,10 +45,3 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of ``probs`` ([..., V]), drawn with the request's generator."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The token plain decoding emits after one position's ``logits`` ([V])."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(probs_from_logits(logits, params), generator))
