@@ -130,6 +130,18 @@ def _weights(model: nn.Module) -> _Weights:
     return weights
 
 
+def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, the bias added separately so that one row and many rows round alike."""
+    y = F.linear(x, weight)
+    return y if bias is None else y + bias
+
+
+def _linear_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``_linear_rows`` for a single row as a matrix-vector product: bitwise the same gemv, less dispatch."""
+    y = torch.mv(weight, x[0])[None]
+    return y if bias is None else y + bias
+
+
 class NativeLlamaRunner:
     """``ModelRunner`` for a Llama-family transformers model: static KV cache, rollback is a length reset.
 
@@ -254,10 +266,11 @@ class NativeLlamaRunner:
         qk_width = (heads + kv_heads) * head_dim
         half = head_dim // 2
 
+        linear = _linear_row if k == 1 else _linear_rows
         x = F.embedding(tokens, self._embed)
         for i, layer in enumerate(self._layers):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             qk = qkv[:, :qk_width].view(k, heads + kv_heads, head_dim)
             qk = qk * cos + qk.roll(half, dims=-1) * sin
             keys, values = self._keys[i], self._values[i]
@@ -271,10 +284,10 @@ class NativeLlamaRunner:
                 q, keys[:, :, :end], values[:, :, :end], attn_mask=attn_mask, scale=self._scaling
             )
             attn = attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3).reshape(k, heads * head_dim)
-            x = x + F.linear(attn, layer.o, layer.o_bias)
+            x = x + linear(attn, layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).split(self._intermediate, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = linear(h, layer.gate_up, layer.gate_up_bias).split(self._intermediate, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, layer.down_bias)
         self._length = end
-        logits = F.linear(self._rms_norm(x, self._norm), self._lm_head)
+        logits = linear(self._rms_norm(x, self._norm), self._lm_head, None)
         return logits.float()
