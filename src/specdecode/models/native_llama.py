@@ -18,7 +18,7 @@ from torch import nn
 _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # RoPE types whose inverse frequencies are fixed at load time (no per-call update in transformers).
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports_native(model: nn.Module) -> bool:
