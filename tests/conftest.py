@@ -76,25 +76,31 @@ def word_tokenizer(words: list[str], eos: str | None = None) -> PreTrainedTokeni
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0], eos_token=eos)
 
 
+@pytest.fixture(scope="session", params=["native", "transformers"])
+def backend(request) -> str:
+    """Every test on the tiny models runs on both runners: ours (native) and transformers'."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
-def small_target() -> sd.LoadedModel:
+def small_target(backend: str) -> sd.LoadedModel:
     """Vocabulary 16: small enough to enumerate the joint law of two tokens (256 cells)."""
-    return sd.load_model(tiny_llama(SMALL_VOCAB, seed=0))
+    return sd.load_model(tiny_llama(SMALL_VOCAB, seed=0), backend=backend)
 
 
 @pytest.fixture(scope="session")
-def small_draft(small_target: sd.LoadedModel) -> sd.LoadedModel:
+def small_draft(small_target: sd.LoadedModel, backend: str) -> sd.LoadedModel:
     """The small target plus strong noise: per-token acceptance ≈ 0.5 at temperature 1."""
-    return sd.load_model(perturbed(small_target.model, seed=1, noise=0.15))
+    return sd.load_model(perturbed(small_target.model, seed=1, noise=0.15), backend=backend)
 
 
 @pytest.fixture(scope="session")
-def large_target() -> sd.LoadedModel:
+def large_target(backend: str) -> sd.LoadedModel:
     """Vocabulary 64, for greedy identity over longer outputs."""
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10))
+    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), backend=backend)
 
 
 @pytest.fixture(scope="session")
-def large_draft(large_target: sd.LoadedModel) -> sd.LoadedModel:
+def large_draft(large_target: sd.LoadedModel, backend: str) -> sd.LoadedModel:
     """The large target plus mild noise: its greedy guesses are right about half the time."""
-    return sd.load_model(perturbed(large_target.model, seed=11, noise=0.06))
+    return sd.load_model(perturbed(large_target.model, seed=11, noise=0.06), backend=backend)

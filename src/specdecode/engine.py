@@ -72,7 +72,7 @@ class _Request:
         t0 = time.perf_counter()
         runner.reset()
         if len(self.context) > 1:
-            runner.forward(torch.tensor(self.context[:-1], dtype=torch.int64))
+            runner.prefill(torch.tensor(self.context[:-1], dtype=torch.int64))
         self.stats.prefill_seconds += time.perf_counter() - t0
 
     def emit(self, tokens: list[int]) -> int:

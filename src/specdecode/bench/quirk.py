@@ -38,7 +38,7 @@ def measure_verify_cost(
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.vocab_size, (context + max_k,), generator=generator)
     runner = target.new_runner()
-    runner.forward(tokens[:context])
+    runner.prefill(tokens[:context])
     order = list(range(1, max_k + 1))
     rng = random.Random(seed)
     timings: dict[int, list[float]] = {k: [] for k in order}

@@ -27,6 +27,10 @@ class ModelRunner(Protocol):
         """Append ``tokens`` (int64 ``[k]``) to the cache; return float32 logits ``[k, vocab_size]``."""
         ...
 
+    def prefill(self, tokens: torch.Tensor) -> None:
+        """Append ``tokens`` to the cache; their logits are not needed (the prompt's head)."""
+        ...
+
     def rollback_to(self, length: int) -> None:
         """Drop cache entries past ``length`` (``0 <= length <= self.length``)."""
         ...

@@ -19,8 +19,15 @@ class HFRunner:
     def length(self) -> int:
         return self._length
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._run(tokens, logits_to_keep=0)
+
+    def prefill(self, tokens: torch.Tensor) -> None:
+        """Append ``tokens`` to the cache, computing only the last position's logits."""
+        self._run(tokens, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def _run(self, tokens: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         k = int(tokens.shape[0])
         positions = torch.arange(self._length, self._length + k)
         out = self.model(
@@ -28,6 +35,7 @@ class HFRunner:
             position_ids=positions.view(1, k),
             cache=self._cache,
             use_cache=True,
+            logits_to_keep=logits_to_keep,
         )
         self._length += k
         return out.logits[0, :, : self.vocab_size].float()

@@ -6,7 +6,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,9 @@ from ..errors import ModelNotAvailable
 from .base import ModelRunner
 from .bundled import BUNDLED
 from .hf import HFRunner
+from .native_llama import NativeLlamaRunner, supports_native
 
+BACKENDS = ("auto", "native", "transformers")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -30,11 +32,12 @@ class LoadedModel:
     name: str
     vocab_size: int
     eos_token_ids: frozenset[int]
-    backend: str = "hf"
-    _extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    backend: str = "transformers"
 
     def new_runner(self) -> ModelRunner:
-        """A fresh runner with its own empty KV cache over this model's weights."""
+        """A fresh runner with its own empty KV cache over this model's weights (native or transformers)."""
+        if self.backend == "native":
+            return NativeLlamaRunner(self.model, self.vocab_size, max_length=1024)
         return HFRunner(self.model, self.vocab_size)
 
     @property
@@ -85,15 +88,24 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
 
 
-def load_model(source: Any, tokenizer: Any = None, dtype: str | torch.dtype = torch.float32) -> LoadedModel:
-    """Load a bundled name (``smollm2``, ``gemma3-270m``), a local HF folder, a ``.gguf`` file, or wrap a model."""
+def load_model(
+    source: Any, tokenizer: Any = None, dtype: str | torch.dtype = torch.float32, backend: str = "auto"
+) -> LoadedModel:
+    """Load a bundled name (``smollm2``, ``gemma3-270m``), a local HF folder, a ``.gguf`` file, or wrap a model.
+
+    ``backend``: ``native`` (our Llama-family runner: static cache, fused weights), ``transformers`` (any
+    causal LM), or ``auto`` = native where it reproduces the model exactly, else transformers.
+    """
     dtype = resolve_dtype(dtype)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if isinstance(source, LoadedModel):
         return source
     if isinstance(source, torch.nn.Module):
         model = source.eval()
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
-        return _wrap(model.to(dtype) if dtype != next(model.parameters()).dtype else model, tokenizer, name)
+        model = model.to(dtype) if dtype != next(model.parameters()).dtype else model
+        return _wrap(model, tokenizer, name, backend)
     if not isinstance(source, str | os.PathLike):
         raise ValueError(f"cannot load a model from {type(source).__name__}: give a name, a path or a model")
     text = str(source)
@@ -117,13 +129,17 @@ def load_model(source: Any, tokenizer: Any = None, dtype: str | torch.dtype = to
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError):
             tokenizer = None
-    return _wrap(model, tokenizer, name)
+    return _wrap(model, tokenizer, name, backend)
 
 
-def _wrap(model: PreTrainedModel, tokenizer: Any, name: str) -> LoadedModel:
+def _wrap(model: PreTrainedModel, tokenizer: Any, name: str, backend: str) -> LoadedModel:
     vocab_size = len(tokenizer) if tokenizer is not None else model.config.get_text_config().vocab_size
     vocab_size = min(vocab_size, model.get_output_embeddings().weight.shape[0])
-    return LoadedModel(model, tokenizer, name, vocab_size, _eos_ids(model, tokenizer))
+    native = supports_native(model)
+    if backend == "native" and not native:
+        raise ValueError(f"the native runner does not support {type(model).__name__}; use backend='transformers'")
+    chosen = "native" if backend == "native" or (backend == "auto" and native) else "transformers"
+    return LoadedModel(model, tokenizer, name, vocab_size, _eos_ids(model, tokenizer), chosen)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:

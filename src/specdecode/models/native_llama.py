@@ -85,8 +85,9 @@ class _Weights:
     lm_head: torch.Tensor  # [padded vocab, hidden]
 
 
-# One fused copy per model: a self-speculation draft (num_layers=N) shares its target's weights.
-_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, _Weights] = weakref.WeakKeyDictionary()
+# One fused copy per decoder layer: a self-speculation draft (num_layers=N, or a transformers view of the
+# first N layers) shares its target's fused weights.
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, _Layer] = weakref.WeakKeyDictionary()
 
 
 def _bias(*linears: nn.Linear) -> torch.Tensor | None:
@@ -96,38 +97,38 @@ def _bias(*linears: nn.Linear) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def _weights(model: nn.Module) -> _Weights:
-    """Dense contiguous weights of ``model`` (views where possible, fused q/k/v and gate/up copies), cached."""
-    base = model.model
-    cached = _WEIGHTS.get(model)
-    if cached is not None and cached.embed.data_ptr() == base.embed_tokens.weight.data_ptr():
+def _fused_layer(layer: nn.Module) -> _Layer:
+    """Dense weights of one decoder layer (views where possible, fused q/k/v and gate/up copies), cached."""
+    cached = _LAYERS.get(layer)
+    attn, mlp = layer.self_attn, layer.mlp
+    if cached is not None and cached.o.data_ptr() == attn.o_proj.weight.data_ptr():
         return cached
-    layers = []
-    for layer in base.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        layers.append(
-            _Layer(
-                input_norm=layer.input_layernorm.weight.detach(),
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-                qkv_bias=_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                o=attn.o_proj.weight.detach().contiguous(),
-                o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                gate_up_bias=_bias(mlp.gate_proj, mlp.up_proj),
-                down=mlp.down_proj.weight.detach().contiguous(),
-                down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
-            )
-        )
-    weights = _Weights(
+    fused = _Layer(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+        qkv_bias=_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+        o=attn.o_proj.weight.detach().contiguous(),
+        o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+        gate_up_bias=_bias(mlp.gate_proj, mlp.up_proj),
+        down=mlp.down_proj.weight.detach().contiguous(),
+        down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
+    )
+    _LAYERS[layer] = fused
+    return fused
+
+
+def _weights(model: nn.Module) -> _Weights:
+    """The runner's view of ``model``'s weights: fused layers (shared, cached) and views of the rest."""
+    base = model.model
+    return _Weights(
         dtype=base.embed_tokens.weight.dtype,
         embed=base.embed_tokens.weight.detach().contiguous(),
-        layers=tuple(layers),
+        layers=tuple(_fused_layer(layer) for layer in base.layers),
         norm=base.norm.weight.detach(),
         lm_head=model.lm_head.weight.detach().contiguous(),  # tied: the same storage as embed
     )
-    _WEIGHTS[model] = weights
-    return weights
 
 
 def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -232,7 +233,10 @@ class NativeLlamaRunner:
             return F.rms_norm(x, self._hidden_shape, weight, self._eps)
         return weight * F.rms_norm(x.float(), self._hidden_shape, eps=self._eps).to(self._dtype)
 
-    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor) -> None:
+        """Append ``tokens`` to the cache without computing their logits."""
+        self._run(tokens, None, None, logits=False)
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -245,6 +249,12 @@ class NativeLlamaRunner:
         tree, ``positions`` (int64 ``[k]``) overrides the RoPE positions and ``attn_mask`` (bool
         ``[k, length+k]``, True = may attend) overrides the causal mask.
         """
+        return self._run(tokens, positions, attn_mask, logits=True)
+
+    @torch.inference_mode()
+    def _run(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None, logits: bool
+    ) -> torch.Tensor | None:
         k = tokens.shape[0]
         start = self._length
         end = start + k
@@ -289,5 +299,6 @@ class NativeLlamaRunner:
             gate, up = linear(h, layer.gate_up, layer.gate_up_bias).split(self._intermediate, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.down, layer.down_bias)
         self._length = end
-        logits = linear(self._rms_norm(x, self._norm), self._lm_head, None)
-        return logits.float()
+        if not logits:
+            return None
+        return linear(self._rms_norm(x, self._norm), self._lm_head, None).float()

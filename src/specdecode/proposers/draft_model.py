@@ -52,7 +52,9 @@ class DraftModelProposer:
             return EMPTY_DRAFT
         keep = min(common_prefix_length(self._cached, context), len(context) - 1)
         self._runner.rollback_to(keep)
-        logits = self._runner.forward(torch.tensor(context[keep:], dtype=torch.int64))[-1]
+        if len(context) - keep > 1:
+            self._runner.prefill(torch.tensor(context[keep:-1], dtype=torch.int64))
+        logits = self._runner.forward(torch.tensor(context[-1:], dtype=torch.int64))[-1]
         tokens = torch.empty(k, dtype=torch.int64)
         rows: list[torch.Tensor | None] = []
         for i in range(k):

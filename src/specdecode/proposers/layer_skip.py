@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -32,9 +33,7 @@ def truncated_model(loaded: LoadedModel, num_layers: int) -> LoadedModel:
     draft._modules = dict(model._modules)
     draft.model = new_inner
     draft.config = config
-    return LoadedModel(
-        draft, loaded.tokenizer, f"{loaded.name}[:{num_layers}]", loaded.vocab_size, loaded.eos_token_ids
-    )
+    return dataclasses.replace(loaded, model=draft, name=f"{loaded.name}[:{num_layers}]")
 
 
 class LayerSkipProposer(DraftModelProposer):

@@ -1,0 +1,57 @@
+"""Choosing a runner: native for the Llama family, transformers for everything else; both give one answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import specdecode as sd
+from specdecode.models.hf import HFRunner
+from specdecode.models.native_llama import NativeLlamaRunner
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4, n_positions=128)).eval()
+
+
+def test_auto_picks_native_for_llama_and_transformers_otherwise():
+    llama = sd.load_model(tiny_llama(32, seed=1))
+    assert llama.backend == "native" and isinstance(llama.new_runner(), NativeLlamaRunner)
+    gpt2 = sd.load_model(tiny_gpt2())
+    assert gpt2.backend == "transformers" and isinstance(gpt2.new_runner(), HFRunner)
+    with pytest.raises(ValueError, match="native runner does not support"):
+        sd.load_model(tiny_gpt2(), backend="native")
+    with pytest.raises(ValueError, match="backend"):
+        sd.load_model(tiny_gpt2(), backend="fast")
+
+
+def test_runners_agree_on_logits_and_prefill_matches_forward():
+    model = tiny_llama(32, seed=2)
+    ids = torch.randint(0, 32, (30,), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for backend in ("native", "transformers"):
+        runner = sd.load_model(model, backend=backend).new_runner()
+        runner.prefill(ids[:20])
+        assert runner.length == 20
+        outputs.append(runner.forward(ids[20:]))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-4, rtol=0)
+
+
+def test_greedy_identity_on_a_non_llama_model():
+    target = sd.load_model(tiny_gpt2())
+    params = sd.SamplingParams(max_new_tokens=40)
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    plain = sd.autoregressive_generate(target, prompt, params)
+    for proposer in (sd.PromptLookupProposer(), sd.DraftModelProposer(target)):
+        assert sd.SpeculativeDecoder(target, proposer, gamma=3).generate(prompt, params).token_ids == plain.token_ids
+
+
+def test_self_speculation_on_native_shares_the_fused_weights():
+    target = sd.load_model(tiny_llama(32, seed=3, num_layers=3))
+    draft = sd.LayerSkipProposer(target, 2)
+    assert draft.model.backend == "native"
+    full, part = target.new_runner(), draft.model.new_runner()
+    assert part._layers[0].qkv.data_ptr() == full._layers[0].qkv.data_ptr()
