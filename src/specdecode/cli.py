@@ -12,6 +12,9 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from .commands.bench import bench
+from .commands.check_exact import check_exact
+from .commands.plan import plan
 from .errors import SpecDecodeError
 
 app = typer.Typer(
@@ -191,22 +194,8 @@ def demo(
     run_demo(target, gamma, max_new_tokens, dtype, Console())
 
 
-def _register_optional_commands() -> None:
-    """Commands living in their own modules under commands/ (registered when present)."""
-    import importlib
-
-    for name in ("plan", "bench", "check_exact", "serve"):
-        try:
-            module = importlib.import_module(f".commands.{name}", __package__)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.endswith(f"commands.{name}"):
-                continue
-            raise
-        function = getattr(module, name)
-        app.command(name.replace("_", "-"))(friendly(function))
-
-
-_register_optional_commands()
+for _name, _command in (("plan", plan), ("bench", bench), ("check-exact", check_exact)):
+    app.command(_name)(friendly(_command))
 
 
 def main() -> None:

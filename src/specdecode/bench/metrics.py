@@ -75,6 +75,18 @@ def mean_tokens_per_second(records: Sequence[TurnRecord], method: str) -> float 
     return mean(per_question.values())
 
 
+def mean_decode_tokens_per_second(records: Sequence[TurnRecord], method: str) -> float | None:
+    """Mean over questions of tokens / (wall − prefill) seconds: the part of the time the planner models."""
+    tokens: dict[int | str, int] = {}
+    seconds: dict[int | str, float] = {}
+    for r in records:
+        if r.method != method or r.stats is None:
+            continue
+        tokens[r.question_id] = tokens.get(r.question_id, 0) + r.new_tokens
+        seconds[r.question_id] = seconds.get(r.question_id, 0.0) + r.seconds - r.stats.prefill_seconds
+    return mean(tokens[q] / seconds[q] for q in tokens if seconds[q] > 0)
+
+
 def merged_stats(records: Iterable[TurnRecord]) -> DecodeStats | None:
     """Sum of the records' DecodeStats (None when no record has stats, e.g. transformers' generate)."""
     total = None
@@ -116,6 +128,20 @@ def predicted_speedup(
     return speedup(alpha, gamma, cost, verify_cost)
 
 
+def predicted_from_drafted(
+    stats: DecodeStats | None, cost: float | None, verify_cost: VerifyCost | None
+) -> float | None:
+    """The planner's ratio with the measured acceptance process: tokens/pass / (v(k̄+1) + k̄c), k̄ = drafted/pass.
+
+    Unlike E(α, γ) it holds for proposers that draft fewer than γ tokens (prompt lookup without a match).
+    """
+    if stats is None or not stats.rounds or cost is None:
+        return None
+    drafted = stats.drafted / stats.rounds
+    verify = 1.0 if verify_cost is None or drafted + 1 > verify_cost.max_k else verify_cost(drafted + 1)
+    return stats.tokens_per_round / (verify + drafted * cost)
+
+
 def count_non_identical(records: Iterable[TurnRecord]) -> int | None:
     """How many records differ from our plain decode (None when no identity check was made)."""
     checked = [r.identical for r in records if r.identical is not None]
@@ -144,6 +170,7 @@ def aggregate(
     for subtask in [*subtasks, OVERALL]:
         group = [r for r in records if subtask == OVERALL or r.subtask == subtask]
         plain_tps = mean_tokens_per_second(group, plain)
+        plain_decode_tps = mean_decode_tokens_per_second(group, plain)
         hf_tps = mean_tokens_per_second(group, hf_plain) if hf_plain else None
         step = target_step_seconds(merged_stats(r for r in group if r.method == plain))
         rows = {}
@@ -171,6 +198,8 @@ def aggregate(
                 "other_share": other_share(stats),
                 "draft_cost": cost,
                 "predicted_speedup": predicted_speedup(alpha, gamma, cost, verify_cost),
+                "decode_speedup_vs_plain": ratio(mean_decode_tokens_per_second(group, method), plain_decode_tps),
+                "predicted_from_drafted": predicted_from_drafted(stats, cost, verify_cost),
             }
         out[subtask] = rows
     return out

@@ -107,10 +107,26 @@ COLUMNS = (
     "α",
     "c",
     "predicted ×",
+    "decode ×",
+    "predicted (k̄) ×",
     "not identical",
     "other time",
 )
-SHORT_COLUMNS = ("method", "tok/s", "×plain", "×hf", "tok/pass", "accept", "α", "c", "pred ×", "≠plain", "other")
+SHORT_COLUMNS = (
+    "method",
+    "tok/s",
+    "×plain",
+    "×hf",
+    "tok/pass",
+    "accept",
+    "α",
+    "c",
+    "pred ×",
+    "dec ×",
+    "pred k̄ ×",
+    "≠plain",
+    "other",
+)
 
 
 def _row(method: str, row: dict) -> list[str]:
@@ -125,6 +141,8 @@ def _row(method: str, row: dict) -> list[str]:
         _f(row["alpha"]),
         _f(row["draft_cost"], ".3f"),
         _f(row["predicted_speedup"], ".2f", "×"),
+        _f(row.get("decode_speedup_vs_plain"), ".2f", "×"),
+        _f(row.get("predicted_from_drafted"), ".2f", "×"),
         "–" if identical is None else f"{identical}/{row['turns']}",
         _pct(row["other_share"]),
     ]
@@ -174,8 +192,11 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         "planner's E(α, γ) / (v(γ+1) + γc) with "
         + ("the measured verify-cost curve v;" if result.verify_cost else "v = 1 (no --quirk curve measured);"),
         "it ignores prefill and loop overhead and assumes γ drafted tokens every round (prompt lookup often",
-        "drafts fewer). not identical = greedy outputs (per turn) that differ from our plain decode, token",
-        "for token. other time = share of wall time outside prefill, draft and verify.",
+        "drafts fewer). decode × = speedup over our plain decode with prefill time left out (what the planner",
+        "models); predicted (k̄) × = tokens/pass / (v(k̄+1) + k̄c) with k̄ the mean drafted tokens per pass, the",
+        "planner's ratio for the acceptance process actually measured. not identical = greedy outputs (per",
+        "turn) that differ from our plain decode, token for token. other time = share of wall time outside",
+        "prefill, draft and verify.",
         "",
         "## Overall",
         "",

@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from specdecode.commands import usage_errors
+
 QUIRK_MAX_K = 32
 QUIRK_CONTEXT = 500
 
@@ -87,126 +89,79 @@ def bench(
 ) -> None:
     """Benchmark plain and speculative decoding on Spec-Bench-style workloads; write a report and plots."""
     console = Console(stderr=True)
-    try:
-        _run(
-            console,
-            prompts,
-            categories,
-            limit,
-            target,
-            draft,
-            proposer,
-            gamma,
-            mode,
-            max_new_tokens,
-            temperature,
-            seed,
-            dtype,
-            hf,
-            quirk,
-            quirk_repeats,
-            warmup,
-            threads,
-            out,
+    with usage_errors():
+        # Validate everything cheap before loading models.
+        from specdecode.bench.workloads import default_items, load_items, select_items
+
+        proposers = _split(proposer, "--proposer")
+        gammas = _gammas(gamma)
+        modes = _split(mode, "--mode")
+        if quirk_repeats < 1:
+            raise ValueError(f"--quirk-repeats must be >= 1, got {quirk_repeats}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        items = load_items(prompts) if prompts is not None else default_items()
+        items = select_items(items, _split(categories, "--categories") or None, limit)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create --out folder {out}: {e.strerror or e}") from None
+
+        import torch
+
+        import specdecode
+        from specdecode.bench.methods import build_methods
+        from specdecode.bench.quirk import measure_verify_cost
+        from specdecode.bench.report import machine_info, summary_table, write_outputs
+        from specdecode.bench.runner import BenchConfig, run_bench
+
+        config = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, warmup=warmup)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if "draft" in proposers and draft is None:
+            console.print("[yellow]note:[/] no --draft given: the draft proposer and assisted generation are skipped")
+        try:
+            loaded = specdecode.load_model(target, dtype=dtype)
+            methods = build_methods(loaded, proposers, gammas, draft, transformers=hf, dtype=dtype, modes=modes)
+        except (OSError, specdecode.SpecDecodeError) as e:
+            raise ValueError(f"cannot load model: {e}") from None
+        _quiet_transformers()
+        turns = sum(len(i.turns) for i in items)
+        console.print(
+            f"{len(items)} questions ({turns} turns) × {len(methods)} methods: " + ", ".join(m.name for m in methods)
         )
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _run(
-    console,
-    prompts,
-    categories,
-    limit,
-    target,
-    draft,
-    proposer,
-    gamma,
-    mode,
-    max_new_tokens,
-    temperature,
-    seed,
-    dtype,
-    hf,
-    quirk,
-    quirk_repeats,
-    warmup,
-    threads,
-    out,
-) -> None:
-    # Validate everything cheap before loading models.
-    from specdecode.bench.workloads import default_items, load_items, select_items
-
-    proposers = _split(proposer, "--proposer")
-    gammas = _gammas(gamma)
-    modes = _split(mode, "--mode")
-    if quirk_repeats < 1:
-        raise ValueError(f"--quirk-repeats must be >= 1, got {quirk_repeats}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
-    items = load_items(prompts) if prompts is not None else default_items()
-    items = select_items(items, _split(categories, "--categories") or None, limit)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create --out folder {out}: {e.strerror or e}") from None
-
-    import torch
-
-    import specdecode
-    from specdecode.bench.methods import build_methods
-    from specdecode.bench.quirk import measure_verify_cost
-    from specdecode.bench.report import machine_info, summary_table, write_outputs
-    from specdecode.bench.runner import BenchConfig, run_bench
-
-    config = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, warmup=warmup)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if "draft" in proposers and draft is None:
-        console.print("[yellow]note:[/] no --draft given: the draft proposer and assisted generation are skipped")
-    try:
-        loaded = specdecode.load_model(target, dtype=dtype)
-        methods = build_methods(loaded, proposers, gammas, draft, transformers=hf, dtype=dtype, modes=modes)
-    except (OSError, specdecode.SpecDecodeError) as e:
-        raise ValueError(f"cannot load model: {e}") from None
-    _quiet_transformers()
-    turns = sum(len(i.turns) for i in items)
-    console.print(
-        f"{len(items)} questions ({turns} turns) × {len(methods)} methods: " + ", ".join(m.name for m in methods)
-    )
-    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        verify_cost = None
-        if quirk:
-            task = progress.add_task("verify-cost curve", total=quirk_repeats + 1)
-            verify_cost = measure_verify_cost(
-                loaded, QUIRK_MAX_K, QUIRK_CONTEXT, quirk_repeats, on_step=lambda: progress.advance(task)
+        columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            verify_cost = None
+            if quirk:
+                task = progress.add_task("verify-cost curve", total=quirk_repeats + 1)
+                verify_cost = measure_verify_cost(
+                    loaded, QUIRK_MAX_K, QUIRK_CONTEXT, quirk_repeats, on_step=lambda: progress.advance(task)
+                )
+            task = progress.add_task("warm-up, then questions × methods", total=len(items) * len(methods))
+            result = run_bench(
+                loaded,
+                items,
+                methods,
+                config,
+                verify_cost,
+                on_progress=lambda what: progress.update(task, advance=1, description=what),
             )
-        task = progress.add_task("warm-up, then questions × methods", total=len(items) * len(methods))
-        result = run_bench(
-            loaded,
-            items,
-            methods,
-            config,
-            verify_cost,
-            on_progress=lambda what: progress.update(task, advance=1, description=what),
-        )
-    machine = machine_info()
-    setup = {
-        "target": target,
-        "dtype": dtype,
-        "draft": draft,
-        "prompts": str(prompts) if prompts is not None else "built-in default set",
-        "categories": categories,
-        "limit": limit,
-        "proposers": proposers,
-        "gammas": gammas,
-        "modes": modes,
-    }
-    written = write_outputs(result, out, machine, setup)
-    Console(width=max(Console().width, 120)).print(summary_table(result))
-    console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
+        machine = machine_info()
+        setup = {
+            "target": target,
+            "dtype": dtype,
+            "draft": draft,
+            "prompts": str(prompts) if prompts is not None else "built-in default set",
+            "categories": categories,
+            "limit": limit,
+            "proposers": proposers,
+            "gammas": gammas,
+            "modes": modes,
+        }
+        written = write_outputs(result, out, machine, setup)
+        Console(width=max(Console().width, 120)).print(summary_table(result))
+        console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
 
 
 def _quiet_transformers() -> None:

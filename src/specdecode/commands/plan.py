@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from specdecode.commands import usage_errors
 from specdecode.planner import (
     MemoryPlan,
     ModelMemory,
@@ -68,8 +69,8 @@ def plan(
     max_new_tokens: Annotated[int, typer.Option(help="--measure: new tokens per answer.")] = 128,
     out: Annotated[Path, typer.Option(help="--measure: folder for plan.json and plan.png.")] = Path("plan-out"),
 ) -> None:
-    """Predict the speedup of speculative decoding for α, c and γ (or, with --memory, what fits)."""
-    try:
+    """Predict the speedup for α, c and γ; or measure them (--measure); or plan memory (--memory)."""
+    with usage_errors():
         if measure:
             _run_measure(
                 target or "smollm2",
@@ -88,9 +89,6 @@ def plan(
             _run_memory(target, draft, context, budget, dtype, json_output)
         else:
             _run_speedup(alpha, cost, gamma, verify_cost, json_output)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
 
 
 def load_verify_cost(path: Path) -> VerifyCost:
