@@ -92,3 +92,16 @@ def test_auto_gamma_is_validated():
             assert "gamma" in str(exc)
         else:
             raise AssertionError(f"gamma={bad!r} was accepted")
+
+
+def test_cost_model_keeps_a_step_in_verify_cost_that_a_line_would_hide():
+    costs = CostModel(smoothing=1.0)
+    costs.observe(verified=1, verify_seconds=0.040, drafted=0, draft_seconds=0.0)
+    costs.observe(verified=3, verify_seconds=0.044, drafted=2, draft_seconds=0.0)
+    costs.observe(verified=5, verify_seconds=0.068, drafted=4, draft_seconds=0.0)
+    assert abs(costs.verify_cost(3) - 1.1) < 1e-9  # measured at k = 3, not the line's value
+    assert abs(costs.verify_cost(5) - 1.7) < 1e-9
+    controller = AdaptiveGamma(max_gamma=4, costs=costs)
+    for _ in range(30):
+        controller.observe(drafted=4, accepted=1)  # a_1 high-ish, later positions rarely reached
+    assert controller.predicted_speedup(2) > controller.predicted_speedup(4)

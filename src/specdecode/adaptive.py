@@ -20,19 +20,26 @@ PRIOR_REJECTED = 1.0
 
 @dataclass
 class CostModel:
-    """Online step costs: seconds of a 1-token target forward, extra seconds per extra verified token,
-    and seconds per drafted token, as exponential moving averages (``fixed`` costs never update)."""
+    """Online step costs, as exponential moving averages (``fixed`` costs never update): seconds of a
+    1-token target forward, of a k-token forward for each k seen, extra seconds per extra verified token
+    (the line used for k not seen yet), and seconds per drafted token.
+
+    Per-k timings matter: on a CPU the k-token forward is often a step function of k (a GEMM kernel switch),
+    which no line through two points describes.
+    """
 
     step_seconds: float | None = None
     extra_token_seconds: float | None = None
     draft_token_seconds: float | None = None
     smoothing: float = 0.2
     fixed: bool = False
+    verify_seconds: dict[int, float] = field(default_factory=dict)
 
     def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float) -> None:
         """Fold one round's timings in (``verified`` = tokens in the target forward = drafted + 1)."""
         if self.fixed:
             return
+        self.verify_seconds[verified] = self._ema(self.verify_seconds.get(verified), verify_seconds)
         if verified == 1:
             self.step_seconds = self._ema(self.step_seconds, verify_seconds)
         elif self.step_seconds is not None:
@@ -45,8 +52,12 @@ class CostModel:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
     def verify_cost(self, tokens: int) -> float:
-        """v(k): a k-token target forward relative to a 1-token one (linear in k; 1 until measured)."""
-        if not self.step_seconds or self.extra_token_seconds is None:
+        """v(k): a k-token target forward relative to a 1-token one (measured at k, else the line; 1 at first)."""
+        if not self.step_seconds:
+            return 1.0
+        if tokens in self.verify_seconds:
+            return self.verify_seconds[tokens] / self.step_seconds
+        if self.extra_token_seconds is None:
             return 1.0
         return 1.0 + (tokens - 1) * self.extra_token_seconds / self.step_seconds
 

@@ -55,7 +55,7 @@ def run_demo(target_name: str, gamma: int, max_new_tokens: int, dtype: str, cons
     console.print("\n[bold]Output[/bold]:")
     console.print(spec.text, highlight=False)
     table = Table(title=f"{target.name}, prompt lookup, gamma={gamma} (median of {ROUNDS} alternating runs)")
-    for column in ("method", "tokens", "tokens/s", "target passes", "tokens/pass", "acceptance", "α"):
+    for column in ("method", "tokens", "tok/s", "passes", "tok/pass", "accept", "α"):
         table.add_column(column, justify="right")
     table.add_row("plain", str(len(plain.token_ids)), f"{plain_tps:.1f}", str(plain.stats.rounds), "1.00", "-", "-")
     s = spec.stats
