@@ -96,21 +96,32 @@ def _bias(*linears: nn.Linear) -> torch.Tensor | None:
     return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
+def _fuse(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights of ``linears`` (same input size) and make each layer's weight a view of the
+    result, so the fused matrix costs no memory beyond the model's own parameters."""
+    fused = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        m.weight.data = fused[start : start + m.out_features]
+        start += m.out_features
+    return fused
+
+
 @torch.no_grad()
 def _fused_layer(layer: nn.Module) -> _Layer:
-    """Dense weights of one decoder layer (views where possible, fused q/k/v and gate/up copies), cached."""
+    """Dense weights of one decoder layer (q/k/v and gate/up fused, the rest as they are), cached."""
     cached = _LAYERS.get(layer)
     attn, mlp = layer.self_attn, layer.mlp
     if cached is not None and cached.o.data_ptr() == attn.o_proj.weight.data_ptr():
         return cached
     fused = _Layer(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+        qkv=_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
         qkv_bias=_bias(attn.q_proj, attn.k_proj, attn.v_proj),
         o=attn.o_proj.weight.detach().contiguous(),
         o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+        gate_up=_fuse(mlp.gate_proj, mlp.up_proj),
         gate_up_bias=_bias(mlp.gate_proj, mlp.up_proj),
         down=mlp.down_proj.weight.detach().contiguous(),
         down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
