@@ -76,6 +76,18 @@ def word_tokenizer(words: list[str], eos: str | None = None) -> PreTrainedTokeni
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0], eos_token=eos)
 
 
+def resample_from_target(target_probs, draft_probs, draft_tokens, generator):
+    """A WRONG verifier (the negative control): the min(1, p/q) test, but a rejection resamples from p
+    instead of the residual norm(max(0, p − q))."""
+    k = int(draft_tokens.shape[0])
+    for i in range(k):
+        p = float(target_probs[i, draft_tokens[i]])
+        q = 1.0 if draft_probs is None else float(draft_probs[i, draft_tokens[i]])
+        if not float(torch.rand((), dtype=torch.float64, generator=generator)) < p / q:
+            return i, int(torch.multinomial(target_probs[i].double(), 1, generator=generator))
+    return k, int(torch.multinomial(target_probs[k].double(), 1, generator=generator))
+
+
 @pytest.fixture(scope="session", params=["native", "transformers"])
 def backend(request) -> str:
     """Every test on the tiny models runs on both runners: ours (native) and transformers'."""

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import with_eos, word_tokenizer
+from conftest import resample_from_target, with_eos, word_tokenizer
 from scipy.stats import chisquare
 
 import specdecode as sd
@@ -105,17 +105,6 @@ def test_first_two_tokens_follow_the_target_exactly(small_target, small_draft, p
         assert (law.sum(1) == 0).sum() >= 4  # the warp removes first tokens: it is being tested
     assert chisquare_pvalue(counts, law) > ALPHA
     assert chisquare_pvalue(counts.sum(1), law.sum(1)) > ALPHA
-
-
-def resample_from_target(target_probs, draft_probs, draft_tokens, generator):
-    """A WRONG verifier: on rejection it draws from p instead of the residual max(0, p − q)."""
-    k = int(draft_tokens.shape[0])
-    for i in range(k):
-        p = float(target_probs[i, draft_tokens[i]])
-        q = 1.0 if draft_probs is None else float(draft_probs[i, draft_tokens[i]])
-        if not float(torch.rand((), dtype=torch.float64, generator=generator)) < p / q:
-            return i, int(torch.multinomial(target_probs[i], 1, generator=generator))
-    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
 
 
 def test_negative_control_a_wrong_verifier_is_caught(small_target, small_draft, monkeypatch):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import resample_from_target
 from typer.testing import CliRunner
 
 import specdecode as sd
@@ -18,18 +19,9 @@ from specdecode.exactness import (
     pool_cells,
     tv_upper_bound,
 )
-from specdecode.verify import speculative_sample
 
 PROMPT = [1, 2, 3]
 SAMPLES = 800
-
-
-def resample_from_target(target_probs, draft_probs, draft_tokens, generator):
-    """A classic bug: after a rejection, draw from p instead of norm(max(0, p − q))."""
-    n_accepted, token = speculative_sample(target_probs, draft_probs, draft_tokens, generator)
-    if n_accepted < len(draft_tokens):
-        token = int(torch.multinomial(target_probs[n_accepted].double(), 1, generator=generator))
-    return n_accepted, token
 
 
 def test_pair_law_is_the_exact_joint(small_target):

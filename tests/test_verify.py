@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import resample_from_target
 from scipy.stats import chisquare
 
 from specdecode.verify import greedy_verify, speculative_sample
@@ -221,17 +222,6 @@ def test_joint_law_of_accepted_count_and_next_token(name):
     for _, n_accepted, token in trials:
         counts[n_accepted, token] += 1
     assert chisquare_pvalue(counts, joint_law(target, draft, fixed)) > ALPHA
-
-
-def resample_from_target(target_probs, draft_probs, draft_tokens, generator):
-    """A WRONG verifier: the Leviathan acceptance test, but a rejection resamples from p, not the residual."""
-    k = int(draft_tokens.shape[0])
-    for i in range(k):
-        p = float(target_probs[i, draft_tokens[i]])
-        q = 1.0 if draft_probs is None else float(draft_probs[i, draft_tokens[i]])
-        if not float(torch.rand((), dtype=torch.float64, generator=generator)) < p / q:
-            return i, int(torch.multinomial(target_probs[i], 1, generator=generator))
-    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
 
 
 def test_negative_control_the_first_token_test_detects_a_wrong_residual():
