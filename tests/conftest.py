@@ -14,8 +14,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -74,6 +76,23 @@ def word_tokenizer(words: list[str], eos: str | None = None) -> PreTrainedTokeni
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0], eos_token=eos)
+
+
+def chisquare_pvalue(counts, probs) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``probs`` (normalised); cells with expected count < 5 pooled.
+
+    An outcome the law gives probability 0 fails at once.
+    """
+    counts, probs = np.asarray(counts, float).ravel(), np.asarray(probs, float).ravel()
+    probs = probs / probs.sum()
+    assert counts[probs == 0].sum() == 0, "an outcome the target gives probability 0 occurred"
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)
 
 
 def resample_from_target(target_probs, draft_probs, draft_tokens, generator):

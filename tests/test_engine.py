@@ -17,8 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import resample_from_target, with_eos, word_tokenizer
-from scipy.stats import chisquare
+from conftest import chisquare_pvalue, resample_from_target, with_eos, word_tokenizer
 
 import specdecode as sd
 import specdecode.engine
@@ -56,18 +55,6 @@ def exact_two_token_law(target: sd.LoadedModel, prompt: list[int], params: sd.Sa
         second = probs_from_logits(runner.forward(torch.tensor([x1]))[-1], params).double()
         law[x1] = (first[x1] * second).numpy()
     return law
-
-
-def chisquare_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    counts, probs = counts.ravel().astype(float), probs.ravel() / probs.sum()
-    assert counts[probs == 0].sum() == 0, "the decoder emitted a pair the target gives probability 0"
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp).pvalue)
 
 
 def sample_pairs(decoder: sd.SpeculativeDecoder, prompt: list[int], params: sd.SamplingParams, seed0: int):

@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import resample_from_target
-from scipy.stats import chisquare
+from conftest import chisquare_pvalue, resample_from_target
 
 from specdecode.verify import greedy_verify, speculative_sample
 
@@ -130,19 +129,6 @@ def test_greedy_verify():
 
 
 # ------------------------------------------------------------------------------------ statistical tests
-
-
-def chisquare_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit of ``counts`` to ``probs``; cells with expected count < 5 pooled."""
-    counts, probs = np.asarray(counts, float).ravel(), np.asarray(probs, float).ravel()
-    assert np.isclose(probs.sum(), 1.0) and counts[probs == 0].sum() == 0, "an impossible outcome occurred"
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp).pvalue)
 
 
 def run_trials(

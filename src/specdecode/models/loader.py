@@ -40,10 +40,6 @@ class LoadedModel:
             return NativeLlamaRunner(self.model, self.vocab_size, max_length=1024)
         return HFRunner(self.model, self.vocab_size)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt: a string is tokenized as the tokenizer does; a list is checked and kept."""
         if isinstance(prompt, str):
