@@ -54,4 +54,4 @@ def test_self_speculation_on_native_shares_the_fused_weights():
     draft = sd.LayerSkipProposer(target, 2)
     assert draft.model.backend == "native"
     full, part = target.new_runner(), draft.model.new_runner()
-    assert part._layers[0].qkv.data_ptr() == full._layers[0].qkv.data_ptr()
+    assert part._layers[0].qkv.weight.data_ptr() == full._layers[0].qkv.weight.data_ptr()

@@ -132,7 +132,7 @@ def test_num_layers_matches_truncated_model_and_shares_weights():
     target.forward(torch.tensor(ids[:5]))
     logits = _feed(draft, ids, [4, 1, 7])
     torch.testing.assert_close(logits, _reference(truncated, ids), atol=ATOL, rtol=0)
-    assert draft._layers[0].qkv.data_ptr() == target._layers[0].qkv.data_ptr()
+    assert draft._layers[0].qkv.weight.data_ptr() == target._layers[0].qkv.weight.data_ptr()
     assert (target.length, draft.length) == (5, 12)
     with pytest.raises(ValueError):
         NativeLlamaRunner(model, vocab_size=VOCAB, num_layers=4)

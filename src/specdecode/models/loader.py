@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
@@ -18,6 +19,7 @@ from .base import ModelRunner
 from .bundled import BUNDLED
 from .hf import HFRunner
 from .native_llama import NativeLlamaRunner, supports_native
+from .quantize import QUANTIZATIONS, Quantization, quantize_model
 
 BACKENDS = ("auto", "native", "transformers")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -33,6 +35,7 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: frozenset[int]
     backend: str = "transformers"
+    quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "int8", "int4"
 
     def new_runner(self) -> ModelRunner:
         """A fresh runner with its own empty KV cache over this model's weights (native or transformers)."""
@@ -85,52 +88,83 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    source: Any, tokenizer: Any = None, dtype: str | torch.dtype = torch.float32, backend: str = "auto"
+    source: Any,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype = torch.float32,
+    backend: str = "auto",
+    quantization: str | None = "auto",
+    group_size: int = 32,
 ) -> LoadedModel:
     """Load a bundled name (``smollm2``, ``gemma3-270m``), a local HF folder, a ``.gguf`` file, or wrap a model.
 
     ``backend``: ``native`` (our Llama-family runner: static cache, fused weights), ``transformers`` (any
     causal LM), or ``auto`` = native where it reproduces the model exactly, else transformers.
+    ``quantization``: ``None`` = dense weights in ``dtype``; ``"gguf"`` = the GGUF file's own 4-bit blocks;
+    ``"int8"`` / ``"int4"`` (groups of ``group_size``) = dense weights rounded; ``"auto"`` (default) = ``"gguf"``
+    for a GGUF file the native runner supports, else dense. Quantized weights run with bfloat16 activations
+    and a float32 residual stream, so they need ``dtype`` float32.
     """
     dtype = resolve_dtype(dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if quantization not in (None, "auto", *QUANTIZATIONS):
+        raise ValueError(f"quantization must be auto, {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
     if isinstance(source, LoadedModel):
         return source
+    gguf_path = None
     if isinstance(source, torch.nn.Module):
         model = source.eval()
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
+        if quantization not in (None, "auto"):
+            model = copy.deepcopy(model)  # quantizing swaps modules: leave the caller's model as it was
         model = model.to(dtype) if dtype != next(model.parameters()).dtype else model
-        return _wrap(model, tokenizer, name, backend)
-    if not isinstance(source, str | os.PathLike):
-        raise ValueError(f"cannot load a model from {type(source).__name__}: give a name, a path or a model")
-    text = str(source)
-    if text in BUNDLED:
-        folder = _dense_cache(BUNDLED[text].gguf_path())
-        name = text
+    elif isinstance(source, str | os.PathLike):
+        folder, name, gguf_path = _locate(str(source))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+            except (OSError, ValueError):
+                tokenizer = None
     else:
-        path = Path(text).expanduser()
-        if path.suffix == ".gguf":
-            if not path.is_file():
-                raise ModelNotAvailable(f"GGUF file not found: {path}")
-            folder, name = _dense_cache(path), path.name
-        elif path.is_dir():
-            folder, name = path, path.name
-        else:
-            known = ", ".join(BUNDLED)
-            raise ModelNotAvailable(f"'{text}' is neither a bundled model ({known}), a .gguf file nor a model folder")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    if tokenizer is None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError):
-            tokenizer = None
-    return _wrap(model, tokenizer, name, backend)
+        raise ValueError(f"cannot load a model from {type(source).__name__}: give a name, a path or a model")
+    if quantization == "auto":
+        native = backend != "transformers" and supports_native(model)
+        quantization = "gguf" if gguf_path is not None and native else None
+    if quantization is not None:
+        spec = Quantization(quantization, group_size)  # validates the group size
+        if dtype != torch.float32:
+            raise ValueError(
+                f"quantization={quantization!r} runs bfloat16 activations over a float32 residual stream: "
+                "leave dtype at float32 (or pass quantization=None for dense bfloat16 weights)"
+            )
+        if quantization == "gguf" and gguf_path is None:
+            raise ValueError("quantization='gguf' keeps a GGUF file's blocks: load a .gguf file or a bundled model")
+        quantize_model(model, spec, gguf_path)
+    loaded = _wrap(model, tokenizer, name, backend)
+    loaded.quantization = quantization
+    return loaded
+
+
+def _locate(text: str) -> tuple[Path, str, Path | None]:
+    """(transformers folder, display name, GGUF file or None) for a bundled name, a .gguf path or a folder."""
+    if text in BUNDLED:
+        gguf = BUNDLED[text].gguf_path()
+        return _dense_cache(gguf), text, gguf
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotAvailable(f"GGUF file not found: {path}")
+        return _dense_cache(path), path.name, path
+    if path.is_dir():
+        return path, path.name, None
+    known = ", ".join(BUNDLED)
+    raise ModelNotAvailable(f"'{text}' is neither a bundled model ({known}), a .gguf file nor a model folder")
 
 
 def _wrap(model: PreTrainedModel, tokenizer: Any, name: str, backend: str) -> LoadedModel:
     vocab_size = len(tokenizer) if tokenizer is not None else model.config.get_text_config().vocab_size
-    vocab_size = min(vocab_size, model.get_output_embeddings().weight.shape[0])
+    vocab_size = min(vocab_size, model.get_output_embeddings().out_features)
     native = supports_native(model)
     if backend == "native" and not native:
         raise ValueError(f"the native runner does not support {type(model).__name__}; use backend='transformers'")

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .weights import Embedding, Linear, QuantizedEmbedding, QuantizedLinear, embedding_of, fuse_linears, linear_of
+
 _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # RoPE types whose inverse frequencies are fixed at load time (no per-call update in transformers).
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
@@ -27,7 +29,7 @@ def supports_native(model: nn.Module) -> bool:
     if config is None or getattr(config, "model_type", None) not in _MODEL_TYPES:
         return False
     base = getattr(model, "model", None)
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear) or base is None:
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear | QuantizedLinear) or base is None:
         return False
     if getattr(config, "hidden_act", None) != "silu":
         return False
@@ -55,103 +57,79 @@ def supports_native(model: nn.Module) -> bool:
             mlp.up_proj,
             mlp.down_proj,
         ]
-    # Exactly nn.Linear with a dense float weight: quantized (e.g. packed GGUF) layers are subclasses or
-    # carry other weight types.
-    return all(type(m) is nn.Linear and m.weight.dtype in _DTYPES for m in linears) and (
-        base.embed_tokens.weight.dtype == model.lm_head.weight.dtype
-    )
+    # Exactly nn.Linear with a dense float weight, or our QuantizedLinear: transformers' own quantized layers
+    # (e.g. packed GGUF) are subclasses or carry other weight types.
+    dense = [m for m in linears if not isinstance(m, QuantizedLinear)]
+    if not all(type(m) is nn.Linear and m.weight.dtype in _DTYPES for m in dense):
+        return False
+    embed = base.embed_tokens
+    if isinstance(embed, QuantizedEmbedding):
+        return True
+    return type(embed) is nn.Embedding and all(embed.weight.dtype == m.weight.dtype for m in dense)
 
 
 @dataclass(frozen=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim] outputs
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # [2 * intermediate] outputs
+    down: Linear
 
 
 @dataclass(frozen=True)
 class _Weights:
-    dtype: torch.dtype
-    embed: torch.Tensor
+    dtype: torch.dtype  # the residual stream's: the model's float dtype, float32 when any matrix is quantized
+    embed: Embedding
     layers: tuple[_Layer, ...]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # [padded vocab, hidden]
+    lm_head: Linear
 
 
-# One fused copy per decoder layer: a self-speculation draft (num_layers=N, or a transformers view of the
-# first N layers) shares its target's fused weights.
-_LAYERS: weakref.WeakKeyDictionary[nn.Module, _Layer] = weakref.WeakKeyDictionary()
-
-
-def _bias(*linears: nn.Linear) -> torch.Tensor | None:
-    if all(m.bias is None for m in linears):
-        return None
-    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-
-
-def _fuse(*linears: nn.Linear) -> torch.Tensor:
-    """Concatenate the weights of ``linears`` (same input size) and make each layer's weight a view of the
-    result, so the fused matrix costs no memory beyond the model's own parameters."""
-    fused = torch.cat([m.weight.detach() for m in linears])
-    start = 0
-    for m in linears:
-        m.weight.data = fused[start : start + m.out_features]
-        start += m.out_features
-    return fused
+# One fused view per decoder layer: a self-speculation draft (num_layers=N, or a transformers view of the
+# first N layers) shares its target's fused weights. Keyed by the layer; the o_proj module it was built from
+# tells a stale entry (weights swapped since) from a current one.
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, _Layer]] = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
-def _fused_layer(layer: nn.Module) -> _Layer:
-    """Dense weights of one decoder layer (q/k/v and gate/up fused, the rest as they are), cached."""
-    cached = _LAYERS.get(layer)
+def _fused_layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
+    """The formats of one decoder layer (q/k/v and gate/up fused, the rest as they are), cached."""
     attn, mlp = layer.self_attn, layer.mlp
-    if cached is not None and cached.o.data_ptr() == attn.o_proj.weight.data_ptr():
-        return cached
+    cached = _LAYERS.get(layer)
+    if cached is not None and cached[0] is attn.o_proj and _same_weights(cached[1].o, attn.o_proj):
+        return cached[1]
     fused = _Layer(
-        input_norm=layer.input_layernorm.weight.detach(),
-        qkv=_fuse(attn.q_proj, attn.k_proj, attn.v_proj),
-        qkv_bias=_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        o=attn.o_proj.weight.detach().contiguous(),
-        o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-        post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=_fuse(mlp.gate_proj, mlp.up_proj),
-        gate_up_bias=_bias(mlp.gate_proj, mlp.up_proj),
-        down=mlp.down_proj.weight.detach().contiguous(),
-        down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
+        input_norm=layer.input_layernorm.weight.detach().to(dtype),
+        qkv=fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
+        o=linear_of(attn.o_proj),
+        post_norm=layer.post_attention_layernorm.weight.detach().to(dtype),
+        gate_up=fuse_linears([mlp.gate_proj, mlp.up_proj]),
+        down=linear_of(mlp.down_proj),
     )
-    _LAYERS[layer] = fused
+    _LAYERS[layer] = (attn.o_proj, fused)
     return fused
+
+
+def _same_weights(linear: Linear, module: nn.Module) -> bool:
+    if isinstance(module, QuantizedLinear):
+        return linear is module.kernel
+    return getattr(linear, "weight", None) is not None and linear.weight.data_ptr() == module.weight.data_ptr()
 
 
 def _weights(model: nn.Module) -> _Weights:
     """The runner's view of ``model``'s weights: fused layers (shared, cached) and views of the rest."""
     base = model.model
+    quantized = any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
+    dtype = torch.float32 if quantized else base.embed_tokens.weight.dtype
     return _Weights(
-        dtype=base.embed_tokens.weight.dtype,
-        embed=base.embed_tokens.weight.detach().contiguous(),
-        layers=tuple(_fused_layer(layer) for layer in base.layers),
-        norm=base.norm.weight.detach(),
-        lm_head=model.lm_head.weight.detach().contiguous(),  # tied: the same storage as embed
+        dtype=dtype,
+        embed=embedding_of(base.embed_tokens),
+        layers=tuple(_fused_layer(layer, dtype) for layer in base.layers),
+        norm=base.norm.weight.detach().to(dtype),
+        lm_head=linear_of(model.lm_head),
     )
-
-
-def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, the bias added separately so that one row and many rows round alike."""
-    y = F.linear(x, weight)
-    return y if bias is None else y + bias
-
-
-def _linear_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``_linear_rows`` for a single row as a matrix-vector product: bitwise the same gemv, less dispatch."""
-    y = torch.mv(weight, x[0])[None]
-    return y if bias is None else y + bias
 
 
 class NativeLlamaRunner:
@@ -175,19 +153,20 @@ class NativeLlamaRunner:
         if max_length < 1:
             raise ValueError(f"max_length must be positive, got {max_length}")
         weights = _weights(model)
-        if not 1 <= vocab_size <= weights.lm_head.shape[0]:
-            raise ValueError(f"vocab_size must be in 1..{weights.lm_head.shape[0]}, got {vocab_size}")
+        rows = model.lm_head.out_features
+        if not 1 <= vocab_size <= rows:
+            raise ValueError(f"vocab_size must be in 1..{rows}, got {vocab_size}")
         attn = model.model.layers[0].self_attn
         rotary = model.model.rotary_emb
 
         self.vocab_size = vocab_size
         self.num_layers = num_layers
         self._dtype = weights.dtype
-        self._device = weights.embed.device
+        self._device = weights.norm.device
         self._embed = weights.embed
         self._layers = weights.layers[:num_layers]
         self._norm = weights.norm
-        self._lm_head = weights.lm_head[:vocab_size]  # a prefix of rows: still contiguous
+        self._lm_head = weights.lm_head
         self._eps = config.rms_norm_eps
         self._hidden_shape = (config.hidden_size,)
         self._heads = config.num_attention_heads
@@ -245,7 +224,8 @@ class NativeLlamaRunner:
         return weight * F.rms_norm(x.float(), self._hidden_shape, eps=self._eps).to(self._dtype)
 
     def prefill(self, tokens: torch.Tensor) -> None:
-        """Append ``tokens`` to the cache without computing their logits."""
+        """Append ``tokens`` to the cache without computing their logits (one attention call for all rows:
+        fast, and the same cache for the plain and the speculative path, which both prefill the prompt alike)."""
         self._run(tokens, None, None, logits=False)
 
     def forward(
@@ -259,8 +239,23 @@ class NativeLlamaRunner:
         By default token i sits at position ``length+i`` and attends to slots ``<= length+i``. For a token
         tree, ``positions`` (int64 ``[k]``) overrides the RoPE positions and ``attn_mask`` (bool
         ``[k, length+k]``, True = may attend) overrides the causal mask.
+
+        Row invariance: each row's logits are bitwise those of a one-token call that sees the same keys in the
+        same order (for a chain, plain decoding). Every matrix format is row-invariant; attention runs one
+        call per row over exactly that row's keys, because a k-row attention reduces in another order.
         """
         return self._run(tokens, positions, attn_mask, logits=True)
+
+    def _visible_keys(self, start: int, k: int, attn_mask: torch.Tensor | None) -> list[int | torch.Tensor]:
+        """Per row, the cache slots it attends to, in order: a prefix length, or slot indices (a tree branch)."""
+        if attn_mask is None:
+            return [start + i + 1 for i in range(k)]
+        visible: list[int | torch.Tensor] = []
+        for row in attn_mask:
+            slots = row.nonzero().squeeze(1)
+            n = slots.numel()
+            visible.append(n if n and int(slots[-1]) == n - 1 else slots)
+        return visible
 
     @torch.inference_mode()
     def _run(
@@ -275,41 +270,58 @@ class NativeLlamaRunner:
             cos, sin = self._cos[start:end], self._signed_sin[start:end]
         else:
             cos, sin = self._cos[positions], self._signed_sin[positions]
-        if attn_mask is None and k > 1:
-            attn_mask = self._slots[:end] <= self._slots[start:end, None]
-        if attn_mask is not None:
-            if attn_mask.shape != (k, end):
-                raise ValueError(f"attn_mask must have shape ({k}, {end}), got {tuple(attn_mask.shape)}")
-            # Rows follow the packed query layout: (query head within the group, token).
-            attn_mask = attn_mask.repeat(self._groups, 1)
+        if attn_mask is not None and attn_mask.shape != (k, end):
+            raise ValueError(f"attn_mask must have shape ({k}, {end}), got {tuple(attn_mask.shape)}")
+        batched_mask = None
+        if not logits and k > 1:  # prefill: one attention call, causal (or the given) mask
+            mask = self._slots[:end] <= self._slots[start:end, None] if attn_mask is None else attn_mask
+            batched_mask = mask.repeat(self._groups, 1)  # rows follow the packed (query head, token) layout
+        visible = self._visible_keys(start, k, attn_mask) if logits and (k > 1 or attn_mask is not None) else None
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         heads, kv_heads, groups, head_dim = self._heads, self._kv_heads, self._groups, self._head_dim
         qk_width = (heads + kv_heads) * head_dim
         half = head_dim // 2
+        dtype = self._dtype
 
-        linear = _linear_row if k == 1 else _linear_rows
-        x = F.embedding(tokens, self._embed)
+        x = self._embed(tokens).to(dtype)
         for i, layer in enumerate(self._layers):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h).to(dtype)
             qk = qkv[:, :qk_width].view(k, heads + kv_heads, head_dim)
             qk = qk * cos + qk.roll(half, dims=-1) * sin
             keys, values = self._keys[i], self._values[i]
             keys[0, :, start:end] = qk[:, heads:].transpose(0, 1)
             values[0, :, start:end] = qkv[:, qk_width:].view(k, kv_heads, head_dim).transpose(0, 1)
-            # Pack the query heads that share a key/value head: [1, kv_heads, groups * k, head_dim]
-            # (4-D inputs reach the fused CPU kernel).
-            q = qk[:, :heads].view(k, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
-            q = q.reshape(1, kv_heads, groups * k, head_dim)
-            attn = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end], attn_mask=attn_mask, scale=self._scaling
-            )
-            attn = attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3).reshape(k, heads * head_dim)
-            x = x + linear(attn, layer.o, layer.o_bias)
+            if visible is None and batched_mask is None:  # one row
+                q = qk[:, :heads].view(1, kv_heads, groups, head_dim)
+                attn = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=self._scaling)
+            elif visible is None:
+                # Pack the query heads that share a key/value head: [1, kv_heads, groups * k, head_dim]
+                # (4-D inputs reach the fused CPU kernel).
+                q = qk[:, :heads].view(k, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
+                q = q.reshape(1, kv_heads, groups * k, head_dim)
+                attn = F.scaled_dot_product_attention(
+                    q, keys[:, :, :end], values[:, :, :end], attn_mask=batched_mask, scale=self._scaling
+                )
+                attn = attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3)
+            else:
+                attn = torch.cat([self._attend_row(qk[j, :heads], keys, values, visible[j]) for j in range(k)])
+            x = x + layer.o(attn.reshape(k, heads * head_dim))
             h = self._rms_norm(x, layer.post_norm)
-            gate, up = linear(h, layer.gate_up, layer.gate_up_bias).split(self._intermediate, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(h).split(self._intermediate, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         self._length = end
         if not logits:
             return None
-        return linear(self._rms_norm(x, self._norm), self._lm_head, None).float()
+        return self._lm_head(self._rms_norm(x, self._norm))[:, : self.vocab_size].float()
+
+    def _attend_row(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: int | torch.Tensor
+    ) -> torch.Tensor:
+        """One query row's attention over its visible slots, exactly as a one-token step computes it."""
+        q = q.view(1, self._kv_heads, self._groups, self._head_dim)
+        if isinstance(visible, int):
+            keys, values = keys[:, :, :visible], values[:, :, :visible]
+        else:
+            keys, values = keys[:, :, visible], values[:, :, visible]
+        return F.scaled_dot_product_attention(q, keys, values, scale=self._scaling)

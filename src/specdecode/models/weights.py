@@ -1,0 +1,303 @@
+"""Weight formats of a linear layer: dense, int4 groupwise and int8 per-channel, each a callable ``x -> x @ W.T``.
+
+A format is a property of the weights, not of the runner: the native runner and transformers' modules
+(through ``QuantizedLinear``) call the same objects. The quantized formats run PyTorch's weight-only CPU
+kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) on bfloat16 activations, their fast path;
+both are row-invariant (each row of a k-row product is bitwise the one-row product), which the tests check.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATION_DTYPE = torch.bfloat16  # what the weight-only kernels are fast for
+INT4_ROW_BLOCK = 64  # the int4 packed layout stores rows in blocks of 64: packed matrices concatenate at multiples
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class GroupQuant:
+    """Groupwise asymmetric 4-bit weights: w[n, j] = (q[n, j] − 8)·scale[n, g] + zero[n, g], g = j // group_size."""
+
+    q: torch.Tensor  # uint8 [N, K], values 0..15
+    scale: torch.Tensor  # float32 [N, K / group_size]
+    zero: torch.Tensor  # float32 [N, K / group_size]
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        q = self.q.float().view(n, k // self.group_size, self.group_size) - 8
+        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, group_size: int) -> GroupQuant:
+        """Round each group of ``group_size`` weights onto 16 levels spanning its min..max."""
+        n, k = weight.shape
+        if group_size not in GROUP_SIZES or k % group_size:
+            raise ValueError(f"group size must be one of {GROUP_SIZES} and divide {k}, got {group_size}")
+        groups = weight.detach().float().view(n, k // group_size, group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+        return GroupQuant(q, scale, low + 8 * scale, group_size)
+
+    @staticmethod
+    def cat(parts: Sequence[GroupQuant]) -> GroupQuant:
+        """Stack output rows of several matrices with the same input size and group size."""
+        return GroupQuant(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+            parts[0].group_size,
+        )
+
+
+@dataclass(frozen=True)
+class DenseLinear:
+    """Dense weights in the model dtype, computed so that each row's result never depends on the row count.
+
+    float32 GEMMs round a row differently for every row count, so each row is its own ``torch.mv`` (a k-row
+    call reads the weights k times: the price of bitwise identity). bfloat16 ``F.linear`` is row-invariant from
+    2 rows up but takes another path for 1 row, so a single row is computed as a pair.
+    """
+
+    weight: torch.Tensor  # [N, K]
+    bias: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.weight.dtype == torch.float32:
+            y = torch.stack([torch.mv(self.weight, row) for row in x]) if rows > 1 else torch.mv(self.weight, x[0])[None]
+        else:
+            y = F.linear(x.expand(2, -1), self.weight)[:1] if rows == 1 else F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class Int4Linear:
+    """4-bit groupwise weights in torch's packed CPU layout; bfloat16 in and out (bias added in float32)."""
+
+    packed: torch.Tensor  # uint8 [N, K / 2], rows in blocks of 64
+    scales_zeros: torch.Tensor  # bfloat16 [K / group_size, N, 2]
+    group_size: int
+    bias: torch.Tensor | None = None
+
+    @staticmethod
+    def from_groups(weights: GroupQuant, bias: torch.Tensor | None = None) -> Int4Linear:
+        n = weights.q.shape[0]
+        if n % 16:
+            raise ValueError(f"int4 weights need a multiple of 16 output rows, got {n}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.q.to(torch.int32), 1)
+        scales_zeros = torch.stack([weights.scale.t(), weights.zero.t()], dim=-1).to(ACTIVATION_DTYPE).contiguous()
+        return Int4Linear(packed, scales_zeros, weights.group_size, _float(bias))
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_zeros, self.bias)
+
+    def rows(self, start: int, stop: int) -> Int4Linear:
+        """Output rows ``start:stop`` sharing this matrix's packed storage (both multiples of 64)."""
+        if start % INT4_ROW_BLOCK or (stop % INT4_ROW_BLOCK and stop != self.out_features):
+            raise ValueError(f"int4 row slices must start and stop at multiples of {INT4_ROW_BLOCK}")
+        bias = None if self.bias is None else self.bias[start:stop]
+        return Int4Linear(self.packed[start:stop], self.scales_zeros[:, start:stop].contiguous(), self.group_size, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(ACTIVATION_DTYPE), self.packed, self.group_size, self.scales_zeros
+        )
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class Int8Linear:
+    """8-bit weights with one scale per output row (symmetric); bfloat16 in and out."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # bfloat16 [N]
+    bias: torch.Tensor | None = None
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """w ≈ scale[n]·q[n, j], q = round(w / scale) with scale = max|w[n]| / 127."""
+        w = weight.detach().float()
+        scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return Int8Linear(q, scale.to(ACTIVATION_DTYPE), _float(bias))
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.q, self.scale, self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), self.q, self.scale)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class ConcatLinear:
+    """Several formats side by side (outputs concatenated): the fusion of parts that cannot share one matrix."""
+
+    parts: tuple[Linear, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+Linear = DenseLinear | Int4Linear | Int8Linear | ConcatLinear
+
+
+@dataclass(frozen=True)
+class Int8Groups:
+    """Int8 rows with one scale per group of 32 (GGUF's Q8_0): w[n, j] = scale[n, j // 32]·q[n, j], exact in float32.
+
+    Called with token ids it is an embedding table that dequantizes only the rows it reads.
+    """
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K / 32]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.q, self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self(torch.arange(self.q.shape[0]))
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        q = self.q[tokens].float()
+        return (q.view(*q.shape[:-1], -1, 32) * self.scale[tokens][..., None]).view(q.shape)
+
+
+@dataclass(frozen=True)
+class Int8RowsEmbedding:
+    """An embedding table read from an int8 per-row matrix (a tied int8 LM head's own storage)."""
+
+    head: Int8Linear
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the head's storage, counted there
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head.q[tokens].float() * self.head.scale[tokens].float()[..., None]
+
+
+@dataclass(frozen=True)
+class DenseEmbedding:
+    weight: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+Embedding = DenseEmbedding | Int8Groups | Int8RowsEmbedding
+
+
+class QuantizedEmbedding(nn.Module):
+    """An ``nn.Embedding`` replacement over a quantized table (float32 rows out)."""
+
+    def __init__(self, table: Int8Groups | Int8RowsEmbedding, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids)
+
+
+def embedding_of(module: nn.Module) -> Embedding:
+    """The table behind an ``nn.Embedding`` or a ``QuantizedEmbedding``."""
+    if isinstance(module, QuantizedEmbedding):
+        return module.table
+    return DenseEmbedding(module.weight.detach())
+
+
+def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float()
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` replacement that runs a quantized format, so transformers' own forward uses it too."""
+
+    def __init__(self, kernel: Int4Linear | Int8Linear, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x.reshape(-1, self.in_features))
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {type(self.kernel).__name__}"
+
+
+def linear_of(module: nn.Module) -> Linear:
+    """The format object behind a dense ``nn.Linear`` or a ``QuantizedLinear``."""
+    if isinstance(module, QuantizedLinear):
+        return module.kernel
+    bias = None if module.bias is None else module.bias.detach()
+    return DenseLinear(module.weight.detach(), bias)
+
+
+# Fused formats registered by the quantizer, keyed by the first module of the group (q_proj, gate_proj).
+_FUSED: weakref.WeakKeyDictionary[nn.Module, Linear] = weakref.WeakKeyDictionary()
+
+
+def register_fused(modules: Sequence[nn.Module], fused: Linear) -> None:
+    """Record that ``fused`` computes ``modules`` side by side (their outputs concatenated)."""
+    _FUSED[modules[0]] = fused
+
+
+def fuse_linears(modules: Sequence[nn.Module]) -> Linear:
+    """One format computing ``modules`` side by side (same input).
+
+    Dense weights are concatenated once and each module's weight becomes a view of the result (no extra
+    memory); quantized modules use the fused matrix the quantizer registered; anything else runs part by part.
+    """
+    if all(type(m) is nn.Linear for m in modules):
+        fused = torch.cat([m.weight.detach() for m in modules])
+        start = 0
+        for m in modules:
+            m.weight.data = fused[start : start + m.out_features]
+            start += m.out_features
+        if all(m.bias is None for m in modules):
+            return DenseLinear(fused)
+        biases = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
+        return DenseLinear(fused, torch.cat(biases))
+    registered = _FUSED.get(modules[0])
+    if registered is not None:
+        return registered
+    return ConcatLinear(tuple(linear_of(m) for m in modules))
