@@ -77,7 +77,7 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.weight.dtype == torch.float32:
-            y = torch.stack([torch.mv(self.weight, row) for row in x]) if rows > 1 else torch.mv(self.weight, x[0])[None]
+            y = torch.stack([torch.mv(self.weight, row) for row in x])
         else:
             y = F.linear(x.expand(2, -1), self.weight)[:1] if rows == 1 else F.linear(x, self.weight)
         return y if self.bias is None else y + self.bias
