@@ -17,7 +17,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import chisquare_pvalue, resample_from_target, with_eos, word_tokenizer
+from conftest import LARGE_VOCAB, chisquare_pvalue, perturbed, resample_from_target, with_eos, word_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
 import specdecode.engine
@@ -131,6 +132,38 @@ def test_greedy_output_is_identical_to_plain_decoding(large_target, large_draft,
     assert out.stats.rounds < 40
     again = decoder.generate(IDENTITY_PROMPT, GREEDY_40)  # the decoder and its proposer are reusable
     assert again.token_ids == plain_greedy
+
+
+def _wide_llama(seed: int) -> LlamaForCausalLM:
+    """A tiny Llama whose layer sizes suit every weight format (int4 packs rows in blocks of 64)."""
+    config = LlamaConfig(
+        vocab_size=LARGE_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("float32", "int8"), ("float32", "int4")])
+def test_greedy_identity_on_every_weight_format(dtype, quantization):
+    """Row invariance carries greedy identity to bfloat16 and quantized weights, where rounding is coarse."""
+    model = _wide_llama(seed=11)
+    target = sd.load_model(model, dtype=dtype, quantization=quantization)
+    draft = sd.load_model(perturbed(model, seed=12, noise=0.3), dtype=dtype, quantization=quantization)
+    prompts = (IDENTITY_PROMPT, [9, 9, 9, 9, 9, 9], [3])
+    for prompt in prompts:
+        plain = sd.autoregressive_generate(target, prompt, GREEDY_40).token_ids
+        for proposer in (sd.DraftModelProposer(draft), sd.PromptLookupProposer(), sd.LayerSkipProposer(target, 1)):
+            for gamma in (3, 8, "auto"):
+                out = sd.SpeculativeDecoder(target, proposer, gamma=gamma).generate(prompt, GREEDY_40)
+                assert out.token_ids == plain, (type(proposer).__name__, gamma, prompt)
 
 
 def test_greedy_identity_across_requests_and_a_one_token_prompt(large_target, large_draft):

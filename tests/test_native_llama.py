@@ -248,3 +248,142 @@ def test_rms_norm_is_bitwise_transformers(dtype):
     x = (torch.randn(5, 32, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     with torch.no_grad():
         assert torch.equal(runner._rms_norm(x, runner._norm), model.model.norm(x))
+
+
+# Row invariance: the contract that makes greedy speculative output identical to plain decoding.
+# Layer sizes are multiples of 64 so that every quantized format (int4 packs rows in blocks of 64) applies.
+SETTINGS = [
+    ("float32", None, 32),
+    ("bfloat16", None, 32),
+    ("float32", "int8", 32),
+    ("float32", "int4", 32),
+    ("float32", "int4", 64),
+]
+
+
+def _wide(model_cls=LlamaForCausalLM, config_cls=LlamaConfig, **overrides):
+    fields = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    fields.update(overrides)
+    return _build(model_cls, _small(config_cls, **fields))
+
+
+def _loaded(model, dtype: str, quantization: str | None, group_size: int):
+    import specdecode as sd
+
+    loaded = sd.load_model(copy.deepcopy(model), dtype=dtype, quantization=quantization, group_size=group_size)
+    assert loaded.backend == "native" and loaded.quantization == quantization
+    return loaded
+
+
+def _assert_rows_equal_single_steps(runner, context: list[int], tokens: list[int]) -> None:
+    """forward(tokens) after ``context`` gives, row by row, bitwise the logits of one-token steps."""
+    runner.reset()
+    runner.prefill(torch.tensor(context))
+    together = runner.forward(torch.tensor(tokens))
+    runner.rollback_to(len(context))
+    for row, token in enumerate(tokens):
+        single = runner.forward(torch.tensor([token]))[0]
+        assert torch.equal(together[row], single), f"row {row} of {len(tokens)} after {len(context)} tokens"
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS)
+def test_k_token_pass_is_bitwise_k_single_steps(dtype, quantization, group_size):
+    runner = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+    ids = _ids(232, seed=5)
+    for context in (1, 9, 200):
+        for k in range(1, 33):
+            _assert_rows_equal_single_steps(runner, ids[:context], ids[context : context + k])
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS[::2])
+def test_row_invariance_with_biases_and_tied_head(dtype, quantization, group_size):
+    qwen = _wide(Qwen2ForCausalLM, Qwen2Config, use_sliding_window=False, tie_word_embeddings=True)
+    runner = _loaded(qwen, dtype, quantization, group_size).new_runner()
+    ids = _ids(60, seed=6)
+    for k in (2, 7, 16):
+        _assert_rows_equal_single_steps(runner, ids[:40], ids[40 : 40 + k])
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS)
+def test_tree_rows_are_bitwise_the_chain_of_their_branch(dtype, quantization, group_size):
+    runner = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+    prefix, branch_a, branch_b = _ids(9), [3, 17], [5, 11, 40]
+    n = len(prefix)
+    runner.prefill(torch.tensor(prefix))
+    positions = torch.tensor([n, n + 1, n, n + 1, n + 2])
+    mask = torch.zeros(5, n + 5, dtype=torch.bool)
+    mask[:, :n] = True
+    for row, ancestors in enumerate([[0], [0, 1], [2], [2, 3], [2, 3, 4]]):
+        mask[row, [n + a for a in ancestors]] = True
+    tree = runner.forward(torch.tensor(branch_a + branch_b), positions=positions, attn_mask=mask)
+    for rows, branch in ((slice(0, 2), branch_a), (slice(2, 5), branch_b)):
+        runner.rollback_to(n)
+        chain = torch.cat([runner.forward(torch.tensor([t])) for t in branch])
+        assert torch.equal(tree[rows], chain)
+        runner.rollback_to(n)
+
+
+def _dequantized_copy(model, quantization: str, group_size: int):
+    """``model`` with every matrix replaced by the values its quantized format stands for (float32, dense)."""
+    from specdecode.models.weights import GroupQuant, Int8Linear
+
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                if quantization == "int4":
+                    module.weight.copy_(GroupQuant.quantize(module.weight, group_size).dequantize())
+                else:
+                    module.weight.copy_(Int8Linear.quantize(module.weight).dequantize())
+        reference.lm_head.weight.copy_(Int8Linear.quantize(reference.lm_head.weight).dequantize())
+    return reference
+
+
+@pytest.mark.parametrize(("quantization", "group_size"), [("int8", 32), ("int4", 32), ("int4", 128)])
+def test_quantized_runner_computes_the_dequantized_model(quantization, group_size):
+    """Up to bfloat16 activations (which alone move this chaotic random model's logits by ~5%), the quantized
+    runner computes the dense model made of the dequantized weights."""
+    model = _wide()
+    ids = _ids(40, seed=7)
+    reference = _reference(_dequantized_copy(model, quantization, group_size), ids)
+    logits = _loaded(model, "float32", quantization, group_size).new_runner().forward(torch.tensor(ids))
+    assert (logits - reference).norm() / reference.norm() < 0.1
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+    original = _reference(model, ids)
+    if quantization == "int4":  # the control: 4-bit rounding itself moves this model far more than that
+        assert (logits - original).norm() / original.norm() > 0.2
+
+
+def test_quantization_swaps_modules_and_leaves_the_callers_model_alone():
+    from specdecode.models.weights import QuantizedEmbedding, QuantizedLinear
+
+    model = _wide(tie_word_embeddings=True)
+    loaded = _loaded(model, "float32", "int4", 32)
+    layer = loaded.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, QuantizedLinear) and isinstance(loaded.model.lm_head, QuantizedLinear)
+    assert isinstance(loaded.model.model.embed_tokens, QuantizedEmbedding)  # tied: reads the int8 head's rows
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    # transformers' own forward runs the quantized modules too
+    ids = _ids(12)
+    with torch.no_grad():
+        hf = loaded.model(torch.tensor([ids])).logits[0]
+    ours = loaded.new_runner().forward(torch.tensor(ids))
+    assert (ours - hf).norm() / hf.norm() < 0.02  # our runner multiplies SiLU(gate)·up in bfloat16, theirs in float32
+    # q/k/v run as one fused matrix that the modules' kernels are views of
+    fused = loaded.new_runner()._layers[0].qkv
+    assert layer.self_attn.k_proj.kernel.packed.data_ptr() == fused.packed[128:].data_ptr()
+
+
+def test_load_model_quantization_errors():
+    import specdecode as sd
+
+    model = _wide()
+    with pytest.raises(ValueError, match="quantization must be"):
+        sd.load_model(model, quantization="int3")
+    with pytest.raises(ValueError, match="GGUF file"):
+        sd.load_model(model, quantization="gguf")
+    with pytest.raises(ValueError, match="float32"):
+        sd.load_model(model, dtype="bfloat16", quantization="int8")
+    with pytest.raises(ValueError, match="group size"):
+        sd.load_model(model, quantization="int4", group_size=48)
+    assert sd.load_model(model).quantization is None  # a model object: dense unless asked

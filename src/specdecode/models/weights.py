@@ -43,9 +43,11 @@ class GroupQuant:
             raise ValueError(f"group size must be one of {GROUP_SIZES} and divide {k}, got {group_size}")
         groups = weight.detach().float().view(n, k // group_size, group_size)
         low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
-        return GroupQuant(q, scale, low + 8 * scale, group_size)
+        # Round scale and zero to what the kernel will use first, then pick each q against those.
+        scale = _kernel_round(((high - low) / 15).clamp_min(torch.finfo(ACTIVATION_DTYPE).tiny))
+        zero = _kernel_round(low + 8 * scale)
+        q = torch.round((groups - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.uint8).view(n, k)
+        return GroupQuant(q, scale, zero, group_size)
 
     @staticmethod
     def cat(parts: Sequence[GroupQuant]) -> GroupQuant:
@@ -135,9 +137,12 @@ class Int8Linear:
     def quantize(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         """w ≈ scale[n]·q[n, j], q = round(w / scale) with scale = max|w[n]| / 127."""
         w = weight.detach().float()
-        scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return Int8Linear(q, scale.to(ACTIVATION_DTYPE), _float(bias))
+        largest = w.abs().amax(-1)
+        scale = (largest / 127).clamp_min(torch.finfo(ACTIVATION_DTYPE).tiny).to(ACTIVATION_DTYPE)
+        # The kernel's bfloat16 scale may round down: step it up so that 127 steps still reach the largest weight.
+        scale = torch.where(scale.float() * 127 < largest, torch.nextafter(scale, scale.new_tensor(torch.inf)), scale)
+        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return Int8Linear(q, scale, _float(bias))
 
     @property
     def nbytes(self) -> int:
@@ -237,6 +242,11 @@ def embedding_of(module: nn.Module) -> Embedding:
     if isinstance(module, QuantizedEmbedding):
         return module.table
     return DenseEmbedding(module.weight.detach())
+
+
+def _kernel_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the kernels' scale dtype, kept as float32."""
+    return x.to(ACTIVATION_DTYPE).float()
 
 
 def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
