@@ -89,7 +89,13 @@ def generate(
     stream: bool = typer.Option(False, "--stream", help="Print text as tokens are accepted."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, seed, stats)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="Dense weights' dtype: float32 or bfloat16 (with --quantization none)."),
+    quantization: str = typer.Option(
+        "auto",
+        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
+        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference).",
+    ),
+    group_size: int = typer.Option(32, help="int4: weights per quantization group (32, 64, 128 or 256)."),
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
     from . import SamplingParams, SpeculativeDecoder, autoregressive_generate
@@ -111,8 +117,12 @@ def generate(
         raise ValueError("--proposer draft needs --draft PATH or --draft self:N")
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        target_model = _load(target, dtype)
-        chosen = None if choice is ProposerChoice.none else build_proposer(choice.value, target_model, draft, dtype)
+        target_model = _load(target, dtype, quantization, group_size)
+        chosen = (
+            None
+            if choice is ProposerChoice.none
+            else build_proposer(choice.value, target_model, draft, dtype, quantization, group_size)
+        )
     ids = target_model.encode(prompt) if raw else target_model.chat_prompt(prompt)
     on_text = None
     if stream and not as_json:
@@ -155,13 +165,28 @@ def parse_gamma(text: str) -> int | str:
     return int(text)
 
 
-def _load(name: str, dtype: str):
+def parse_quantization(text: str) -> str | None:
+    """``--quantization`` words: ``none`` = dense, else auto / gguf / int8 / int4."""
+    from .models.quantize import QUANTIZATIONS
+
+    if text == "none":
+        return None
+    if text not in ("auto", *QUANTIZATIONS):
+        raise ValueError(f"--quantization must be auto, {', '.join(QUANTIZATIONS)} or none, got {text!r}")
+    return text
+
+
+def _load(name: str, dtype: str, quantization: str = "auto", group_size: int = 32):
     from .models.loader import load_model
 
-    return load_model(name, dtype=dtype)
+    if dtype not in ("float32", "fp32") and quantization == "auto":
+        quantization = "none"  # asking for bfloat16 means dense bfloat16 weights
+    return load_model(name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size)
 
 
-def build_proposer(kind: str, target, draft: str | None, dtype: str = "float32"):
+def build_proposer(
+    kind: str, target, draft: str | None, dtype: str = "float32", quantization: str = "auto", group_size: int = 32
+):
     """A proposer from CLI words: ``lookup``, or ``draft`` with a path or ``self:N``."""
     from .proposers import DraftModelProposer, LayerSkipProposer, PromptLookupProposer
 
@@ -176,7 +201,7 @@ def build_proposer(kind: str, target, draft: str | None, dtype: str = "float32")
         if not layers.isdigit():
             raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}")
         return LayerSkipProposer(target, int(layers))
-    return DraftModelProposer(_load(draft, dtype))
+    return DraftModelProposer(_load(draft, dtype, quantization, group_size))
 
 
 @app.command()
@@ -185,13 +210,19 @@ def demo(
     target: str = typer.Option("smollm2", help="Target model (bundled name, HF folder or .gguf)."),
     gamma: int = typer.Option(8, min=1, help="Tokens guessed per round by prompt lookup."),
     max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="Dense weights' dtype: float32 or bfloat16 (with --quantization none)."),
+    quantization: str = typer.Option(
+        "auto",
+        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
+        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference).",
+    ),
+    group_size: int = typer.Option(32, help="int4: weights per quantization group (32, 64, 128 or 256)."),
 ) -> None:
     """Edit a pasted passage plainly and speculatively; show the outputs match and the measured speedup."""
     from .demo import run_demo
 
     quiet_transformers()
-    run_demo(target, gamma, max_new_tokens, dtype, Console())
+    run_demo(target, gamma, max_new_tokens, dtype, Console(), quantization, group_size)
 
 
 for _name, _command in (("plan", plan), ("bench", bench), ("check-exact", check_exact)):

@@ -22,18 +22,26 @@ PROMPT = (
 ROUNDS = 2
 
 
-def run_demo(target_name: str, gamma: int, max_new_tokens: int, dtype: str, console: Console) -> None:
+def run_demo(
+    target_name: str,
+    gamma: int,
+    max_new_tokens: int,
+    dtype: str,
+    console: Console,
+    quantization: str = "auto",
+    group_size: int = 32,
+) -> None:
     """Load the model, warm up, run plain and speculative alternately, print outputs and the speedup."""
     from . import (
         PromptLookupProposer,
         SamplingParams,
         SpeculativeDecoder,
         autoregressive_generate,
-        load_model,
     )
+    from .cli import _load
 
     with console.status(f"loading {target_name} (the first load dequantizes and caches it)…"):
-        target = load_model(target_name, dtype=dtype)
+        target = _load(target_name, dtype, quantization, group_size)
     ids = target.chat_prompt(PROMPT)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     decoder = SpeculativeDecoder(target, PromptLookupProposer(), gamma=gamma)

@@ -48,7 +48,11 @@ def check_exact(
     cap: Annotated[int, typer.Option(min=1, help="K=2: first tokens enumerated exactly; the rest pooled.")] = 64,
     seed: Annotated[int, typer.Option(min=0, help="Sample i uses seed + i.")] = 0,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="Dense weights' dtype (with --quantization none).")] = "float32",
+    quantization: Annotated[
+        str, typer.Option(help="Weights: auto, gguf, int8, int4 or none (dense), as for generate.")
+    ] = "auto",
+    group_size: Annotated[int, typer.Option(help="int4: weights per quantization group.")] = 32,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Test that speculative decoding samples the first 1 and 2 tokens exactly as the target does."""
@@ -63,8 +67,8 @@ def check_exact(
     err = Console(stderr=True)
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        target_model = _load(target, dtype)
-        chosen = build_proposer(kind, target_model, draft, dtype)
+        target_model = _load(target, dtype, quantization, group_size)
+        chosen = build_proposer(kind, target_model, draft, dtype, quantization, group_size)
     prompt_ids = [
         text if isinstance(text, list) else target_model.encode(text) if raw else target_model.chat_prompt(text)
         for text in texts
