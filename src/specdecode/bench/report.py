@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .methods import HF_PLAIN, PLAIN
+from .methods import HF_PLAIN, MethodSpec
 from .metrics import OVERALL
 from .runner import BenchResult
 
@@ -99,6 +99,7 @@ def _subtasks(result: BenchResult) -> list[str]:
 
 COLUMNS = (
     "method",
+    "weights",
     "tok/s",
     "× ours plain",
     "× hf plain",
@@ -114,6 +115,7 @@ COLUMNS = (
 )
 SHORT_COLUMNS = (
     "method",
+    "weights",
     "tok/s",
     "×plain",
     "×hf",
@@ -129,10 +131,19 @@ SHORT_COLUMNS = (
 )
 
 
-def _row(method: str, row: dict) -> list[str]:
-    identical = row["non_identical"]
+def _identity(row: dict) -> str:
+    """``k/n`` outputs differing from our plain decode; ``(k/n same)`` for methods not expected to match it."""
+    if row["non_identical"] is not None:
+        return f"{row['non_identical']}/{row['turns']}"
+    if row.get("same_as_plain") is not None:
+        return f"({row['same_as_plain']}/{row['turns']} same)"
+    return "–"
+
+
+def _row(method: str, row: dict, specs: dict[str, MethodSpec]) -> list[str]:
     return [
         method,
+        specs[method].weights if method in specs else "–",
         _f(row["tokens_per_second"], ".1f"),
         _f(row["speedup_vs_plain"], ".2f", "×"),
         _f(row["speedup_vs_hf_plain"], ".2f", "×"),
@@ -143,7 +154,7 @@ def _row(method: str, row: dict) -> list[str]:
         _f(row["predicted_speedup"], ".2f", "×"),
         _f(row.get("decode_speedup_vs_plain"), ".2f", "×"),
         _f(row.get("predicted_from_drafted"), ".2f", "×"),
-        "–" if identical is None else f"{identical}/{row['turns']}",
+        _identity(row),
         _pct(row["other_share"]),
     ]
 
@@ -156,8 +167,10 @@ def summary_table(result: BenchResult, subtask: str = OVERALL) -> Table:
             table.add_column(name, no_wrap=True)
         else:
             table.add_column(name, justify="right")
+    specs = {m.name: m for m in result.methods}
+    baselines = set(result.baselines)
     for method, row in result.aggregates[subtask].items():
-        table.add_row(*_row(method, row), style="bold" if method in (PLAIN, HF_PLAIN) else None)
+        table.add_row(*_row(method, row, specs), style="bold" if method in baselines else None)
     return table
 
 
@@ -172,11 +185,13 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
     cfg = result.config
     sampling = "greedy" if cfg.greedy else f"temperature {cfg.temperature} (seeded; no identity check)"
     n_questions = len({(r.subtask, r.question_id) for r in result.records})
+    specs = {m.name: m for m in result.methods}
     lines = [
         "# specdecode bench",
         "",
         f"- command: `{machine['command']}`",
         f"- target: {setup.get('target')} ({setup.get('dtype')}); draft: {setup.get('draft') or 'none'}",
+        *_weights_lines(result, setup),
         f"- workload: {setup.get('prompts')}, {n_questions} questions, {len(result.records)} timed generations "
         f"in subtasks {', '.join(_subtasks(result))}",
         f"- {sampling}, max_new_tokens {cfg.max_new_tokens}, warm-up {cfg.warmup} question(s)",
@@ -184,30 +199,38 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         + (f", GPU {machine['cuda']}" if machine.get("cuda") else "")
         + f"); torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
         "",
-        "Methods run in one process on the same loaded model, interleaved per question in a rotating order.",
+        "Methods run in one process (one loaded target per --quantization setting), interleaved per question",
+        "in a rotating order. weights = how the target's weights are stored (dense = unquantized floats).",
         "tok/s is Spec-Bench's: the mean over questions of (new tokens / wall seconds), prefill included;",
-        "speedup (×) is the ratio of those means. tokens/pass = new tokens per target forward (bonus",
-        "included); accept = accepted / drafted; α = accepted / (accepted + rejections); c = draft seconds",
-        "per drafted token / target seconds per 1-token step (from our plain decode); predicted × is the",
+        "speedup (×) is the ratio of those means; × ours plain is over our plain decode of the same",
+        "--quantization setting (for transformers' and llama.cpp's methods: on the same weights, else the",
+        "first setting's). tokens/pass = new tokens per target forward (bonus included); accept = accepted /",
+        "drafted; α = accepted / (accepted + rejections); c = draft seconds per drafted token / target",
+        "seconds per 1-token step (from our plain decode of the same setting); predicted × is the",
         "planner's E(α, γ) / (v(γ+1) + γc) with "
         + ("the measured verify-cost curve v;" if result.verify_cost else "v = 1 (no --quirk curve measured);"),
         "it ignores prefill and loop overhead and assumes γ drafted tokens every round (prompt lookup often",
         "drafts fewer). decode × = speedup over our plain decode with prefill time left out (what the planner",
         "models); predicted (k̄) × = tokens/pass / (v(k̄+1) + k̄c) with k̄ the mean drafted tokens per pass, the",
         "planner's ratio for the acceptance process actually measured. not identical = greedy outputs (per",
-        "turn) that differ from our plain decode, token for token. other time = share of wall time outside",
-        "prefill, draft and verify.",
+        "turn) that differ from our plain decode of the same setting, token for token; in parentheses, for",
+        "methods not expected to match it (llama.cpp, or other weights), how many turns equal it anyway.",
+        "other time = share of wall time outside prefill, draft and verify.",
         "",
         "## Overall",
         "",
     ]
-    lines += _md_table(COLUMNS, [_row(m, row) for m, row in result.aggregates[OVERALL].items()])
+    lines += _md_table(COLUMNS, [_row(m, row, specs) for m, row in result.aggregates[OVERALL].items()])
     subtasks = _subtasks(result)
     methods = list(result.aggregates[OVERALL])
-    for baseline, key in ((PLAIN, "speedup_vs_plain"), (HF_PLAIN, "speedup_vs_hf_plain")):
-        if baseline not in methods:
+    ours_plain = any(m.ours_plain for m in result.methods)
+    for title, present, key in (
+        ("our plain decode (same setting)", ours_plain, "speedup_vs_plain"),
+        (HF_PLAIN, HF_PLAIN in methods, "speedup_vs_hf_plain"),
+    ):
+        if not present:
             continue
-        lines += [f"## Speedup over {baseline} by subtask", ""]
+        lines += [f"## Speedup over {title} by subtask", ""]
         rows = [
             [m] + [_f(result.aggregates[s].get(m, {}).get(key), ".2f", "×") for s in [*subtasks, OVERALL]]
             for m in methods
@@ -235,7 +258,7 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         lines += _md_table(["method", *(str(i + 1) for i in range(width))], rows)
     for subtask in subtasks:
         lines += [f"## {subtask}", ""]
-        lines += _md_table(COLUMNS, [_row(m, row) for m, row in result.aggregates[subtask].items()])
+        lines += _md_table(COLUMNS, [_row(m, row, specs) for m, row in result.aggregates[subtask].items()])
     if result.verify_cost:
         lines += [
             "## Verify cost v(k) (--quirk)",
@@ -256,6 +279,21 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
     if figures:
         lines += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in figures] + [""]
     return "\n".join(lines)
+
+
+def _weights_lines(result: BenchResult, setup: dict) -> list[str]:
+    """The setup lines on target weights: each --quantization setting and what the peers ran on."""
+    weights = setup.get("weights") or {}
+    lines = []
+    if setup.get("quantization"):
+        settings = ", ".join(f"{q} = {weights.get(q) or 'dense'}" for q in setup["quantization"])
+        lines.append(f"- target weights (--quantization): {settings}; each runs every one of our methods")
+    peers = sorted({f"{m.family} on {m.weights} weights" for m in result.methods if m.family != "ours"})
+    if peers:
+        lines.append(f"- peers: {', '.join(peers)}")
+    if setup.get("llamacpp"):
+        lines.append(f"- llama.cpp: {setup['llamacpp']}")
+    return lines
 
 
 def write_outputs(result: BenchResult, out: Path, machine: dict, setup: dict) -> list[Path]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..planner import VerifyCost
-from .methods import HF_PLAIN, PLAIN, Method, MethodSpec
+from .methods import HF_PLAIN, Method, MethodSpec
 from .metrics import TurnRecord, aggregate, mark_identity
 from .workloads import WorkItem, build_prompt
 
@@ -58,8 +58,28 @@ class BenchResult:
 
     @property
     def baselines(self) -> list[str]:
-        names = {m.name for m in self.methods}
-        return [b for b in (PLAIN, HF_PLAIN) if b in names]
+        """Our plain decode (one per quantization setting) and transformers' plain generate, if run."""
+        return [m.name for m in self.methods if m.ours_plain or m.name == HF_PLAIN]
+
+
+def references(specs: Sequence[MethodSpec]) -> dict[str, tuple[str, bool]]:
+    """Each method's reference, our plain decode, and whether its greedy outputs must equal it.
+
+    Ours: the plain decode of the same setting (must equal). transformers / llama.cpp: our plain decode on
+    the same weights (transformers' must equal it, llama.cpp's numerics differ), else the first one (need not).
+    """
+    plains = [s for s in specs if s.ours_plain]
+    if not plains:
+        return {}
+    refs = {}
+    for spec in specs:
+        if spec.family == "ours":
+            same = [p for p in plains if p.setting == spec.setting]
+        else:
+            same = [p for p in plains if p.quantization == spec.quantization]
+        exact = bool(same) and spec.family in ("ours", "transformers")
+        refs[spec.name] = ((same or plains)[0].name, exact)
+    return refs
 
 
 def rotation(methods: Sequence[Method], index: int) -> list[Method]:
@@ -119,12 +139,13 @@ def run_bench(
             if on_progress is not None:
                 on_progress(f"{item.subtask} #{item.question_id} {method.name}")
     names = [m.name for m in methods]
-    if config.greedy and PLAIN in names:
-        mark_identity(records, PLAIN)
     specs = [m.spec for m in methods]
+    refs = references(specs)
+    plain = {m: ref for m, (ref, _) in refs.items()} or names[0]
+    if config.greedy and refs:
+        mark_identity(records, plain)
     gammas = {s.name: s.gamma for s in specs if s.family == "ours"}
     curve = None if verify_cost is None else VerifyCost.from_json({str(k): v for k, v in verify_cost.items()})
-    aggregates = aggregate(
-        records, names, gammas, PLAIN if PLAIN in names else names[0], HF_PLAIN if HF_PLAIN in names else None, curve
-    )
+    exact = {m for m, (_, must) in refs.items() if must}
+    aggregates = aggregate(records, names, gammas, plain, HF_PLAIN if HF_PLAIN in names else None, curve, exact)
     return BenchResult(config, specs, records, aggregates, verify_cost)

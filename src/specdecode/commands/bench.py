@@ -1,4 +1,4 @@
-"""`specdecode bench`: compare our plain and speculative decoding with transformers' generate, in one process."""
+"""`specdecode bench`: our plain and speculative decoding per weight format vs transformers (and llama.cpp)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from specdecode.commands import usage_errors
 
 QUIRK_MAX_K = 32
 QUIRK_CONTEXT = 500
+QUANTIZATIONS = ("auto", "gguf", "int8", "int4", "none")
 
 
 def _split(text: str | None, what: str) -> list[str]:
@@ -31,6 +32,17 @@ def _gammas(text: str, allow_auto: bool = True) -> list[int | str]:
     if any(g != "auto" and g < 1 for g in gammas):
         raise ValueError(f"--gamma values must be >= 1, got {text!r}")
     return gammas
+
+
+def _quantizations(text: str) -> list[str]:
+    settings = _split(text, "--quantization")
+    unknown = [q for q in settings if q not in QUANTIZATIONS]
+    if unknown:
+        raise ValueError(f"unknown --quantization {unknown[0]!r}; choose from {', '.join(QUANTIZATIONS)}")
+    repeated = [q for i, q in enumerate(settings) if q in settings[:i]]
+    if repeated:
+        raise ValueError(f"--quantization lists {repeated[0]!r} twice")
+    return settings
 
 
 def bench(
@@ -75,16 +87,43 @@ def bench(
         float, typer.Option(help="0 = greedy (outputs checked against our plain decode); > 0 samples.")
     ] = 0.0,
     seed: Annotated[int, typer.Option(help="Base seed when sampling (question i uses seed + i).")] = 0,
-    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="float32 or bfloat16 (bfloat16 needs --quantization none: dense weights).")
+    ] = "float32",
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="Comma list of target weight formats, each run with all our methods: auto (a GGUF target's own "
+            "4-bit blocks, else dense), gguf, int8, int4, none (dense). With several, method names end in "
+            "@setting (ours:plain@gguf) and each is checked against its own plain decode."
+        ),
+    ] = "auto",
     hf: Annotated[
-        bool, typer.Option("--hf/--no-hf", help="Include transformers' generate (plain, prompt lookup, assisted).")
+        bool,
+        typer.Option(
+            "--hf/--no-hf",
+            help="Include transformers' generate (plain, prompt lookup, assisted), always on dense weights.",
+        ),
     ] = True,
+    llamacpp: Annotated[
+        bool,
+        typer.Option(
+            "--llamacpp",
+            help="Add llama.cpp's plain and prompt-lookup decoding on the target's GGUF file (needs "
+            "llama-cpp-python, not a dependency; greedy only; outputs not expected to equal ours).",
+        ),
+    ] = False,
     quirk: Annotated[
-        bool, typer.Option("--quirk", help=f"Measure the verify-cost curve v(k), k = 1..{QUIRK_MAX_K}.")
+        bool,
+        typer.Option(
+            "--quirk", help=f"Measure the verify-cost curve v(k), k = 1..{QUIRK_MAX_K} (first --quantization's target)."
+        ),
     ] = False,
     quirk_repeats: Annotated[int, typer.Option(help="--quirk: timed sweeps over k (medians).")] = 5,
     warmup: Annotated[int, typer.Option(help="Questions run untimed by every method first.")] = 1,
-    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="torch threads, also llama.cpp's (default: torch's choice).")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("bench-out"),
 ) -> None:
     """Benchmark plain and speculative decoding on Spec-Bench-style workloads; write a report and plots."""
@@ -96,6 +135,7 @@ def bench(
         proposers = _split(proposer, "--proposer")
         gammas = _gammas(gamma)
         modes = _split(mode, "--mode")
+        settings = _quantizations(quantization)
         if quirk_repeats < 1:
             raise ValueError(f"--quirk-repeats must be >= 1, got {quirk_repeats}")
         if threads is not None and threads < 1:
@@ -110,7 +150,8 @@ def bench(
         import torch
 
         import specdecode
-        from specdecode.bench.methods import build_methods
+        from specdecode.bench.llamacpp import LlamaCppMissing, gguf_file, llamacpp_methods
+        from specdecode.bench.methods import build_methods, transformers_methods
         from specdecode.bench.quirk import measure_verify_cost
         from specdecode.bench.report import machine_info, summary_table, write_outputs
         from specdecode.bench.runner import BenchConfig, run_bench
@@ -121,10 +162,49 @@ def bench(
         if "draft" in proposers and draft is None:
             console.print("[yellow]note:[/] no --draft given: the draft proposer and assisted generation are skipped")
         try:
-            loaded = specdecode.load_model(target, dtype=dtype)
-            methods = build_methods(loaded, proposers, gammas, draft, transformers=hf, dtype=dtype, modes=modes)
+            gguf = gguf_file(target) if llamacpp else None
+            targets = {}
+            for q in settings:
+                try:
+                    targets[q] = specdecode.load_model(target, dtype=dtype, quantization=None if q == "none" else q)
+                except ValueError as e:
+                    raise ValueError(f"--quantization {q}: {e}") from None
+            shared_draft = draft
+            if draft is not None and not draft.startswith("self:"):
+                shared_draft = specdecode.load_model(draft, dtype=dtype)  # one draft for every setting
+            methods = []
+            for q, model in targets.items():
+                setting = q if len(settings) > 1 else None
+                methods += build_methods(
+                    model,
+                    proposers,
+                    gammas,
+                    shared_draft,
+                    transformers=False,
+                    dtype=dtype,
+                    modes=modes,
+                    setting=setting,
+                )
+            if hf:  # on dense weights, as before quantized targets existed: figures stay comparable
+                dense = next((t for t in targets.values() if t.quantization is None), None)
+                dense = dense or specdecode.load_model(target, dtype=dtype, quantization=None)
+                methods += transformers_methods(dense, shared_draft, dtype)
         except (OSError, specdecode.SpecDecodeError) as e:
             raise ValueError(f"cannot load model: {e}") from None
+        loaded = targets[settings[0]]
+        llamacpp_note = None
+        if llamacpp and not config.greedy:
+            llamacpp_note = "skipped: greedy only (--temperature 0)"
+            console.print(
+                "[yellow]note:[/] llama.cpp methods are greedy only: skipped at --temperature > 0", soft_wrap=True
+            )
+        elif llamacpp:
+            try:
+                methods += llamacpp_methods(gguf, torch.get_num_threads(), loaded.eos_token_ids)
+                llamacpp_note = f"{gguf}, n_threads {torch.get_num_threads()}"
+            except LlamaCppMissing as e:
+                llamacpp_note = f"skipped: {e}"
+                console.print(f"[yellow]note:[/] {e}", soft_wrap=True)
         _quiet_transformers()
         turns = sum(len(i.turns) for i in items)
         console.print(
@@ -158,9 +238,14 @@ def bench(
             "proposers": proposers,
             "gammas": gammas,
             "modes": modes,
+            "quantization": settings,
+            "weights": {q: t.quantization for q, t in targets.items()},
+            "llamacpp": llamacpp_note,
         }
         written = write_outputs(result, out, machine, setup)
-        Console(width=max(Console().width, 120)).print(summary_table(result))
+        table, screen = summary_table(result), Console()
+        natural = screen.measure(table, options=screen.options.update_width(1000)).maximum
+        Console(width=max(screen.width, natural)).print(table)  # never squeeze columns
         console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
 
 
