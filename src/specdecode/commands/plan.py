@@ -18,12 +18,14 @@ from specdecode.planner import (
     SpeedupPlan,
     VerifyCost,
     dtype_bytes,
-    model_memory,
+    kv_bytes_per_token,
     plan_speedup,
     speedup_table,
+    stored_weight_bytes,
 )
 
 GIB = 2**30
+QUANTIZATION_CHOICES = ("auto", "gguf", "int8", "int4", "none")
 
 
 def plan(
@@ -51,6 +53,15 @@ def plan(
     context: Annotated[int | None, typer.Option(help="--memory: tokens per sequence (prompt and output).")] = None,
     budget: Annotated[float | None, typer.Option(help="--memory: memory budget in GiB.")] = None,
     dtype: Annotated[str, typer.Option(help="--memory/--measure: dtype of weights and KV cache.")] = "float32",
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="--memory/--measure: how the weights are stored: auto (a GGUF's own blocks, else dense), gguf, "
+            "int8, int4 or none (dense); --memory applies it to the draft too. Quantized weights keep a float32 "
+            "KV cache."
+        ),
+    ] = "auto",
+    group_size: Annotated[int, typer.Option(help="--memory/--measure: int4 group size (32, 64, 128, 256).")] = 32,
     measure: Annotated[
         bool,
         typer.Option(
@@ -71,6 +82,7 @@ def plan(
 ) -> None:
     """Predict the speedup for α, c and γ; or measure them (--measure); or plan memory (--memory)."""
     with usage_errors():
+        stored = parse_quantization(quantization, group_size)
         if measure:
             _run_measure(
                 target or "smollm2",
@@ -82,13 +94,26 @@ def plan(
                 gammas,
                 max_new_tokens,
                 dtype,
+                stored,
+                group_size,
                 out,
                 json_output,
             )
         elif memory:
-            _run_memory(target, draft, context, budget, dtype, json_output)
+            _run_memory(target, draft, context, budget, dtype, stored, group_size, json_output)
         else:
             _run_speedup(alpha, cost, gamma, verify_cost, json_output)
+
+
+def parse_quantization(text: str, group_size: int) -> str | None:
+    """``--quantization`` as ``load_model`` takes it (``none`` → None, dense), checked before any model loads."""
+    from specdecode.models.weights import GROUP_SIZES
+
+    if text not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {text!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    return None if text == "none" else text
 
 
 def load_verify_cost(path: Path) -> VerifyCost:
@@ -152,6 +177,8 @@ def _run_memory(
     context: int | None,
     budget: float | None,
     dtype: str,
+    quantization: str | None,
+    group_size: int,
     json_output: bool,
 ) -> None:
     if target is None or context is None or budget is None:
@@ -162,24 +189,35 @@ def _run_memory(
     if not budget > 0:
         raise ValueError(f"--budget must be > 0 GiB, got {budget}")
     dtype_bytes(dtype)
-    target_memory = _measured_memory(target, dtype)
-    draft_memory = None if draft is None else _measured_memory(draft, dtype)
+    target_memory, target_stored = _measured_memory(target, dtype, quantization, group_size)
+    draft_memory, draft_stored = (
+        (None, None) if draft is None else _measured_memory(draft, dtype, quantization, group_size)
+    )
     result = MemoryPlan(target_memory, draft_memory, context, int(budget * GIB))
     if json_output:
-        typer.echo(json.dumps(memory_summary(result)))
+        typer.echo(json.dumps(memory_summary(result) | {"target_stored": target_stored, "draft_stored": draft_stored}))
     else:
-        Console().print(_memory_table(result, target, draft, dtype))
+        draft_label = None if draft is None else f"{draft}, {draft_stored}"
+        Console().print(_memory_table(result, f"{target}, {target_stored}", draft_label, dtype))
 
 
-def _measured_memory(source: str, dtype: str) -> ModelMemory:
-    """Memory of a loaded model: its config and its actual parameter count."""
+def _measured_memory(source: str, dtype: str, quantization: str | None, group_size: int) -> tuple[ModelMemory, str]:
+    """Memory of a model as loaded: the bytes its weights are stored in, and the KV cache per token (the runner
+    keeps it in the model's dtype, float32 for quantized weights); and how its weights are stored."""
     import specdecode  # deferred: loading models pulls in torch and transformers
 
     try:
-        model = specdecode.load_model(source).model
+        loaded = specdecode.load_model(source, dtype=dtype, quantization=quantization, group_size=group_size)
     except (OSError, specdecode.SpecDecodeError) as e:
         raise ValueError(f"cannot load model {source!r}: {e}") from e
-    return model_memory(model.config, dtype, sum(p.numel() for p in model.parameters()))
+    memory = ModelMemory(stored_weight_bytes(loaded.model), kv_bytes_per_token(loaded.model.config, dtype))
+    return memory, _stored_as(loaded.quantization, group_size)
+
+
+def _stored_as(quantization: str | None, group_size: int) -> str:
+    if quantization is None:
+        return "dense"
+    return f"int4 (group {group_size})" if quantization == "int4" else quantization
 
 
 def memory_summary(result: MemoryPlan) -> dict[str, int | None]:
@@ -234,6 +272,8 @@ def _run_measure(
     gammas: str,
     max_new_tokens: int,
     dtype: str,
+    quantization: str | None,
+    group_size: int,
     out: Path,
     json_output: bool,
 ) -> None:
@@ -251,7 +291,7 @@ def _run_measure(
     out.mkdir(parents=True, exist_ok=True)
     import specdecode
 
-    loaded = specdecode.load_model(target, dtype=dtype)
+    loaded = specdecode.load_model(target, dtype=dtype, quantization=quantization, group_size=group_size)
     console = Console(stderr=True)
     with Progress(console=console) as progress:
         task = progress.add_task("measuring", total=len(items) * (len(gamma_list) + 1))
@@ -273,6 +313,7 @@ def _run_measure(
     )
     summary = {
         "proposer": proposer,
+        "quantization": loaded.quantization,
         "alpha": found.alpha,
         "per_position": found.per_position,
         "cost": found.cost,
