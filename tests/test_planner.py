@@ -479,6 +479,23 @@ def test_cli_memory(invoke, monkeypatch):
     assert "sequences that fit with draft" in result.stdout
 
 
+def test_cli_memory_bfloat16_auto_means_dense(invoke, monkeypatch):
+    asked = []
+    real = specdecode.load_model
+
+    def load(name, **options):
+        asked.append(options["quantization"])
+        return real(LlamaForCausalLM(tiny_config()), **options)
+
+    monkeypatch.setattr(specdecode, "load_model", load)
+    args = ("--memory", "--target", "t", "--context", "10", "--budget", "1", "--json")
+    data = json.loads(invoke(*args, "--dtype", "bfloat16").stdout)
+    assert asked == [None]  # a GGUF target would otherwise resolve auto to its 4-bit blocks, which need float32
+    assert data["target_kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 2
+    json.loads(invoke(*args).stdout)
+    assert asked == [None, "auto"]
+
+
 @pytest.mark.parametrize(("quantization", "stored"), [("int8", "int8"), ("int4", "int4 (group 64)")])
 def test_cli_memory_quantized(invoke, monkeypatch, quantization, stored):
     models = {

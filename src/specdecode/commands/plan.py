@@ -25,7 +25,6 @@ from specdecode.planner import (
 )
 
 GIB = 2**30
-QUANTIZATION_CHOICES = ("auto", "gguf", "int8", "int4", "none")
 
 
 def plan(
@@ -82,7 +81,7 @@ def plan(
 ) -> None:
     """Predict the speedup for α, c and γ; or measure them (--measure); or plan memory (--memory)."""
     with usage_errors():
-        stored = parse_quantization(quantization, group_size)
+        stored = _quantization(quantization, group_size, dtype)
         if measure:
             _run_measure(
                 target or "smollm2",
@@ -105,15 +104,16 @@ def plan(
             _run_speedup(alpha, cost, gamma, verify_cost, json_output)
 
 
-def parse_quantization(text: str, group_size: int) -> str | None:
-    """``--quantization`` as ``load_model`` takes it (``none`` → None, dense), checked before any model loads."""
+def _quantization(text: str, group_size: int, dtype: str) -> str | None:
+    """``--quantization`` as ``load_model`` takes it, checked before any model loads; ``auto`` with a bfloat16
+    ``--dtype`` means dense bfloat16 weights, as in ``generate`` (quantized weights need float32)."""
+    from specdecode.cli import parse_quantization
     from specdecode.models.weights import GROUP_SIZES
 
-    if text not in QUANTIZATION_CHOICES:
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {text!r}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
-    return None if text == "none" else text
+    stored = parse_quantization(text)
+    return None if stored == "auto" and dtype not in ("float32", "fp32") else stored
 
 
 def load_verify_cost(path: Path) -> VerifyCost:
