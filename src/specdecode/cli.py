@@ -112,6 +112,7 @@ def generate(
         stop=tuple(stop),
     )
     resolve_dtype(dtype)
+    parse_quantization(quantization)  # validate before the slow load
     choice = proposer or (ProposerChoice.draft if draft else ProposerChoice.lookup)
     if choice is ProposerChoice.draft and not draft:
         raise ValueError("--proposer draft needs --draft PATH or --draft self:N")
@@ -179,8 +180,6 @@ def parse_quantization(text: str) -> str | None:
 def _load(name: str, dtype: str, quantization: str = "auto", group_size: int = 32):
     from .models.loader import load_model
 
-    if dtype not in ("float32", "fp32") and quantization == "auto":
-        quantization = "none"  # asking for bfloat16 means dense bfloat16 weights
     return load_model(name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size)
 
 

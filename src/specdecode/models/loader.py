@@ -101,8 +101,8 @@ def load_model(
     causal LM), or ``auto`` = native where it reproduces the model exactly, else transformers.
     ``quantization``: ``None`` = dense weights in ``dtype``; ``"gguf"`` = the GGUF file's own 4-bit blocks;
     ``"int8"`` / ``"int4"`` (groups of ``group_size``) = dense weights rounded; ``"auto"`` (default) = ``"gguf"``
-    for a GGUF file the native runner supports, else dense. Quantized weights run with bfloat16 activations
-    and a float32 residual stream, so they need ``dtype`` float32.
+    for a GGUF file the native runner supports (unless ``dtype`` asks for dense bfloat16), else dense.
+    Quantized weights run with bfloat16 activations and a float32 residual stream: they need ``dtype`` float32.
     """
     dtype = resolve_dtype(dtype)
     if backend not in BACKENDS:
@@ -130,7 +130,7 @@ def load_model(
         raise ValueError(f"cannot load a model from {type(source).__name__}: give a name, a path or a model")
     if quantization == "auto":
         native = backend != "transformers" and supports_native(model)
-        quantization = "gguf" if gguf_path is not None and native else None
+        quantization = "gguf" if gguf_path is not None and native and dtype == torch.float32 else None
     if quantization is not None:
         spec = Quantization(quantization, group_size)  # validates the group size
         if dtype != torch.float32:
