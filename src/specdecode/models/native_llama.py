@@ -1,9 +1,15 @@
 """A plain-PyTorch runner for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) with a static KV cache.
 
-It reads the weights of an already-loaded transformers model once (q/k/v and gate/up fused into single
-matrices), then runs the same maths as transformers' sdpa path with far less Python per token:
-RMSNorm in float32 cast back, RoPE from precomputed cos/sin tables, grouped-query attention through
-``scaled_dot_product_attention`` with the query heads of each key/value head packed together, SiLU MLP.
+It reads the weights of an already-loaded transformers model once (q/k/v and gate/up fused), in whatever
+format they are stored (dense, or the quantized formats of ``weights.py``), then runs the same maths as
+transformers' sdpa path with far less Python per token: RMSNorm in float32, RoPE from precomputed cos/sin
+tables, grouped-query attention through ``scaled_dot_product_attention`` with the query heads of each
+key/value head packed together, SiLU MLP. Quantized weights run with a float32 residual stream and
+bfloat16 inputs to the weight kernels.
+
+Row invariance (what makes greedy speculative output identical to plain decoding): a k-token ``forward``
+gives every row bitwise the logits of a one-token step over the same keys. Every weight format is
+row-invariant; attention is made so by one call per row over exactly that row's keys.
 """
 
 from __future__ import annotations
