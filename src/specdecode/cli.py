@@ -15,6 +15,7 @@ from rich.console import Console
 from .commands.bench import bench
 from .commands.check_exact import check_exact
 from .commands.plan import plan
+from .commands.quality import quality
 from .errors import SpecDecodeError
 
 app = typer.Typer(
@@ -224,7 +225,7 @@ def demo(
     run_demo(target, gamma, max_new_tokens, dtype, Console(), quantization, group_size)
 
 
-for _name, _command in (("plan", plan), ("bench", bench), ("check-exact", check_exact)):
+for _name, _command in (("plan", plan), ("bench", bench), ("check-exact", check_exact), ("quality", quality)):
     app.command(_name)(friendly(_command))
 
 
