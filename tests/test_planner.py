@@ -479,21 +479,15 @@ def test_cli_memory(invoke, monkeypatch):
     assert "sequences that fit with draft" in result.stdout
 
 
-def test_cli_memory_bfloat16_auto_means_dense(invoke, monkeypatch):
-    asked = []
-    real = specdecode.load_model
-
-    def load(name, **options):
-        asked.append(options["quantization"])
-        return real(LlamaForCausalLM(tiny_config()), **options)
-
-    monkeypatch.setattr(specdecode, "load_model", load)
-    args = ("--memory", "--target", "t", "--context", "10", "--budget", "1", "--json")
-    data = json.loads(invoke(*args, "--dtype", "bfloat16").stdout)
-    assert asked == [None]  # a GGUF target would otherwise resolve auto to its 4-bit blocks, which need float32
+def test_cli_memory_bfloat16(invoke, monkeypatch):
+    model = LlamaForCausalLM(tiny_config())
+    serve_models(monkeypatch, {"target": model})
+    args = ("--memory", "--target", "target", "--context", "10", "--budget", "1", "--dtype", "bfloat16", "--json")
+    data = json.loads(invoke(*args).stdout)
+    assert next(model.parameters()).dtype == torch.bfloat16  # loaded dense in bfloat16 (in place)
+    assert data["target_weight_bytes"] == sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     assert data["target_kv_bytes_per_token"] == 2 * 3 * 2 * 8 * 2
-    json.loads(invoke(*args).stdout)
-    assert asked == [None, "auto"]
+    assert data["target_stored"] == "dense"
 
 
 @pytest.mark.parametrize(("quantization", "stored"), [("int8", "int8"), ("int4", "int4 (group 64)")])

@@ -81,7 +81,7 @@ def plan(
 ) -> None:
     """Predict the speedup for α, c and γ; or measure them (--measure); or plan memory (--memory)."""
     with usage_errors():
-        stored = _quantization(quantization, group_size, dtype)
+        stored = _quantization(quantization, group_size)
         if measure:
             _run_measure(
                 target or "smollm2",
@@ -104,16 +104,14 @@ def plan(
             _run_speedup(alpha, cost, gamma, verify_cost, json_output)
 
 
-def _quantization(text: str, group_size: int, dtype: str) -> str | None:
-    """``--quantization`` as ``load_model`` takes it, checked before any model loads; ``auto`` with a bfloat16
-    ``--dtype`` means dense bfloat16 weights, as in ``generate`` (quantized weights need float32)."""
+def _quantization(text: str, group_size: int) -> str | None:
+    """``--quantization`` as ``load_model`` takes it, checked before any model loads."""
     from specdecode.cli import parse_quantization
     from specdecode.models.weights import GROUP_SIZES
 
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
-    stored = parse_quantization(text)
-    return None if stored == "auto" and dtype not in ("float32", "fp32") else stored
+    return parse_quantization(text)
 
 
 def load_verify_cost(path: Path) -> VerifyCost:
