@@ -15,6 +15,7 @@ row-invariant; attention is made so by one call per row over exactly that row's 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # RoPE types whose inverse frequencies are fixed at load time (no per-call update in transformers).
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 _DTYPES = (torch.float32, torch.bfloat16)
+REFINED_LOGITS = 32  # per row, the logits a quantized head recomputes exactly
 
 
 def supports_native(model: nn.Module) -> bool:
@@ -91,6 +93,7 @@ class _Weights:
     layers: tuple[_Layer, ...]
     norm: torch.Tensor
     lm_head: Linear
+    exact_head_rows: Callable[[torch.Tensor], torch.Tensor] | None  # quantized heads: exact rows by token id
 
 
 # One fused view per decoder layer: a self-speculation draft (num_layers=N, or a transformers view of the
@@ -135,6 +138,7 @@ def _weights(model: nn.Module) -> _Weights:
         layers=tuple(_fused_layer(layer, dtype) for layer in base.layers),
         norm=base.norm.weight.detach().to(dtype),
         lm_head=linear_of(model.lm_head),
+        exact_head_rows=getattr(model.lm_head, "exact_rows", None),
     )
 
 
@@ -173,6 +177,7 @@ class NativeLlamaRunner:
         self._layers = weights.layers[:num_layers]
         self._norm = weights.norm
         self._lm_head = weights.lm_head
+        self._exact_head_rows = weights.exact_head_rows
         self._eps = config.rms_norm_eps
         self._hidden_shape = (config.hidden_size,)
         self._heads = config.num_attention_heads
@@ -319,7 +324,22 @@ class NativeLlamaRunner:
         self._length = end
         if not logits:
             return None
-        return self._lm_head(self._rms_norm(x, self._norm))[:, : self.vocab_size].float()
+        h = self._rms_norm(x, self._norm)
+        logits = self._lm_head(h)[:, : self.vocab_size].float()
+        if self._exact_head_rows is not None:
+            self._refine_top_logits(logits, h)
+        return logits
+
+    def _refine_top_logits(self, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Recompute each row's ``REFINED_LOGITS`` highest logits in float32 from the head's exact rows.
+
+        A quantized head returns bfloat16 logits: 0.125 apart at the magnitudes of SmolLM2's top logits, so
+        near-ties between the top tokens would be decided by rounding. Per row (row invariance holds).
+        """
+        top = logits.topk(REFINED_LOGITS, dim=-1).indices
+        rows = self._exact_head_rows(top)  # [k, REFINED_LOGITS, hidden]
+        for i in range(logits.shape[0]):
+            logits[i, top[i]] = torch.mv(rows[i], hidden[i])
 
     def _attend_row(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: int | torch.Tensor

@@ -9,6 +9,7 @@ embedding reads its rows (``gguf``: the file's Q8_0 embedding, exact). Matrices 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,6 @@ from torch import nn
 from .gguf_blocks import read_gguf_tensors
 from .weights import (
     GROUP_SIZES,
-    INT4_ROW_BLOCK,
     GroupQuant,
     Int4Linear,
     Int8Groups,
@@ -26,6 +26,7 @@ from .weights import (
     Int8RowsEmbedding,
     QuantizedEmbedding,
     QuantizedLinear,
+    RowSlice,
     register_fused,
 )
 
@@ -90,26 +91,20 @@ def _source(module: nn.Module, stored, quantization: Quantization) -> GroupQuant
 
 def _quantize_group(layer: nn.Module, names, modules, sources) -> list[str]:
     """Swap the modules of one fusable group; register their fused format for the native runner."""
+    fused: Int4Linear | Int8Linear | None = None
     if all(isinstance(s, GroupQuant) for s in sources):
         fused = Int4Linear.from_groups(GroupQuant.cat(sources), _cat_bias(modules))
-        aligned = all(m.out_features % INT4_ROW_BLOCK == 0 for m in modules)
-        kernels, start = [], 0
-        for module, source in zip(modules, sources, strict=True):
-            stop = start + module.out_features
-            kernels.append(fused.rows(start, stop) if aligned else Int4Linear.from_groups(source, module.bias))
-            start = stop
         kinds = ["int4"] * len(modules)
     elif all(isinstance(s, Int8Linear) for s in sources):
         fused = Int8Linear(torch.cat([s.q for s in sources]), torch.cat([s.scale for s in sources]), _cat_bias(modules))
-        kernels, start = [], 0
-        for module in modules:
-            stop = start + module.out_features
-            bias = None if fused.bias is None else fused.bias[start:stop]
-            kernels.append(Int8Linear(fused.q[start:stop], fused.scale[start:stop], bias))
-            start = stop
         kinds = ["int8"] * len(modules)
+    if fused is not None:
+        if len(modules) == 1:
+            kernels = [fused]
+        else:
+            bounds = torch.tensor([0] + [m.out_features for m in modules]).cumsum(0).tolist()
+            kernels = [RowSlice(fused, a, b) for a, b in itertools.pairwise(bounds)]
     else:  # mixed or dense: each part on its own (the native runner concatenates their outputs)
-        fused = None
         kernels = [s if isinstance(s, Int8Linear) else None if s is None else Int4Linear.from_groups(s, m.bias)
                    for s, m in zip(sources, modules, strict=True)]  # fmt: skip
         kinds = ["dense" if k is None else "int8" if isinstance(k, Int8Linear) else "int4" for k in kernels]
@@ -133,12 +128,14 @@ def _cat_bias(modules) -> torch.Tensor | None:
 
 
 def _quantize_head(model: nn.Module, stored_embedding) -> None:
-    """LM head → int8 per row; the input embedding → the file's Q8_0 table, or the tied head's int8 rows."""
+    """LM head → int8 per row, carrying its exact rows (the file's Q8_0 table when the head is tied to it);
+    the input embedding → that table, or the tied head's int8 rows."""
     head = model.lm_head
     embed = model.model.embed_tokens
     tied = embed.weight.data_ptr() == head.weight.data_ptr()
     kernel = Int8Linear.quantize(head.weight, head.bias)
-    model.lm_head = QuantizedLinear(kernel, head.in_features, head.out_features)
+    exact = stored_embedding if tied and isinstance(stored_embedding, Int8Groups) else kernel.rows
+    model.lm_head = QuantizedLinear(kernel, head.in_features, head.out_features, exact_rows=exact)
     if isinstance(stored_embedding, Int8Groups):
         table = stored_embedding
     elif tied:

@@ -9,7 +9,7 @@ both are row-invariant (each row of a k-row product is bitwise the one-row produ
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ACTIVATION_DTYPE = torch.bfloat16  # what the weight-only kernels are fast for
-INT4_ROW_BLOCK = 64  # the int4 packed layout stores rows in blocks of 64: packed matrices concatenate at multiples
 GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -111,13 +110,6 @@ class Int4Linear:
     def nbytes(self) -> int:
         return _nbytes(self.packed, self.scales_zeros, self.bias)
 
-    def rows(self, start: int, stop: int) -> Int4Linear:
-        """Output rows ``start:stop`` sharing this matrix's packed storage (both multiples of 64)."""
-        if start % INT4_ROW_BLOCK or (stop % INT4_ROW_BLOCK and stop != self.out_features):
-            raise ValueError(f"int4 row slices must start and stop at multiples of {INT4_ROW_BLOCK}")
-        bias = None if self.bias is None else self.bias[start:stop]
-        return Int4Linear(self.packed[start:stop], self.scales_zeros[:, start:stop].contiguous(), self.group_size, bias)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(ACTIVATION_DTYPE), self.packed, self.group_size, self.scales_zeros
@@ -149,7 +141,11 @@ class Int8Linear:
         return _nbytes(self.q, self.scale, self.bias)
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        return self.rows(torch.arange(self.q.shape[0]))
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weights of output rows ``index`` as the kernel sees them, in float32."""
+        return self.q[index].float() * self.scale[index].float()[..., None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), self.q, self.scale)
@@ -170,7 +166,24 @@ class ConcatLinear:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-Linear = DenseLinear | Int4Linear | Int8Linear | ConcatLinear
+@dataclass(frozen=True)
+class RowSlice:
+    """Output rows ``start:stop`` of a fused matrix, computed through it: a module's view of a fused format that
+    costs no memory (the native runner calls the fused matrix itself; transformers' forward calls this)."""
+
+    fused: Int4Linear | Int8Linear
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[:, self.start : self.stop]
+
+
+Linear = DenseLinear | Int4Linear | Int8Linear | ConcatLinear | RowSlice
 
 
 @dataclass(frozen=True)
@@ -260,11 +273,20 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` replacement that runs a quantized format, so transformers' own forward uses it too."""
 
-    def __init__(self, kernel: Int4Linear | Int8Linear, in_features: int, out_features: int) -> None:
+    def __init__(
+        self,
+        kernel: Int4Linear | Int8Linear | RowSlice,
+        in_features: int,
+        out_features: int,
+        exact_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.kernel = kernel
         self.in_features = in_features
         self.out_features = out_features
+        # An LM head may carry its weights' exact rows (float32 by token id): the native runner recomputes
+        # the few highest logits of each row from them (see NativeLlamaRunner).
+        self.exact_rows = exact_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x.reshape(-1, self.in_features))
