@@ -284,12 +284,12 @@ def stored_weight_bytes(model: Any) -> int:
     the fused formats the quantizer registered for the native runner. Views share their base's storage (fused
     q/k/v and their modules' kernels, a tied embedding and LM head), so bytes are summed per storage.
     """
-    from .models.weights import _FUSED
+    from .models.weights import fused_of
 
     storages = {}
     for module in model.modules():
         attributes = [v for k, v in vars(module).items() if not k.startswith("_")]
-        held = [*module._parameters.values(), *module._buffers.values(), *attributes, _FUSED.get(module)]
+        held = [*module._parameters.values(), *module._buffers.values(), *attributes, fused_of(module)]
         for tensor in _tensors(held):
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()

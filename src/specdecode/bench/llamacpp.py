@@ -79,6 +79,9 @@ def _method(spec: MethodSpec, llama, path: str, threads: int, eos: frozenset[int
                 n_threads=threads,
                 n_threads_batch=threads,
                 draft_model=None if draft is None else draft(num_pred_tokens=LOOKUP_TOKENS),
+                # With a draft model llama-cpp-python keeps logits for every position but sizes that buffer
+                # by this flag: without it, prompts past n_batch tokens fail to broadcast into it.
+                logits_all=draft is not None,
                 verbose=False,
                 **extra,
             )

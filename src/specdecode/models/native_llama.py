@@ -284,7 +284,8 @@ class NativeLlamaRunner:
         if attn_mask is not None and attn_mask.shape != (k, end):
             raise ValueError(f"attn_mask must have shape ({k}, {end}), got {tuple(attn_mask.shape)}")
         batched_mask = None
-        if not logits and k > 1:  # prefill: one attention call, causal (or the given) mask
+        causal_prefill = not logits and k > 1 and start == 0 and attn_mask is None
+        if not logits and k > 1 and not causal_prefill:  # prefill: one attention call, causal (or given) mask
             mask = self._slots[:end] <= self._slots[start:end, None] if attn_mask is None else attn_mask
             batched_mask = mask.repeat(self._groups, 1)  # rows follow the packed (query head, token) layout
         visible = self._visible_keys(start, k, attn_mask) if logits and (k > 1 or attn_mask is not None) else None
@@ -303,7 +304,13 @@ class NativeLlamaRunner:
             keys, values = self._keys[i], self._values[i]
             keys[0, :, start:end] = qk[:, heads:].transpose(0, 1)
             values[0, :, start:end] = qkv[:, qk_width:].view(k, kv_heads, head_dim).transpose(0, 1)
-            if visible is None and batched_mask is None:  # one row
+            if causal_prefill:  # an empty cache: the causal kernel skips the masked half
+                q = qk[:, :heads].transpose(0, 1)[None]
+                attn = F.scaled_dot_product_attention(
+                    q, keys[:, :, :end], values[:, :, :end], is_causal=True, scale=self._scaling, enable_gqa=True
+                )
+                attn = attn[0].transpose(0, 1)
+            elif visible is None and batched_mask is None:  # one row
                 q = qk[:, :heads].view(1, kv_heads, groups, head_dim)
                 attn = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=self._scaling)
             elif visible is None:

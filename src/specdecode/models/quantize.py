@@ -27,6 +27,7 @@ from .weights import (
     QuantizedEmbedding,
     QuantizedLinear,
     RowSlice,
+    concat_biases,
     register_fused,
 )
 
@@ -49,13 +50,11 @@ class Quantization:
             raise ValueError(f"group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
 
 
-def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path | None = None) -> dict[str, int]:
-    """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules; return a count of
-    matrices per stored format (e.g. ``{"int4": 210, "int8": 1, "dense": 0}``)."""
+def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path | None = None) -> None:
+    """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules, in place."""
     if quantization.kind == "gguf" and gguf_path is None:
         raise ValueError("quantization='gguf' needs a GGUF file: load a .gguf path or a bundled model")
     stored = read_gguf_tensors(gguf_path, model) if quantization.kind == "gguf" else {}
-    counts = {"int4": 0, "int8": 0, "dense": 0}
     llama = getattr(model.config, "model_type", None) in ("llama", "mistral", "qwen2")
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}."
@@ -64,11 +63,8 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
             modules = [layer.get_submodule(name) for name in group]
             stored_weights = [stored.get(f"{prefix}{name}.weight") for name in group]
             sources = [_source(m, w, quantization) for m, w in zip(modules, stored_weights, strict=True)]
-            for kind in _quantize_group(layer, group, modules, sources):
-                counts[kind] += 1
+            _quantize_group(layer, group, modules, sources)
     _quantize_head(model, stored.get("model.embed_tokens.weight"))
-    counts["int8"] += 1
-    return counts
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -89,15 +85,14 @@ def _source(module: nn.Module, stored, quantization: Quantization) -> GroupQuant
     return None
 
 
-def _quantize_group(layer: nn.Module, names, modules, sources) -> list[str]:
+def _quantize_group(layer: nn.Module, names, modules, sources) -> None:
     """Swap the modules of one fusable group; register their fused format for the native runner."""
     fused: Int4Linear | Int8Linear | None = None
     if all(isinstance(s, GroupQuant) for s in sources):
-        fused = Int4Linear.from_groups(GroupQuant.cat(sources), _cat_bias(modules))
-        kinds = ["int4"] * len(modules)
+        fused = Int4Linear.from_groups(GroupQuant.cat(sources), concat_biases(modules))
     elif all(isinstance(s, Int8Linear) for s in sources):
-        fused = Int8Linear(torch.cat([s.q for s in sources]), torch.cat([s.scale for s in sources]), _cat_bias(modules))
-        kinds = ["int8"] * len(modules)
+        q, scale = torch.cat([s.q for s in sources]), torch.cat([s.scale for s in sources])
+        fused = Int8Linear(q, scale, concat_biases(modules))
     if fused is not None:
         if len(modules) == 1:
             kernels = [fused]
@@ -107,7 +102,6 @@ def _quantize_group(layer: nn.Module, names, modules, sources) -> list[str]:
     else:  # mixed or dense: each part on its own (the native runner concatenates their outputs)
         kernels = [s if isinstance(s, Int8Linear) else None if s is None else Int4Linear.from_groups(s, m.bias)
                    for s, m in zip(sources, modules, strict=True)]  # fmt: skip
-        kinds = ["dense" if k is None else "int8" if isinstance(k, Int8Linear) else "int4" for k in kernels]
     swapped = []
     for name, module, kernel in zip(names, modules, kernels, strict=True):
         if kernel is None:
@@ -118,13 +112,6 @@ def _quantize_group(layer: nn.Module, names, modules, sources) -> list[str]:
         swapped.append(new)
     if fused is not None and len(swapped) > 1:
         register_fused(swapped, fused)
-    return kinds
-
-
-def _cat_bias(modules) -> torch.Tensor | None:
-    if all(m.bias is None for m in modules):
-        return None
-    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules])
 
 
 def _quantize_head(model: nn.Module, stored_embedding) -> None:

@@ -313,6 +313,18 @@ def register_fused(modules: Sequence[nn.Module], fused: Linear) -> None:
     _FUSED[modules[0]] = fused
 
 
+def concat_biases(modules: Sequence[nn.Module]) -> torch.Tensor | None:
+    """The biases of side-by-side linears as one vector (zeros where a module has none), or None if none has."""
+    if all(m.bias is None for m in modules):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules])
+
+
+def fused_of(module: nn.Module) -> Linear | None:
+    """The fused format registered for the group that ``module`` leads, if any."""
+    return _FUSED.get(module)
+
+
 def fuse_linears(modules: Sequence[nn.Module]) -> Linear:
     """One format computing ``modules`` side by side (same input).
 
@@ -325,11 +337,8 @@ def fuse_linears(modules: Sequence[nn.Module]) -> Linear:
         for m in modules:
             m.weight.data = fused[start : start + m.out_features]
             start += m.out_features
-        if all(m.bias is None for m in modules):
-            return DenseLinear(fused)
-        biases = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in modules]
-        return DenseLinear(fused, torch.cat(biases))
-    registered = _FUSED.get(modules[0])
+        return DenseLinear(fused, concat_biases(modules))
+    registered = fused_of(modules[0])
     if registered is not None:
         return registered
     return ConcatLinear(tuple(linear_of(m) for m in modules))
