@@ -208,7 +208,9 @@ def build_proposer(
 @friendly
 def demo(
     target: str = typer.Option("smollm2", help="Target model (bundled name, HF folder or .gguf)."),
-    gamma: int = typer.Option(8, min=1, help="Tokens guessed per round by prompt lookup."),
+    gamma: str = typer.Option(
+        "auto", help="Tokens guessed per round by prompt lookup, or auto (adapts to the measured verify cost)."
+    ),
     max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
     dtype: str = typer.Option("float32", help="Dense weights' dtype: float32 or bfloat16 (with --quantization none)."),
     quantization: str = typer.Option(
@@ -222,7 +224,7 @@ def demo(
     from .demo import run_demo
 
     quiet_transformers()
-    run_demo(target, gamma, max_new_tokens, dtype, Console(), quantization, group_size)
+    run_demo(target, parse_gamma(gamma), max_new_tokens, dtype, Console(), quantization, group_size)
 
 
 for _name, _command in (("plan", plan), ("bench", bench), ("check-exact", check_exact), ("quality", quality)):

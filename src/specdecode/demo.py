@@ -24,7 +24,7 @@ ROUNDS = 2
 
 def run_demo(
     target_name: str,
-    gamma: int,
+    gamma: int | str,
     max_new_tokens: int,
     dtype: str,
     console: Console,
@@ -62,7 +62,9 @@ def run_demo(
     spec_tps = statistics.median(r.stats.tokens_per_second for r in spec_runs)
     console.print("\n[bold]Output[/bold]:")
     console.print(spec.text, highlight=False)
-    table = Table(title=f"{target.name}, prompt lookup, gamma={gamma} (median of {ROUNDS} alternating runs)")
+    weights = target.quantization or "dense"
+    title = f"{target.name} ({weights} weights), prompt lookup, gamma={gamma} (median of {ROUNDS} alternating runs)"
+    table = Table(title=title)
     for column in ("method", "tokens", "tok/s", "passes", "tok/pass", "accept", "α"):
         table.add_column(column, justify="right")
     table.add_row("plain", str(len(plain.token_ids)), f"{plain_tps:.1f}", str(plain.stats.rounds), "1.00", "-", "-")
