@@ -16,7 +16,6 @@ import torch
 from .weights import GroupQuant, Int8Groups
 
 GROUP = 32
-_QK_K = 256
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -94,7 +93,7 @@ StoredTensor = GroupQuant | Int8Groups | torch.Tensor
 def read_gguf_tensors(path: str | Path, model: torch.nn.Module) -> dict[str, StoredTensor]:
     """Every tensor of the GGUF file at ``path``, keyed by ``model``'s parameter name, in its stored format.
 
-    Block types in ``BLOCK_TYPES`` keep their blocks; other types are dequantized to float32 (say: F32 norms,
+    Block types in ``BLOCK_TYPES`` keep their blocks; other types are dequantized to float32 (e.g. F32 norms,
     Q6_K, Q5_K). Rows of Llama's q/k projections are permuted as transformers' loader permutes them.
     """
     import gguf
@@ -102,6 +101,8 @@ def read_gguf_tensors(path: str | Path, model: torch.nn.Module) -> dict[str, Sto
 
     names = get_gguf_hf_weights_map(model, TensorProcessor())
     reader = gguf.GGUFReader(str(path))
+    field = reader.fields["general.architecture"]
+    architecture = bytes(field.parts[field.data[0]]).decode()
     found: dict[str, StoredTensor] = {}
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
@@ -113,7 +114,7 @@ def read_gguf_tensors(path: str | Path, model: torch.nn.Module) -> dict[str, Sto
             stored = _DECODERS[kind](raw)
         else:
             stored = torch.from_numpy(np.array(gguf.dequantize(raw, tensor.tensor_type), dtype=np.float32))
-        perm = _rows_order(tensor.name, model.config, _rows(stored))
+        perm = _rows_order(architecture, tensor.name, model.config, _rows(stored))
         found[hf_name] = stored if perm is None else _take_rows(stored, perm)
     return found
 
@@ -122,11 +123,14 @@ def _rows(stored: StoredTensor) -> int:
     return stored.q.shape[0] if isinstance(stored, GroupQuant | Int8Groups) else stored.shape[0]
 
 
-def _rows_order(name: str, config, rows: int) -> torch.Tensor | None:
-    """The row order transformers gives a Llama q/k projection (llama.cpp stores them permuted), or None."""
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+def _rows_order(architecture: str, name: str, config, rows: int) -> torch.Tensor | None:
+    """The row order transformers' loader gives a q/k projection of this GGUF architecture (llama.cpp stores
+    Llama's permuted for its RoPE layout), or None when it keeps the file's order."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor
 
-    if config.model_type not in ("llama", "mistral") or not (".attn_q." in name or ".attn_k." in name):
+    if TENSOR_PROCESSORS.get(architecture) is not LlamaTensorProcessor:
+        return None
+    if not (".attn_q." in name or ".attn_k." in name):
         return None
     processor = LlamaTensorProcessor(config=config.to_dict())
     return torch.from_numpy(processor.process(np.arange(rows), name).weights.copy())
