@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 import specdecode.cli as cli
+from specdecode import commands
 from specdecode.errors import ModelNotAvailable
 
 runner = CliRunner()
@@ -22,7 +23,7 @@ def tiny_target(monkeypatch):
 
     words = [f"w{i}" for i in range(64)]
     loaded = sd.load_model(tiny_llama(64, seed=5), tokenizer=word_tokenizer(words))
-    monkeypatch.setattr(cli, "_load", lambda name, *settings: loaded)
+    monkeypatch.setattr(commands, "load", lambda name, *settings: loaded)
     return loaded
 
 
@@ -70,7 +71,7 @@ def test_unknown_model_names_the_fix(monkeypatch):
             f"'{name}' is neither a bundled model (smollm2, gemma3-270m), a .gguf file nor a folder"
         )
 
-    monkeypatch.setattr(cli, "_load", missing)
+    monkeypatch.setattr(commands, "load", missing)
     result = runner.invoke(cli.app, ["generate", "hi", "--target", "nope"])
     assert result.exit_code == 1
     assert "nope" in result.output and "Traceback" not in result.output
@@ -99,3 +100,9 @@ def test_bad_quantization_is_one_line(tiny_target):
     result = runner.invoke(cli.app, ["generate", "w1 w2", "--raw", "--quantization", "int3"])
     assert result.exit_code == 1
     assert "--quantization must be" in result.output and "Traceback" not in result.output
+
+
+def test_demo_shows_identical_outputs(tiny_target):
+    result = runner.invoke(cli.app, ["demo", "--max-new-tokens", "8", "--gamma", "3"])
+    assert result.exit_code == 0, result.output
+    assert "identical" in result.stdout and "gamma=3" in result.stdout

@@ -10,7 +10,7 @@ from conftest import resample_from_target
 from typer.testing import CliRunner
 
 import specdecode as sd
-from specdecode import cli, engine
+from specdecode import cli, commands, engine
 from specdecode.exactness import (
     check_exactness,
     first_token_law,
@@ -86,7 +86,7 @@ def test_biased_verifier_is_flagged(small_target, small_draft, monkeypatch):
 
 def test_check_exact_command_json(small_target, small_draft, monkeypatch, tmp_path):
     models = {"tiny": small_target, "tiny-draft": small_draft}
-    monkeypatch.setattr(cli, "_load", lambda name, *settings: models[name])
+    monkeypatch.setattr(commands, "load", lambda name, *settings: models[name])
     prompts = tmp_path / "q.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": [PROMPT]}) + "\n")
     args = ["check-exact", "--target", "tiny", "--draft", "tiny-draft", "--prompts", str(prompts)]

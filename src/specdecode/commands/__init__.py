@@ -1,11 +1,37 @@
-"""CLI commands that live in their own modules (registered by ``specdecode.cli``)."""
+"""The CLI's commands, one module each (registered by ``specdecode.cli``), and the helpers they share."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import Enum
+from typing import Any
 
 import typer
+from rich.console import Console
+
+from specdecode.errors import SpecDecodeError
+
+err = Console(stderr=True)
+USER_ERRORS = (SpecDecodeError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a user mistake into one red line on stderr and exit code 1, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as exc:
+            err.print(f"[red]error:[/red] {exc}", highlight=False)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted[/yellow]")
+            raise typer.Exit(130) from None
+
+    return wrapper
 
 
 @contextmanager
@@ -16,3 +42,64 @@ def usage_errors() -> Iterator[None]:
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+class ProposerChoice(str, Enum):
+    draft = "draft"
+    lookup = "lookup"
+    none = "none"
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' info/warning chatter on the terminal (errors still show)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def parse_gamma(text: str) -> int | str:
+    """``auto`` or a positive integer, from the command line."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--gamma must be an integer >= 1 or auto, got {text!r}")
+    return int(text)
+
+
+def parse_quantization(text: str) -> str | None:
+    """``--quantization`` words: ``none`` = dense, else auto / gguf / int8 / int4."""
+    from specdecode.models.quantize import QUANTIZATIONS
+
+    if text == "none":
+        return None
+    if text not in ("auto", *QUANTIZATIONS):
+        raise ValueError(f"--quantization must be auto, {', '.join(QUANTIZATIONS)} or none, got {text!r}")
+    return text
+
+
+def load(name: str, dtype: str, quantization: str = "auto", group_size: int = 32):
+    """A model from CLI words (``--quantization`` as the CLI spells it)."""
+    from specdecode.models.loader import load_model
+
+    return load_model(name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size)
+
+
+def build_proposer(
+    kind: str, target, draft: str | None, dtype: str = "float32", quantization: str = "auto", group_size: int = 32
+):
+    """A proposer from CLI words: ``lookup``, or ``draft`` with a path or ``self:N``."""
+    from specdecode.proposers import DraftModelProposer, LayerSkipProposer, PromptLookupProposer
+
+    if kind == "lookup":
+        return PromptLookupProposer()
+    if kind != "draft":
+        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup or none")
+    if draft is None:
+        raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
+    if draft.startswith("self:"):
+        layers = draft.removeprefix("self:")
+        if not layers.isdigit():
+            raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}")
+        return LayerSkipProposer(target, int(layers))
+    return DraftModelProposer(load(draft, dtype, quantization, group_size))

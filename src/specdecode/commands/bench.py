@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specdecode.commands import usage_errors
+from specdecode.commands import quiet_transformers, usage_errors
 
 QUIRK_MAX_K = 32
 QUIRK_CONTEXT = 500
@@ -205,7 +205,7 @@ def bench(
             except LlamaCppMissing as e:
                 llamacpp_note = f"skipped: {e}"
                 console.print(f"[yellow]note:[/] {e}", soft_wrap=True)
-        _quiet_transformers()
+        quiet_transformers()  # transformers' generate() warns about generation-config details on every call
         turns = sum(len(i.turns) for i in items)
         console.print(
             f"{len(items)} questions ({turns} turns) × {len(methods)} methods: " + ", ".join(m.name for m in methods)
@@ -247,10 +247,3 @@ def bench(
         natural = screen.measure(table, options=screen.options.update_width(1000)).maximum
         Console(width=max(screen.width, natural)).print(table)  # never squeeze columns
         console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
-
-
-def _quiet_transformers() -> None:
-    """transformers' generate() warns about generation-config details on every call; keep the screen clean."""
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()

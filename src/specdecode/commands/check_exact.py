@@ -57,7 +57,7 @@ def check_exact(
 ) -> None:
     """Test that speculative decoding samples the first 1 and 2 tokens exactly as the target does."""
     from specdecode.bench.workloads import load_items
-    from specdecode.cli import _load, build_proposer, quiet_transformers
+    from specdecode.commands import build_proposer, load, quiet_transformers
     from specdecode.exactness import check_exactness
     from specdecode.params import SamplingParams
 
@@ -67,7 +67,7 @@ def check_exact(
     err = Console(stderr=True)
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        target_model = _load(target, dtype, quantization, group_size)
+        target_model = load(target, dtype, quantization, group_size)
         chosen = build_proposer(kind, target_model, draft, dtype, quantization, group_size)
     prompt_ids = [
         text if isinstance(text, list) else target_model.encode(text) if raw else target_model.chat_prompt(text)

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdecode.commands import usage_errors
+from specdecode.commands import parse_quantization, usage_errors
 from specdecode.planner import (
     MemoryPlan,
     ModelMemory,
@@ -106,7 +106,6 @@ def plan(
 
 def _quantization(text: str, group_size: int) -> str | None:
     """``--quantization`` as ``load_model`` takes it, checked before any model loads."""
-    from specdecode.cli import parse_quantization
     from specdecode.models.weights import GROUP_SIZES
 
     if group_size not in GROUP_SIZES:

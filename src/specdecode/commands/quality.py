@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from specdecode.commands import usage_errors
+from specdecode.commands import quiet_transformers, usage_errors
 
 
 def quality(
@@ -49,7 +49,6 @@ def quality(
         prose = q.held_out_text() if text is None else _read(text)
 
         import specdecode
-        from specdecode.cli import quiet_transformers
 
         quiet_transformers()
         labels = {s: f"int4 (group {group_size})" if s == "int4" else s for s in settings}

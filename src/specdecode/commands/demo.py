@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import statistics
 
+import typer
 from rich.console import Console
 from rich.table import Table
+
+from specdecode.commands import parse_gamma, quiet_transformers
 
 PASSAGE = (
     "The city council met on Tuesday evening to discuss the new public library. After a long debate, the "
@@ -22,39 +25,42 @@ PROMPT = (
 ROUNDS = 2
 
 
-def run_demo(
-    target_name: str,
-    gamma: int | str,
-    max_new_tokens: int,
-    dtype: str,
-    console: Console,
-    quantization: str = "auto",
-    group_size: int = 32,
+def demo(
+    target: str = typer.Option("smollm2", help="Target model (bundled name, HF folder or .gguf)."),
+    gamma: str = typer.Option(
+        "auto", help="Tokens guessed per round by prompt lookup, or auto (adapts to the measured verify cost)."
+    ),
+    max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
+    dtype: str = typer.Option("float32", help="Dense weights' dtype: float32 or bfloat16 (with --quantization none)."),
+    quantization: str = typer.Option(
+        "auto",
+        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
+        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference).",
+    ),
+    group_size: int = typer.Option(32, help="int4: weights per quantization group (32, 64, 128 or 256)."),
 ) -> None:
-    """Load the model, warm up, run plain and speculative alternately, print outputs and the speedup."""
-    from . import (
-        PromptLookupProposer,
-        SamplingParams,
-        SpeculativeDecoder,
-        autoregressive_generate,
-    )
-    from .cli import _load
+    """Edit a pasted passage plainly and speculatively; show the outputs match and the measured speedup."""
+    from specdecode import PromptLookupProposer, SamplingParams, SpeculativeDecoder, autoregressive_generate
+    from specdecode.commands import load
 
-    with console.status(f"loading {target_name} (the first load dequantizes and caches it)…"):
-        target = _load(target_name, dtype, quantization, group_size)
-    ids = target.chat_prompt(PROMPT)
+    quiet_transformers()
+    parsed_gamma = parse_gamma(gamma)  # validate before the slow load
+    console = Console()
+    with console.status(f"loading {target} (the first load dequantizes and caches it)…"):
+        model = load(target, dtype, quantization, group_size)
+    ids = model.chat_prompt(PROMPT)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    decoder = SpeculativeDecoder(target, PromptLookupProposer(), gamma=gamma)
+    decoder = SpeculativeDecoder(model, PromptLookupProposer(), gamma=parsed_gamma)
     console.print(f"[bold]Prompt[/bold] ({len(ids)} tokens, greedy, {max_new_tokens} new tokens at most):")
     console.print(PROMPT, highlight=False)
     with console.status("warming up…"):
         warm = SamplingParams(max_new_tokens=8)
-        autoregressive_generate(target, ids, warm)
+        autoregressive_generate(model, ids, warm)
         decoder.generate(ids, warm)
     plain_runs, spec_runs = [], []
     with console.status("decoding plain and speculative, alternately…"):
         for _ in range(ROUNDS):
-            plain_runs.append(autoregressive_generate(target, ids, params))
+            plain_runs.append(autoregressive_generate(model, ids, params))
             spec_runs.append(decoder.generate(ids, params))
     plain, spec = plain_runs[0], spec_runs[0]
     identical = all(r.token_ids == plain.token_ids for r in plain_runs + spec_runs)
@@ -62,9 +68,11 @@ def run_demo(
     spec_tps = statistics.median(r.stats.tokens_per_second for r in spec_runs)
     console.print("\n[bold]Output[/bold]:")
     console.print(spec.text, highlight=False)
-    weights = target.quantization or "dense"
-    title = f"{target.name} ({weights} weights), prompt lookup, gamma={gamma} (median of {ROUNDS} alternating runs)"
-    table = Table(title=title)
+    weights = model.quantization or "dense"
+    table = Table(
+        title=f"{model.name} ({weights} weights), prompt lookup, gamma={parsed_gamma} "
+        f"(median of {ROUNDS} alternating runs)"
+    )
     for column in ("method", "tokens", "tok/s", "passes", "tok/pass", "accept", "α"):
         table.add_column(column, justify="right")
     table.add_row("plain", str(len(plain.token_ids)), f"{plain_tps:.1f}", str(plain.stats.rounds), "1.00", "-", "-")

@@ -1,0 +1,108 @@
+"""`specdecode generate`: one prompt, decoded speculatively (or plainly), printed with a stats line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from specdecode.commands import ProposerChoice, err, parse_gamma, parse_quantization, quiet_transformers
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text ('-' reads it from standard input)."),
+    target: str = typer.Option(
+        "smollm2", help="Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
+    ),
+    draft: str | None = typer.Option(
+        None,
+        help="Draft model (HF folder or .gguf), or self:N for the target's "
+        "first N layers (a stand-in for models with no small sibling).",
+    ),
+    proposer: ProposerChoice | None = typer.Option(
+        None,
+        help="Where guesses come from: draft (needs --draft), "
+        "lookup (prompt lookup) or none (plain decoding). Default: "
+        "draft if --draft is given, else lookup.",
+    ),
+    gamma: str = typer.Option("4", help="Tokens guessed per round, or auto (adapts each round, 0 = plain)."),
+    mode: str = typer.Option(
+        "exact", help="exact (min(1, p/q) rule) or reproducible (the same text as --proposer none, same seed)."
+    ),
+    temperature: float = typer.Option(0.0, help="0 = greedy (identical to plain decoding)."),
+    top_k: int = typer.Option(0, help="Keep the k most probable tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
+    seed: int | None = typer.Option(None, help="Random seed (default: fresh, printed so the run can be replayed)."),
+    max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable); it is cut from the output."),
+    stream: bool = typer.Option(False, "--stream", help="Print text as tokens are accepted."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, seed, stats)."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    dtype: str = typer.Option("float32", help="Dense weights' dtype: float32 or bfloat16 (with --quantization none)."),
+    quantization: str = typer.Option(
+        "auto",
+        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
+        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference).",
+    ),
+    group_size: int = typer.Option(32, help="int4: weights per quantization group (32, 64, 128 or 256)."),
+) -> None:
+    """Generate text from PROMPT with speculative decoding and print it with a stats line."""
+    from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
+    from specdecode.commands import build_proposer, load
+    from specdecode.models.loader import resolve_dtype
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        stop=tuple(stop),
+    )
+    resolve_dtype(dtype)
+    parse_quantization(quantization)  # validate before the slow load
+    choice = proposer or (ProposerChoice.draft if draft else ProposerChoice.lookup)
+    if choice is ProposerChoice.draft and not draft:
+        raise ValueError("--proposer draft needs --draft PATH or --draft self:N")
+    quiet_transformers()
+    with err.status(f"loading {target}…"):
+        target_model = load(target, dtype, quantization, group_size)
+        chosen = (
+            None
+            if choice is ProposerChoice.none
+            else build_proposer(choice.value, target_model, draft, dtype, quantization, group_size)
+        )
+    ids = target_model.encode(prompt) if raw else target_model.chat_prompt(prompt)
+    on_text = None
+    if stream and not as_json:
+
+        def on_text(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    if chosen is None:
+        out = autoregressive_generate(target_model, ids, params, on_text=on_text)
+    else:
+        decoder = SpeculativeDecoder(target_model, chosen, gamma=parse_gamma(gamma), mode=mode)
+        out = decoder.generate(ids, params, on_text=on_text)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "seed": out.seed,
+                    "finish_reason": out.finish_reason,
+                    "stats": out.stats.to_dict(),
+                }
+            )
+        )
+        return
+    if stream:
+        print()
+    else:
+        print(out.text)
+    err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
