@@ -106,3 +106,20 @@ def test_demo_shows_identical_outputs(tiny_target):
     result = runner.invoke(cli.app, ["demo", "--max-new-tokens", "8", "--gamma", "3"])
     assert result.exit_code == 0, result.output
     assert "identical" in result.stdout and "gamma=3" in result.stdout
+
+
+def test_a_long_error_is_one_unwrapped_line_and_never_markup(monkeypatch):
+    message = "a message longer than any terminal's 80 columns, " * 3 + "with [red]brackets[/red] and [/stray] tags"
+
+    def fail(name, *settings):
+        raise ValueError(message)
+
+    monkeypatch.setattr(commands, "load", fail)
+    result = runner.invoke(cli.app, ["generate", "hi"])
+    assert (result.exit_code, result.stderr) == (1, f"error: {message}\n")
+
+
+def test_usage_errors_exit_2_with_one_line():
+    result = runner.invoke(cli.app, ["plan", "--alpha", "2", "--cost", "0.1"])
+    assert result.exit_code == 2
+    assert result.stderr == "error: alpha must be in [0, 1] (a per-token acceptance probability), got 2.0\n"

@@ -4,17 +4,33 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from specdecode.errors import SpecDecodeError
 
 err = Console(stderr=True)
 USER_ERRORS = (SpecDecodeError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+@contextmanager
+def user_errors(code: int = 1, kinds: tuple[type[Exception], ...] = USER_ERRORS) -> Iterator[None]:
+    """Report a user mistake as one line on stderr (never wrapped nor read as markup) and exit with ``code``."""
+    try:
+        yield
+    except kinds as exc:
+        err.print(Text.assemble(("error:", "red"), f" {exc}"), soft_wrap=True)
+        raise typer.Exit(code) from None
+
+
+def usage_errors() -> AbstractContextManager[None]:
+    """Report a ValueError as a usage error: one line on stderr and exit code 2, as for a bad option."""
+    return user_errors(2, (ValueError,))
 
 
 def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -23,25 +39,13 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
-        except USER_ERRORS as exc:
-            err.print(f"[red]error:[/red] {exc}", highlight=False)
-            raise typer.Exit(1) from None
+            with user_errors():
+                return command(*args, **kwargs)
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/yellow]")
             raise typer.Exit(130) from None
 
     return wrapper
-
-
-@contextmanager
-def usage_errors() -> Iterator[None]:
-    """Report a ValueError as one line on stderr and exit code 2 (a usage error), never a traceback."""
-    try:
-        yield
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 class ProposerChoice(str, Enum):
