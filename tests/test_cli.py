@@ -123,3 +123,10 @@ def test_usage_errors_exit_2_with_one_line():
     result = runner.invoke(cli.app, ["plan", "--alpha", "2", "--cost", "0.1"])
     assert result.exit_code == 2
     assert result.stderr == "error: alpha must be in [0, 1] (a per-token acceptance probability), got 2.0\n"
+
+
+def test_past_the_context_window_is_one_line(tiny_target):
+    result = runner.invoke(cli.app, ["generate", "w1 w2", "--raw", "--max-new-tokens", "600"])
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and "max_new_tokens (600)" in result.stderr
+    assert "context window of 512 positions" in result.stderr

@@ -80,6 +80,25 @@ def test_other_sampling_params():
     assert defaults.greedy and sd.SamplingParams(top_p=1.0, temperature=1e-3).greedy is False
 
 
+def test_prompt_plus_max_new_tokens_must_fit_the_context_window(small_target):
+    window = small_target.model.config.max_position_embeddings
+    prompt = [1, 2, 3] * 166  # 498 tokens
+    fits = sd.SamplingParams(max_new_tokens=window - len(prompt))
+    decoder = sd.SpeculativeDecoder(small_target, sd.PromptLookupProposer(), gamma=4)
+    assert len(decoder.generate(prompt, fits).token_ids) == window - len(prompt)
+    assert len(sd.autoregressive_generate(small_target, prompt, fits).token_ids) == window - len(prompt)
+    over = sd.SamplingParams(max_new_tokens=window - len(prompt) + 1)
+    message = rf"prompt \(498 tokens\) plus max_new_tokens \(15\).*context window of {window}.*at most 14"
+    with pytest.raises(ValueError, match=message):
+        decoder.generate(prompt, over)
+    with pytest.raises(ValueError, match=message):
+        next(decoder.stream(prompt, over))
+    with pytest.raises(ValueError, match=message):
+        sd.autoregressive_generate(small_target, prompt, over)
+    with pytest.raises(ValueError, match="shorten the prompt"):
+        sd.autoregressive_generate(small_target, [1] * window, sd.SamplingParams(max_new_tokens=1))
+
+
 def test_params_must_be_sampling_params(small_target):
     with pytest.raises(ValueError, match="SamplingParams"):
         sd.autoregressive_generate(small_target, [1, 2], {"temperature": 1.0})

@@ -41,6 +41,23 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
+def _check_context_window(target: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a request that would run past the positions the model was trained on (prompt + new ≤ window)."""
+    window = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
+    if window is None or prompt_tokens + max_new_tokens <= window:
+        return
+    fix = (
+        f"lower max_new_tokens to at most {window - prompt_tokens} or shorten the prompt"
+        if prompt_tokens < window
+        else f"shorten the prompt so that prompt + max_new_tokens is at most {window}"
+    )
+    raise ValueError(
+        f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) is "
+        f"{prompt_tokens + max_new_tokens} tokens, past {target.name}'s context window of {window} positions "
+        f"(max_position_embeddings): {fix}"
+    )
+
+
 class _Request:
     """Per-request state shared by both loops: context, output sink, generator, stats, stream callback."""
 
@@ -56,6 +73,7 @@ class _Request:
         if params.stop and target.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         self.prompt_ids = target.encode(prompt)
+        _check_context_window(target, len(self.prompt_ids), params.max_new_tokens)
         self.context = list(self.prompt_ids)
         self.params = params
         self.seed = fresh_seed() if params.seed is None else params.seed
