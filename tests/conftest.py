@@ -56,6 +56,37 @@ def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers:
     return model
 
 
+def quantizable_llama(
+    vocab_size: int, seed: int, hidden_size: int = 128, weight_std: float | None = None
+) -> LlamaForCausalLM:
+    """A random 2-layer Llama whose layer sizes suit every weight format (int4 packs rows in blocks of 64):
+    MLP twice as wide as ``hidden_size``; weights N(0, weight_std²) and norms U(0.5, 1.5) when ``weight_std``
+    is given, else transformers' own initialisation (seeded)."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    if weight_std is not None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+                else:
+                    param.copy_(weight_std * torch.randn(param.shape, generator=generator))
+    return model
+
+
 def perturbed(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:
     """A copy of ``model`` with N(0, (noise·std(W))²) added to every weight W: a related but different draft."""
     draft = copy.deepcopy(model)

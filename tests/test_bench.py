@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import typer
+from conftest import quantizable_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
@@ -329,23 +330,6 @@ def test_each_method_is_checked_against_the_plain_decode_of_its_own_setting():
     assert table["llamacpp:plain"]["speedup_vs_plain"] == pytest.approx(4.0)  # over ours:plain@int4
 
 
-def _wide_llama(seed: int) -> LlamaForCausalLM:
-    """A tiny Llama whose layer sizes suit int8 and int4 (rows packed in blocks of 64)."""
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
-
-
 def _fake_llamacpp(target) -> Method:
     """A stand-in for llama.cpp: another engine whose outputs happen to equal our plain decode."""
 
@@ -356,7 +340,7 @@ def _fake_llamacpp(target) -> Method:
 
 
 def test_quantization_settings_run_every_method_with_their_own_identity_check(tmp_path):
-    model = _wide_llama(seed=3)
+    model = quantizable_llama(64, seed=3)
     targets = {q: sd.load_model(model, quantization=None if q == "none" else q) for q in ("int4", "none", "int8")}
     assert targets["int4"].quantization == "int4" and targets["none"].quantization is None
     methods = []
@@ -411,7 +395,7 @@ def test_llamacpp_is_skipped_with_one_line_when_not_installed(monkeypatch):
 
 def test_cli_runs_quantization_settings_and_skips_a_missing_llamacpp(tmp_path, monkeypatch):
     folder = tmp_path / "tiny"
-    _wide_llama(seed=4).save_pretrained(folder)
+    quantizable_llama(64, seed=4).save_pretrained(folder)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [[3, 4, 5, 3, 4, 5, 3]]}) + "\n")
     monkeypatch.setitem(sys.modules, "llama_cpp", None)

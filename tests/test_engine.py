@@ -17,8 +17,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import LARGE_VOCAB, chisquare_pvalue, perturbed, resample_from_target, with_eos, word_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import (
+    LARGE_VOCAB,
+    chisquare_pvalue,
+    perturbed,
+    quantizable_llama,
+    resample_from_target,
+    with_eos,
+    word_tokenizer,
+)
 
 import specdecode as sd
 import specdecode.engine
@@ -134,27 +141,10 @@ def test_greedy_output_is_identical_to_plain_decoding(large_target, large_draft,
     assert again.token_ids == plain_greedy
 
 
-def _wide_llama(seed: int) -> LlamaForCausalLM:
-    """A tiny Llama whose layer sizes suit every weight format (int4 packs rows in blocks of 64)."""
-    config = LlamaConfig(
-        vocab_size=LARGE_VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("float32", "int8"), ("float32", "int4")])
 def test_greedy_identity_on_every_weight_format(dtype, quantization):
     """Row invariance carries greedy identity to bfloat16 and quantized weights, where rounding is coarse."""
-    model = _wide_llama(seed=11)
+    model = quantizable_llama(LARGE_VOCAB, seed=11)
     target = sd.load_model(model, dtype=dtype, quantization=quantization)
     draft = sd.load_model(perturbed(model, seed=12, noise=0.3), dtype=dtype, quantization=quantization)
     prompts = (IDENTITY_PROMPT, [9, 9, 9, 9, 9, 9], [3])

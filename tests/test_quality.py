@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import typer
-from conftest import word_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import quantizable_llama, word_tokenizer
+from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 import specdecode as sd
@@ -27,35 +27,9 @@ from specdecode.commands.quality import quality
 VOCAB = 256
 
 
-def quantizable_llama(seed: int = 0) -> LlamaForCausalLM:
-    """A random 2-layer Llama the int8/int4 kernels take (outputs in multiples of 64, inputs of 256) whose
-    next-token distributions are peaked enough for argmax agreement to mean something."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    generator = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
-            else:
-                param.copy_(0.06 * torch.randn(param.shape, generator=generator))
-    return model
-
-
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    return quantizable_llama()
+    return quantizable_llama(VOCAB, seed=0, hidden_size=256, weight_std=0.06)
 
 
 @pytest.fixture(scope="module")
