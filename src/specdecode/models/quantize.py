@@ -23,7 +23,6 @@ from .weights import (
     Int4Linear,
     Int8Groups,
     Int8Linear,
-    Int8RowsEmbedding,
     QuantizedEmbedding,
     QuantizedLinear,
     RowSlice,
@@ -126,7 +125,7 @@ def _quantize_head(model: nn.Module, stored_embedding) -> None:
     if isinstance(stored_embedding, Int8Groups):
         table = stored_embedding
     elif tied:
-        table = Int8RowsEmbedding(kernel)
+        table = kernel.rows  # the int8 head's own rows
     else:
         return
     model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim)

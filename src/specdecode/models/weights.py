@@ -71,10 +71,6 @@ class DenseLinear:
     weight: torch.Tensor  # [N, K]
     bias: torch.Tensor | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.weight, self.bias)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.weight.dtype == torch.float32:
@@ -106,10 +102,6 @@ class Int4Linear:
     def out_features(self) -> int:
         return self.packed.shape[0]
 
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.packed, self.scales_zeros, self.bias)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(ACTIVATION_DTYPE), self.packed, self.group_size, self.scales_zeros
@@ -136,10 +128,6 @@ class Int8Linear:
         q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         return Int8Linear(q, scale, _float(bias))
 
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.q, self.scale, self.bias)
-
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.q.shape[0]))
 
@@ -158,10 +146,6 @@ class ConcatLinear:
 
     parts: tuple[Linear, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
@@ -174,10 +158,6 @@ class RowSlice:
     fused: Int4Linear | Int8Linear
     start: int
     stop: int
-
-    @property
-    def nbytes(self) -> int:
-        return 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused(x)[:, self.start : self.stop]
@@ -196,10 +176,6 @@ class Int8Groups:
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / 32]
 
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.q, self.scale)
-
     def dequantize(self) -> torch.Tensor:
         return self(torch.arange(self.q.shape[0]))
 
@@ -209,38 +185,20 @@ class Int8Groups:
 
 
 @dataclass(frozen=True)
-class Int8RowsEmbedding:
-    """An embedding table read from an int8 per-row matrix (a tied int8 LM head's own storage)."""
-
-    head: Int8Linear
-
-    @property
-    def nbytes(self) -> int:
-        return 0  # the head's storage, counted there
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head.q[tokens].float() * self.head.scale[tokens].float()[..., None]
-
-
-@dataclass(frozen=True)
 class DenseEmbedding:
     weight: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.weight)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weight)
 
 
-Embedding = DenseEmbedding | Int8Groups | Int8RowsEmbedding
+Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids -> float rows: DenseEmbedding, Int8Groups, ...
 
 
 class QuantizedEmbedding(nn.Module):
     """An ``nn.Embedding`` replacement over a quantized table (float32 rows out)."""
 
-    def __init__(self, table: Int8Groups | Int8RowsEmbedding, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, table: Embedding, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.table = table
         self.num_embeddings = num_embeddings
@@ -264,10 +222,6 @@ def _kernel_round(x: torch.Tensor) -> torch.Tensor:
 
 def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float()
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class QuantizedLinear(nn.Module):
