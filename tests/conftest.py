@@ -44,15 +44,21 @@ def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers:
         pad_token_id=None,
         tie_word_embeddings=False,
     )
+    model = randomized(LlamaForCausalLM(config).eval(), seed, weight_std=0.2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def randomized(model: LlamaForCausalLM, seed: int, weight_std: float) -> LlamaForCausalLM:
+    """``model`` with weights N(0, weight_std²) and norm scales U(0.5, 1.5), drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(0.5 + torch.rand(param.shape, generator=generator))
             else:
-                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-        model.lm_head.weight.mul_(logit_scale)
+                param.copy_(weight_std * torch.randn(param.shape, generator=generator))
     return model
 
 
@@ -76,15 +82,7 @@ def quantizable_llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
-    if weight_std is not None:
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.copy_(0.5 + torch.rand(param.shape, generator=generator))
-                else:
-                    param.copy_(weight_std * torch.randn(param.shape, generator=generator))
-    return model
+    return model if weight_std is None else randomized(model, seed, weight_std)
 
 
 def perturbed(model: LlamaForCausalLM, seed: int, noise: float) -> LlamaForCausalLM:

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -60,6 +60,18 @@ def quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+
+
+# The weight options of the commands that load a target (generate, demo, check-exact), worded once.
+DtypeOption = Annotated[str, typer.Option(help="Dense weights' dtype: float32 or bfloat16 (with --quantization none).")]
+QuantizationOption = Annotated[
+    str,
+    typer.Option(
+        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
+        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference)."
+    ),
+]
+GroupSizeOption = Annotated[int, typer.Option(help="int4: weights per quantization group (32, 64, 128 or 256).")]
 
 
 def parse_gamma(text: str) -> int | str:

@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from specdecode.commands import DtypeOption, GroupSizeOption, QuantizationOption
+
 DEFAULT_PROMPTS = (
     "Write one sentence about the sea.",
     "List three colours.",
@@ -48,11 +50,9 @@ def check_exact(
     cap: Annotated[int, typer.Option(min=1, help="K=2: first tokens enumerated exactly; the rest pooled.")] = 64,
     seed: Annotated[int, typer.Option(min=0, help="Sample i uses seed + i.")] = 0,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
-    dtype: Annotated[str, typer.Option(help="Dense weights' dtype (with --quantization none).")] = "float32",
-    quantization: Annotated[
-        str, typer.Option(help="Weights: auto, gguf, int8, int4 or none (dense), as for generate.")
-    ] = "auto",
-    group_size: Annotated[int, typer.Option(help="int4: weights per quantization group.")] = 32,
+    dtype: DtypeOption = "float32",
+    quantization: QuantizationOption = "auto",
+    group_size: GroupSizeOption = 32,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Test that speculative decoding samples the first 1 and 2 tokens exactly as the target does."""

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdecode.commands import parse_gamma, quiet_transformers
+from specdecode.commands import DtypeOption, GroupSizeOption, QuantizationOption, parse_gamma, quiet_transformers
 
 PASSAGE = (
     "The city council met on Tuesday evening to discuss the new public library. After a long debate, the "
@@ -31,13 +31,9 @@ def demo(
         "auto", help="Tokens guessed per round by prompt lookup, or auto (adapts to the measured verify cost)."
     ),
     max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
-    dtype: str = typer.Option("float32", help="Dense weights' dtype: float32 or bfloat16 (with --quantization none)."),
-    quantization: str = typer.Option(
-        "auto",
-        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
-        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference).",
-    ),
-    group_size: int = typer.Option(32, help="int4: weights per quantization group (32, 64, 128 or 256)."),
+    dtype: DtypeOption = "float32",
+    quantization: QuantizationOption = "auto",
+    group_size: GroupSizeOption = 32,
 ) -> None:
     """Edit a pasted passage plainly and speculatively; show the outputs match and the measured speedup."""
     from specdecode import PromptLookupProposer, SamplingParams, SpeculativeDecoder, autoregressive_generate

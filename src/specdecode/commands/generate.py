@@ -7,7 +7,16 @@ import sys
 
 import typer
 
-from specdecode.commands import ProposerChoice, err, parse_gamma, parse_quantization, quiet_transformers
+from specdecode.commands import (
+    DtypeOption,
+    GroupSizeOption,
+    ProposerChoice,
+    QuantizationOption,
+    err,
+    parse_gamma,
+    parse_quantization,
+    quiet_transformers,
+)
 
 
 def generate(
@@ -39,13 +48,9 @@ def generate(
     stream: bool = typer.Option(False, "--stream", help="Print text as tokens are accepted."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, seed, stats)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
-    dtype: str = typer.Option("float32", help="Dense weights' dtype: float32 or bfloat16 (with --quantization none)."),
-    quantization: str = typer.Option(
-        "auto",
-        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
-        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference).",
-    ),
-    group_size: int = typer.Option(32, help="int4: weights per quantization group (32, 64, 128 or 256)."),
+    dtype: DtypeOption = "float32",
+    quantization: QuantizationOption = "auto",
+    group_size: GroupSizeOption = 32,
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
     from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
