@@ -15,13 +15,14 @@ row-invariant; attention is made so by one call per row over exactly that row's 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import check_retained_slots
 from .weights import Embedding, Linear, QuantizedEmbedding, QuantizedLinear, embedding_of, fuse_linears, linear_of
 
 _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -191,6 +192,8 @@ class NativeLlamaRunner:
         self._length = 0
         self._capacity = 0
         self._allocate(max_length)
+        self.capture_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -202,6 +205,19 @@ class NativeLlamaRunner:
         if not 0 <= length <= self._length:
             raise ValueError(f"rollback_to({length}) outside 0..{self._length}")
         self._length = length
+
+    @torch.inference_mode()
+    def retain(self, start: int, slots: Sequence[int]) -> None:
+        """Keep the cache entries at ``slots`` (ascending, in ``start..length-1``), moved to ``start, start+1, ...``.
+
+        After a token-tree pass this keeps the accepted branch: ``length`` becomes ``start + len(slots)``.
+        """
+        slots = check_retained_slots(start, slots, self._length)
+        m = len(slots)
+        if m and int(slots[-1]) != start + m - 1:  # not already in place
+            self._keys[..., start : start + m, :] = self._keys[..., slots, :]
+            self._values[..., start : start + m, :] = self._values[..., slots, :]
+        self._length = start + m
 
     def reset(self) -> None:
         """Empty the cache."""
@@ -329,6 +345,8 @@ class NativeLlamaRunner:
             gate, up = layer.gate_up(h).split(self._intermediate, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         self._length = end
+        if self.capture_hidden:
+            self.hidden = x.float()
         if not logits:
             return None
         h = self._rms_norm(x, self._norm)
