@@ -11,10 +11,11 @@ import torch
 
 from .adaptive import AdaptiveGamma, CostModel
 from .keyed_noise import KeyedNoise
+from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
-from .proposers.base import CoupledProposer, Proposer
+from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .sampling import probs_from_logits
 from .stats import DecodeStats
@@ -34,6 +35,15 @@ class GenerationOutput:
     stats: DecodeStats
     finish_reason: str
     prompt_ids: list[int]
+
+
+@dataclass
+class Round:
+    """A round in flight: its draft, the chunk the target scores (newest context token + draft), drafting time."""
+
+    draft: Draft
+    tokens: torch.Tensor
+    draft_seconds: float
 
 
 def fresh_seed() -> int:
@@ -58,8 +68,9 @@ def _check_context_window(target: LoadedModel, prompt_tokens: int, max_new_token
     )
 
 
-class _Request:
-    """Per-request state shared by both loops: context, output sink, generator, stats, stream callback."""
+class Request:
+    """Per-request state shared by both loops (and the server's scheduler): context, output sink, generator,
+    stats, stream callback."""
 
     def __init__(
         self,
@@ -180,27 +191,44 @@ class SpeculativeDecoder:
             chunks.clear()
         self.last_output = request.finish()
 
-    def _start(self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None) -> _Request:
-        request = _Request(self.target, prompt, params, on_text)
+    def _start(self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None) -> Request:
+        request = Request(self.target, prompt, params, on_text)
         if self.gamma == "auto":
             request.controller = AdaptiveGamma(self.max_gamma, self.costs)
         request.prefill(self._runner)
         return request
 
-    def _round(self, request: _Request) -> None:
-        params, context, stats, controller = request.params, request.context, request.stats, request.controller
+    def _round(self, request: Request) -> None:
+        controller = request.controller
         k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
+        pending = self.draft(request, self.proposer, k)
+        started = time.perf_counter()
+        logits = self._runner.forward(pending.tokens)
+        self.settle(request, pending, logits, self._runner, started)
+
+    def draft(self, request: Request, proposer: Proposer | None, k: int) -> Round:
+        """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step)."""
         t0 = time.perf_counter()
-        if self.mode == "reproducible" and isinstance(self.proposer, CoupledProposer):
-            draft = self.proposer.propose_coupled(context, k, params, request.noise)
+        context, params = request.context, request.params
+        if proposer is None:
+            draft = EMPTY_DRAFT
+        elif self.mode == "reproducible" and isinstance(proposer, CoupledProposer):
+            draft = proposer.propose_coupled(context, k, params, request.noise)
         else:
-            draft = self.proposer.propose(context, k, params, request.generator)
-        t1 = time.perf_counter()
+            draft = proposer.propose(context, k, params, request.generator)
         if len(draft) > k:  # a proposer must never push a round past gamma or the token budget
             draft = draft.truncated(k)
-        n_drafted = len(draft)
         tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens])
-        logits = self._runner.forward(tokens)
+        return Round(draft, tokens, time.perf_counter() - t0)
+
+    def settle(
+        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    ) -> None:
+        """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
+        ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
+        params, context, stats, controller = request.params, request.context, request.stats, request.controller
+        draft = pending.draft
+        n_drafted = len(draft)
         if params.greedy:
             n_accepted, token = greedy_verify(logits, draft.tokens)
         elif self.mode == "reproducible":
@@ -210,14 +238,14 @@ class SpeculativeDecoder:
             target_probs = probs_from_logits(logits, params)
             n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
         t2 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
+        stats.draft_seconds += pending.draft_seconds
+        stats.verify_seconds += t2 - started
         stats.record_round(n_drafted, n_accepted)
         if controller is not None:
             controller.observe(n_drafted, n_accepted)
-            self.costs.observe(n_drafted + 1, t2 - t1, n_drafted, t1 - t0)
+            self.costs.observe(n_drafted + 1, t2 - started, n_drafted, pending.draft_seconds)
         request.emit(draft.tokens[:n_accepted].tolist() + [token])
-        self._runner.rollback_to(len(context) - 1)
+        runner.rollback_to(len(context) - 1)
 
 
 def autoregressive_generate(
@@ -229,7 +257,7 @@ def autoregressive_generate(
     """Plain decoding, one target pass per token, through the same runner, sampling and stop handling."""
     target = load_model(target)
     params = SamplingParams() if params is None else params
-    request = _Request(target, prompt, params, on_text)
+    request = Request(target, prompt, params, on_text)
     runner = target.new_runner()
     request.prefill(runner)
     while not request.done:
