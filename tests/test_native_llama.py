@@ -387,3 +387,42 @@ def test_load_model_quantization_errors():
     with pytest.raises(ValueError, match="group size"):
         sd.load_model(model, quantization="int4", group_size=48)
     assert sd.load_model(model).quantization is None  # a model object: dense unless asked
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS)
+def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(dtype, quantization, group_size):
+    from specdecode.models.batch import forward_batch
+
+    target = _loaded(_wide(), dtype, quantization, group_size)
+    ids = _ids(300, seed=7)
+    contexts = [ids[:1], ids[5:14], ids[20:220], ids[40:43]]  # mixed cache lengths
+    chunks = [[ids[1]], ids[14:18], [ids[220]], ids[43:50]]  # plain steps and verify chunks
+    batch, alone = [target.new_runner() for _ in contexts], target.new_runner()
+    for runner, context in zip(batch, contexts, strict=True):
+        runner.capture_hidden = True
+        runner.prefill(torch.tensor(context))
+    alone.capture_hidden = True
+    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
+    for runner, context, chunk, logits in zip(batch, contexts, chunks, together, strict=True):
+        assert runner.length == len(context) + len(chunk)
+        alone.reset()
+        alone.prefill(torch.tensor(context))
+        assert torch.equal(logits, alone.forward(torch.tensor(chunk)))
+        assert torch.equal(runner.hidden, alone.hidden)
+    # the caches written by the batch serve later single steps exactly
+    follow = [int(t.argmax(dim=-1)[-1]) for t in together]
+    for runner, context, chunk, token in zip(batch, contexts, chunks, follow, strict=True):
+        alone.reset()
+        alone.prefill(torch.tensor(context))
+        alone.forward(torch.tensor(chunk))
+        assert torch.equal(runner.forward(torch.tensor([token])), alone.forward(torch.tensor([token])))
+
+
+def test_forward_batch_refuses_runners_of_different_models():
+    from specdecode.models.batch import forward_batch
+
+    one, other = _loaded(_wide(), "float32", None, 32), _loaded(_wide(), "float32", None, 32)
+    with pytest.raises(ValueError, match="same model"):
+        forward_batch([one.new_runner(), other.new_runner()], [torch.tensor([1]), torch.tensor([2])])
+    with pytest.raises(ValueError, match="2 runners but 1"):
+        forward_batch([one.new_runner(), one.new_runner()], [torch.tensor([1])])

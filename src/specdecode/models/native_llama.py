@@ -30,6 +30,7 @@ _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 _DTYPES = (torch.float32, torch.bfloat16)
 REFINED_LOGITS = 32  # per row, the logits a quantized head recomputes exactly
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def supports_native(model: nn.Module) -> bool:
@@ -291,8 +292,7 @@ class NativeLlamaRunner:
         k = tokens.shape[0]
         start = self._length
         end = start + k
-        if end > self._capacity:
-            self._allocate(max(end, 2 * self._capacity))
+        self._reserve(end)
         if positions is None:
             cos, sin = self._cos[start:end], self._signed_sin[start:end]
         else:
@@ -305,55 +305,81 @@ class NativeLlamaRunner:
             mask = self._slots[:end] <= self._slots[start:end, None] if attn_mask is None else attn_mask
             batched_mask = mask.repeat(self._groups, 1)  # rows follow the packed (query head, token) layout
         visible = self._visible_keys(start, k, attn_mask) if logits and (k > 1 or attn_mask is not None) else None
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        heads, kv_heads, groups, head_dim = self._heads, self._kv_heads, self._groups, self._head_dim
-        qk_width = (heads + kv_heads) * head_dim
-        half = head_dim // 2
-        dtype = self._dtype
+        kv_heads, groups, head_dim = self._kv_heads, self._groups, self._head_dim
 
-        x = self._embed(tokens).to(dtype)
-        for i, layer in enumerate(self._layers):
-            h = self._rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h).to(dtype)
-            qk = qkv[:, :qk_width].view(k, heads + kv_heads, head_dim)
-            qk = qk * cos + qk.roll(half, dims=-1) * sin
-            keys, values = self._keys[i], self._values[i]
-            keys[0, :, start:end] = qk[:, heads:].transpose(0, 1)
-            values[0, :, start:end] = qkv[:, qk_width:].view(k, kv_heads, head_dim).transpose(0, 1)
+        def attend(i: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> torch.Tensor:
+            keys, values = self._store(i, start, new_keys, new_values)
             if causal_prefill:  # an empty cache: the causal kernel skips the masked half
-                q = qk[:, :heads].transpose(0, 1)[None]
+                q = queries.transpose(0, 1)[None]
                 attn = F.scaled_dot_product_attention(
                     q, keys[:, :, :end], values[:, :, :end], is_causal=True, scale=self._scaling, enable_gqa=True
                 )
-                attn = attn[0].transpose(0, 1)
-            elif visible is None and batched_mask is None:  # one row
-                q = qk[:, :heads].view(1, kv_heads, groups, head_dim)
-                attn = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=self._scaling)
-            elif visible is None:
+                return attn[0].transpose(0, 1)
+            if visible is None and batched_mask is None:  # one row
+                q = queries.view(1, kv_heads, groups, head_dim)
+                return F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=self._scaling)
+            if visible is None:
                 # Pack the query heads that share a key/value head: [1, kv_heads, groups * k, head_dim]
                 # (4-D inputs reach the fused CPU kernel).
-                q = qk[:, :heads].view(k, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
+                q = queries.reshape(k, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
                 q = q.reshape(1, kv_heads, groups * k, head_dim)
                 attn = F.scaled_dot_product_attention(
                     q, keys[:, :, :end], values[:, :, :end], attn_mask=batched_mask, scale=self._scaling
                 )
-                attn = attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3)
-            else:
-                attn = torch.cat([self._attend_row(qk[j, :heads], keys, values, visible[j]) for j in range(k)])
+                return attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3)
+            return torch.cat([self._attend_row(queries[j], keys, values, visible[j]) for j in range(k)])
+
+        x = self._decoder_layers(self._embed(tokens).to(self._dtype), cos, sin, attend)
+        self._length = end
+        if self.capture_hidden:
+            self.hidden = x.float()
+        return self._head(x) if logits else None
+
+    def _reserve(self, end: int) -> None:
+        """Grow the cache (doubling) so that slots up to ``end`` exist."""
+        if end > self._capacity:
+            self._allocate(max(end, 2 * self._capacity))
+
+    def _store(
+        self, layer: int, start: int, new_keys: torch.Tensor, new_values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[k, kv_heads, head_dim]`` keys/values at slots ``start..``; return the layer's cache."""
+        keys, values = self._keys[layer], self._values[layer]
+        end = start + new_keys.shape[0]
+        keys[0, :, start:end] = new_keys.transpose(0, 1)
+        values[0, :, start:end] = new_values.transpose(0, 1)
+        return keys, values
+
+    def _decoder_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The decoder stack over rows ``x`` with RoPE tables ``cos``/``sin`` ``[k, head_dim]``.
+
+        ``attend(layer, queries, keys, values)`` stores the rows' keys/values and returns their attention
+        output ``[k, heads, head_dim]``; everything else is per row and row-invariant.
+        """
+        k = x.shape[0]
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
+        qk_width = (heads + kv_heads) * head_dim
+        half = head_dim // 2
+        for i, layer in enumerate(self._layers):
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = layer.qkv(h).to(self._dtype)
+            qk = qkv[:, :qk_width].view(k, heads + kv_heads, head_dim)
+            qk = qk * cos + qk.roll(half, dims=-1) * sin
+            attn = attend(i, qk[:, :heads], qk[:, heads:], qkv[:, qk_width:].view(k, kv_heads, head_dim))
             x = x + layer.o(attn.reshape(k, heads * head_dim))
             h = self._rms_norm(x, layer.post_norm)
             gate, up = layer.gate_up(h).split(self._intermediate, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        self._length = end
-        if self.capture_hidden:
-            self.hidden = x.float()
-        if not logits:
-            return None
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head: float32 logits ``[k, vocab_size]``."""
         h = self._rms_norm(x, self._norm)
-        logits = self._lm_head(h)[:, : self.vocab_size].float()
+        out = self._lm_head(h)[:, : self.vocab_size].float()
         if self._exact_head_rows is not None:
-            self._refine_top_logits(logits, h)
-        return logits
+            self._refine_top_logits(out, h)
+        return out
 
     def _refine_top_logits(self, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """Recompute each row's ``REFINED_LOGITS`` highest logits in float32 from the head's exact rows.
@@ -376,3 +402,45 @@ class NativeLlamaRunner:
         else:
             keys, values = keys[:, :, visible], values[:, :, visible]
         return F.scaled_dot_product_attention(q, keys, values, scale=self._scaling)
+
+
+@torch.inference_mode()
+def forward_batch(runners: Sequence[NativeLlamaRunner], tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Append ``tokens[i]`` (a chain, int64 ``[k_i]``) to ``runners[i]``'s cache in ONE pass through the weights.
+
+    The runners share one model's weights, each with its own KV cache. Every matrix sees all rows at once;
+    attention runs per row over its own request's keys. Row invariance makes each runner's logits
+    ``[k_i, vocab_size]`` bitwise those of its own ``forward(tokens[i])``: a request's output does not depend
+    on which requests share the batch.
+    """
+    lead = runners[0]
+    for runner in runners[1:]:
+        same_layers = len(runner._layers) == len(lead._layers) and all(
+            a is b for a, b in zip(runner._layers, lead._layers, strict=True)
+        )
+        if not same_layers or runner._norm.data_ptr() != lead._norm.data_ptr():
+            raise ValueError("forward_batch needs runners over the same model's weights and layers")
+    starts = [runner.length for runner in runners]
+    counts = [int(t.shape[0]) for t in tokens]
+    for runner, start, k in zip(runners, starts, counts, strict=True):
+        runner._reserve(start + k)
+    cos = torch.cat([r._cos[s : s + k] for r, s, k in zip(runners, starts, counts, strict=True)])
+    sin = torch.cat([r._signed_sin[s : s + k] for r, s, k in zip(runners, starts, counts, strict=True)])
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+
+    def attend(i: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for runner, start, k, offset in zip(runners, starts, counts, offsets, strict=True):
+            keys, values = runner._store(i, start, new_keys[offset : offset + k], new_values[offset : offset + k])
+            rows.extend(runner._attend_row(queries[offset + j], keys, values, start + j + 1) for j in range(k))
+        return torch.cat(rows)
+
+    x = lead._decoder_layers(lead._embed(torch.cat(list(tokens))).to(lead._dtype), cos, sin, attend)
+    logits = lead._head(x)
+    out = []
+    for runner, start, k, offset in zip(runners, starts, counts, offsets, strict=True):
+        runner._length = start + k
+        if runner.capture_hidden:
+            runner.hidden = x[offset : offset + k].float()
+        out.append(logits[offset : offset + k])
+    return out
