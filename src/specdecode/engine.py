@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -165,7 +166,11 @@ class SpeculativeDecoder:
         self.mode = mode
         self.costs = CostModel()
         self.last_output: GenerationOutput | None = None
-        self._runner = self.target.new_runner()
+
+    @functools.cached_property
+    def _runner(self) -> ModelRunner:
+        """The target's runner for generate/stream, allocated on first use (the server brings its own)."""
+        return self.target.new_runner()
 
     def generate(
         self,
