@@ -164,3 +164,91 @@ def large_target(backend: str) -> sd.LoadedModel:
 def large_draft(large_target: sd.LoadedModel, backend: str) -> sd.LoadedModel:
     """The large target plus mild noise: its greedy guesses are right about half the time."""
     return sd.load_model(perturbed(large_target.model, seed=11, noise=0.06), backend=backend)
+
+
+# ------------------------------------------------------------------------------------------- token trees
+
+
+def random_tables(depth: int, vocab_size: int, seed: int, concentration: float = 0.5) -> torch.Tensor:
+    """``[depth, V, V]`` Dirichlet rows: ``table[d, t]`` is a distribution over the children of token t at depth d."""
+    rng = np.random.default_rng(seed)
+    return torch.tensor(rng.dirichlet([concentration] * vocab_size, size=(depth, vocab_size)), dtype=torch.float64)
+
+
+def draw_tree(
+    widths: tuple[int, ...], table: torch.Tensor, root_token: int, generator: torch.Generator, sampled: bool = True
+) -> sd.Draft:
+    """A token tree in breadth-first order, ``widths[d]`` children per node at depth d (the root is depth 0).
+
+    The children of a node whose token is t come from q = ``table[d, t]``: drawn without replacement, in
+    order (``sampled``: probs = q), or q's most probable tokens (deterministic: probs None).
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    rows: list[torch.Tensor] = []
+    level = [(-1, root_token)]
+    for depth, width in enumerate(widths):
+        below = []
+        for parent, token in level:
+            q = table[depth, token]
+            if sampled:
+                left, drawn = q.clone(), []
+                for _ in range(width):
+                    drawn.append(int(torch.multinomial(left, 1, generator=generator)))
+                    left[drawn[-1]] = 0.0
+            else:
+                drawn = torch.sort(q, descending=True, stable=True).indices[:width].tolist()
+            for x in drawn:
+                below.append((len(tokens), x))
+                tokens.append(x)
+                parents.append(parent)
+                rows.append(q)
+        level = below
+    return sd.Draft(
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.stack(rows) if sampled and rows else None,
+        torch.tensor(parents, dtype=torch.int64),
+    )
+
+
+class TreeProposer:
+    """Drafts a random token tree of a fixed shape (``draw_tree``) after the context's newest token; a shape
+    deeper than the round's k is cut to depth k. The tables ignore the context, which the rule allows."""
+
+    def __init__(self, widths: tuple[int, ...], vocab_size: int, seed: int = 0, sampled: bool = True) -> None:
+        self.widths = widths
+        self.sampled = sampled
+        self.table = random_tables(len(widths), vocab_size, seed)
+
+    def propose(self, context, k, params, generator):
+        return draw_tree(self.widths[:k], self.table, context[-1], generator, self.sampled)
+
+
+def biased_tree_sample(
+    target_probs, draft_probs, draft_tokens, parents, generator, *, update_residual=True, remove_tried=True
+):
+    """A WRONG tree rule (negative controls): recursive rejection over siblings with one step left out —
+    the residual not updated after a rejected sibling, or tried siblings not removed from q."""
+    from specdecode.tree import children
+
+    kids = children(parents)
+    accepted, row = [], 0
+    while True:
+        residual = target_probs[row].double()
+        q = None if draft_probs is None or not kids[row] else draft_probs[kids[row][0]].double().clone()
+        for node in kids[row]:
+            x = int(draft_tokens[node])
+            q_x = 1.0 if q is None else float(q[x])
+            if q_x > 0 and float(torch.rand((), dtype=torch.float64, generator=generator)) < float(residual[x]) / q_x:
+                accepted.append(node)
+                row = node + 1
+                break
+            if update_residual:
+                removed = torch.nn.functional.one_hot(torch.tensor(x), len(residual)) if q is None else q
+                left = (residual - removed).clamp_min(0.0)
+                residual = left / left.sum() if left.sum() > 1e-12 else residual
+            if q is not None and remove_tried:
+                q[x] = 0.0
+                q = q / q.sum() if q.sum() > 0 else q
+        else:
+            return accepted, int(torch.multinomial(residual, 1, generator=generator))

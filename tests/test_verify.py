@@ -1,10 +1,10 @@
 """Acceptance rules: hand-made cases, then chi-square tests of the laws they must produce.
 
 Statistical tests: each chi-square test (scipy.stats.chisquare, cells with expected count < 5 pooled into
-one) uses a fixed seed and ≥ 20,000 trials and fails when p < ALPHA = 1e-3. There are 10 such tests that
-must pass, so by Bonferroni the chance that a correct verifier fails any of them for a freshly chosen seed
-is ≤ 1%. The negative control runs the same test on a deliberately wrong verifier and requires p < ALPHA,
-which shows the trials are enough to detect a realistic bug.
+one) uses a fixed seed and ≥ 10,000 trials and fails when p < ALPHA = 1e-3. There are 16 such tests that
+must pass (10 for chains, 6 for trees), so by Bonferroni the chance that a correct verifier fails any of
+them for a freshly chosen seed is ≤ 1.6%. The negative controls run the same tests on deliberately wrong
+verifiers and require p < ALPHA, which shows the trials are enough to detect a realistic bug.
 """
 
 from __future__ import annotations
@@ -12,9 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import chisquare_pvalue, resample_from_target
+from conftest import biased_tree_sample, chisquare_pvalue, draw_tree, random_tables, resample_from_target
 
-from specdecode.verify import greedy_verify, speculative_sample
+from specdecode.verify import (
+    greedy_verify,
+    speculative_sample,
+    tree_coupled_verify,
+    tree_greedy_verify,
+    tree_speculative_sample,
+)
 
 ALPHA = 1e-3
 TRIALS = 20_000
@@ -215,3 +221,104 @@ def test_negative_control_the_first_token_test_detects_a_wrong_residual():
     trials = run_trials(resample_from_target, target, draft, fixed, seed=100)
     counts = np.bincount([first for first, _, _ in trials], minlength=target.shape[1])
     assert chisquare_pvalue(counts, target[0].numpy()) < ALPHA
+
+
+# ------------------------------------------------------------------------------------------- token trees
+# A tree: parents[i] < i, −1 for a child of the root; target row 0 is the root, row i + 1 is node i.
+#
+#        root ─┬─ 0:"1" ─── 2:"3"
+#              └─ 1:"2" ─┬─ 3:"0"
+#                        └─ 4:"3"
+TREE_TOKENS = tokens(1, 2, 3, 0, 3)
+TREE_PARENTS = tokens(-1, -1, 0, 1, 1)
+
+
+def argmax_rows(*ids: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(ids), 4).double()
+
+
+def test_tree_greedy_follows_the_argmax_path_then_emits_the_argmax():
+    # rows: root → 2, node 0 → 3, node 1 → 3, node 2 → 1, node 3 → 1, node 4 → 2
+    logits = argmax_rows(2, 3, 3, 1, 1, 2)
+    assert tree_greedy_verify(logits, TREE_TOKENS, TREE_PARENTS) == ([1, 4], 2)  # leaf: the bonus from its row
+    assert tree_greedy_verify(argmax_rows(1, 3, 0, 0, 0, 0), TREE_TOKENS, TREE_PARENTS) == ([0, 2], 0)
+    assert tree_greedy_verify(argmax_rows(2, 0, 1, 0, 0, 0), TREE_TOKENS, TREE_PARENTS) == ([1], 1)  # no child "1"
+    assert tree_greedy_verify(argmax_rows(0, 0, 0, 0, 0, 0), TREE_TOKENS, TREE_PARENTS) == ([], 0)
+    assert tree_greedy_verify(argmax_rows(3), tokens(), tokens()) == ([], 3)
+
+
+def test_tree_coupled_takes_the_first_matching_sibling_and_checks_parents():
+    # two siblings share token 5: the first one (and its subtree) is followed
+    assert tree_coupled_verify(tokens(5, 7, 9, 4), tokens(5, 5, 7), tokens(-1, -1, 1)) == ([0], 7)
+    with pytest.raises(ValueError, match="parents"):
+        tree_coupled_verify(tokens(5, 7, 9), tokens(5, 5), tokens(-1, 1))
+
+
+def test_tree_sampling_with_point_masses_covering_the_support_always_accepts_a_child():
+    # p = [0, 0.5, 0.5, 0]: child "1" passes with p = 0.5; after its rejection r = δ_2, so child "2" passes
+    target = rows([0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0])
+    outcomes = [tree_speculative_sample(target, None, tokens(1, 2), tokens(-1, -1), gen(s)) for s in range(200)]
+    assert all(outcome in (([0], 3), ([1], 0)) for outcome in outcomes)
+    assert 60 < sum(accepted == [0] for accepted, _ in outcomes) < 140
+
+
+def test_tree_sampling_never_accepts_a_token_the_target_rules_out_and_recovers_from_the_rest():
+    target = rows([0.0, 0.5, 0.5, 0.0], [0.25] * 4, [0.25] * 4)
+    draft = rows([0.5, 0.0, 0.0, 0.5], [0.5, 0.0, 0.0, 0.5])
+    for seed in range(100):
+        accepted, token = tree_speculative_sample(target, draft, tokens(0, 3), tokens(-1, -1), gen(seed))
+        assert accepted == [] and token in (1, 2)
+
+
+def test_tree_sampling_checks_shapes():
+    with pytest.raises(ValueError, match="n\\+1"):
+        tree_speculative_sample(rows([1.0, 0.0]), None, tokens(0), tokens(-1), gen())
+
+
+TREE_VOCAB = 6
+TREE_TRIALS = 10_000
+TREE_SHAPES = {"chain": (1, 1), "star": (3,), "deep-wide": (3, 2)}
+
+
+def tree_trials(rule, widths: tuple[int, ...], sampled: bool, seed: int) -> np.ndarray:
+    """Counts of the first two emitted tokens over TREE_TRIALS rounds, each on a freshly drawn tree.
+
+    The target is a two-step law p1(x1) p2(x2 | x1) (rows deeper than 2 are arbitrary); a round that emits one
+    token is completed by a draw from p2(· | x1), as the next round would be.
+    """
+    p1 = dirichlet_rows(1, TREE_VOCAB, seed=7)[0]
+    p2 = dirichlet_rows(TREE_VOCAB, TREE_VOCAB, seed=8)
+    p3 = dirichlet_rows(TREE_VOCAB, TREE_VOCAB, seed=9)
+    table = random_tables(len(widths), TREE_VOCAB, seed=10)
+    generator = gen(seed)
+    counts = np.zeros((TREE_VOCAB, TREE_VOCAB))
+    for _ in range(TREE_TRIALS):
+        draft = draw_tree(widths, table, 0, generator, sampled)
+        first_level = draft.parents < 0
+        target = torch.cat([p1[None], torch.where(first_level[:, None], p2[draft.tokens], p3[draft.tokens])])
+        accepted, token = rule(target, draft.probs, draft.tokens, draft.parents, generator)
+        emitted = draft.tokens[accepted].tolist() + [token]
+        if len(emitted) == 1:
+            emitted.append(int(torch.multinomial(p2[emitted[0]], 1, generator=generator)))
+        counts[emitted[0], emitted[1]] += 1
+    return counts, (p1[:, None] * p2).numpy()
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "point-masses"])
+@pytest.mark.parametrize("shape", list(TREE_SHAPES))
+def test_tree_sampling_emits_the_targets_two_token_law(shape, sampled):
+    counts, law = tree_trials(tree_speculative_sample, TREE_SHAPES[shape], sampled, seed=300)
+    assert chisquare_pvalue(counts, law) > ALPHA
+
+
+@pytest.mark.parametrize(
+    "bug, sampled",
+    [("update_residual", False), ("update_residual", True), ("remove_tried", True)],
+    ids=["residual-kept-point-masses", "residual-kept-sampled-q", "tried-siblings-kept-in-q"],
+)
+def test_negative_control_tree_rules_missing_a_step_are_caught(bug, sampled):
+    def wrong(*args):
+        return biased_tree_sample(*args, **{bug: False})
+
+    counts, law = tree_trials(wrong, TREE_SHAPES["star"], sampled, seed=300)
+    assert chisquare_pvalue(counts, law) < ALPHA

@@ -17,6 +17,9 @@ accepted d[:i] equals plain decoding's tokens at t..t+i−1, so c + d[:i] is pla
 target_i is plain decoding's token there; the emitted target_n is too. So the outputs agree whatever the
 draft proposes (its guesses change only how many tokens a pass yields), given equal target logits (the
 same numerics on both paths: test it in float32).
+A token tree works the same way: the row of a node at depth d scores its branch c + (path to the node) and
+predicts position t + d, so its token is computed with g(seed, t + d) (``KeyedNoise.tokens_at``), and
+``verify.tree_coupled_verify`` follows the child equal to it; the induction runs along the accepted path.
 
 Why each token has the target's law. The keys (t, seed) differ for every position, so g(seed, t) is fresh
 noise, independent of the context at t (a function of g at earlier positions only); by Gumbel-max the token
@@ -26,6 +29,7 @@ makes it a sample of the target's warped autoregressive law, the same law as exa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,12 +46,24 @@ def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(torch.from_numpy(uniforms)))
 
 
-def gumbel_max(logits: torch.Tensor, params: SamplingParams, seed: int, start: int) -> torch.Tensor:
-    """Token per row r of ``logits`` ``[n, V]``: argmax(warp(logits_r) + g(seed, start + r)); argmax if greedy."""
+def gumbel_max(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    start: int = 0,
+    *,
+    positions: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Token per row r of ``logits`` ``[n, V]``: argmax(warp(logits_r) + g(seed, t_r)); argmax if greedy.
+
+    t_r = start + r (a chain), or ``positions[r]`` (a token tree: each row predicts its own depth's position).
+    """
     if params.greedy:
         return logits.argmax(dim=-1)
+    if positions is None:
+        positions = range(start, start + logits.shape[0])
     warped = warp_logits(logits, params.temperature, params.top_k, params.top_p).double()
-    noise = torch.stack([gumbel_noise(seed, start + r, logits.shape[-1]) for r in range(logits.shape[0])])
+    noise = torch.stack([gumbel_noise(seed, int(t), logits.shape[-1]) for t in positions])
     return (warped + noise).argmax(dim=-1)
 
 
@@ -60,6 +76,10 @@ class KeyedNoise:
     def tokens(self, logits: torch.Tensor, params: SamplingParams, start: int) -> torch.Tensor:
         """Gumbel-max tokens ``[n]`` for ``logits`` ``[n, V]`` predicting positions start .. start+n−1."""
         return gumbel_max(logits, params, self.seed, start)
+
+    def tokens_at(self, logits: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> torch.Tensor:
+        """Gumbel-max tokens ``[n]`` for ``logits`` ``[n, V]``, row r predicting position ``positions[r]``."""
+        return gumbel_max(logits, params, self.seed, positions=positions)
 
     def token(self, logits: torch.Tensor, params: SamplingParams, position: int) -> int:
         """The Gumbel-max token at ``position`` for one row of ``logits`` ``[V]``."""

@@ -1,16 +1,46 @@
-"""Acceptance rules: given the target's distributions over a drafted run, keep a prefix and add one token.
+"""Acceptance rules: given the target's distributions over a drafted run or tree, keep a path and add one token.
 
 Pure functions over tensors; no model calls. ``speculative_sample`` is the rule of Leviathan et al. (2023)
 and Chen et al. (2023): accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
 rejection draw from norm(max(0, p_i − q_i)); if all k are accepted draw a bonus token from p_k. Every
 emitted token is then distributed exactly as the target's (warped) p.
+
+Token trees (``tree.py`` for the layout: target row 0 is the context's newest token, row i + 1 is node i).
+``tree_greedy_verify`` and ``tree_coupled_verify`` walk from the root along the child whose token is the
+target's own token at the current row. ``tree_speculative_sample`` is recursive rejection sampling over
+siblings (SpecInfer, Miao et al. 2024; EAGLE's multi-candidate rule): at a node with residual r = p, try its
+children x_1, x_2, … (drawn from q without replacement) in order: accept x_i iff u < r(x_i) / q_i(x_i), where
+q_i is q with x_1..x_{i−1} removed and renormalised; on rejection r ← norm(max(0, r − q_i)). An accepted
+child becomes the node (r = its p); when every child fails, the next token is drawn from r.
+
+Why that is exactly p. Given x_1..x_{i−1}, x_i ~ q_i (sampling without replacement), and r_{i+1} depends on
+x_1..x_{i−1} only, not on x_i. Suppose what follows a rejection at i is distributed as r_{i+1} (true after
+the last sibling: a draw from r_{m+1}). Then P(emit y) = q_i(y) min(1, r_i(y)/q_i(y)) + P(reject) r_{i+1}(y)
+= min(q_i, r_i)(y) + max(0, r_i − q_i)(y) = r_i(y), since P(reject) = Σ max(0, r_i − q_i) is r_{i+1}'s
+normaliser. By induction from the last sibling back, the token emitted at the node follows r_1 = p; the
+node's subtree is drafted given its path, so the same holds one level down. Point masses (``probs`` None,
+distinct deterministic candidates) are q_i = δ_{x_i}: accept iff u < r(x_i); on rejection r ← r with x_i
+zeroed, renormalised. A single child per node is the chain rule.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .tree import children
+
 RESIDUAL_EPS = 1e-12
+
+
+def _residual(target: torch.Tensor, draft: torch.Tensor | None, token: int) -> torch.Tensor:
+    """max(0, p − q) (unnormalised) after rejecting ``token`` drawn from q (δ_token if ``draft`` is None);
+    ``target`` itself when that mass is ≤ eps (p == q: a rejection that had probability ~0)."""
+    if draft is None:
+        residual = target.clone()
+        residual[token] = 0.0
+    else:
+        residual = (target - draft).clamp_min(0.0)
+    return residual if residual.sum() > RESIDUAL_EPS else target
 
 
 def speculative_sample(
@@ -41,13 +71,8 @@ def speculative_sample(
             n_accepted = int(rejected_at[0, 0])
     p = target_probs[n_accepted].double()
     if n_accepted < k:
-        if draft_probs is None:
-            residual = p.clone()
-            residual[draft_tokens[n_accepted]] = 0.0
-        else:
-            residual = (p - draft_probs[n_accepted].double()).clamp_min(0.0)
-        if residual.sum() > RESIDUAL_EPS:
-            p = residual
+        draft = None if draft_probs is None else draft_probs[n_accepted].double()
+        p = _residual(p, draft, int(draft_tokens[n_accepted]))
     next_token = int(torch.multinomial(p, 1, generator=generator))
     return n_accepted, next_token
 
@@ -71,3 +96,80 @@ def coupled_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> t
     mismatch = torch.nonzero(target_tokens[:k] != draft_tokens)
     n_accepted = int(mismatch[0, 0]) if mismatch.numel() else k
     return n_accepted, int(target_tokens[n_accepted])
+
+
+def tree_greedy_verify(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor
+) -> tuple[list[int], int]:
+    """Greedy rule on a tree: follow the child equal to the target's argmax at each row; then emit the argmax.
+
+    ``target_logits`` (or probabilities) ``[n+1, V]``; returns ``(accepted_nodes, next_token)``.
+    """
+    return tree_coupled_verify(target_logits.argmax(dim=-1), draft_tokens, parents)
+
+
+def tree_coupled_verify(
+    target_tokens: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor
+) -> tuple[list[int], int]:
+    """Seed-coupled rule on a tree: from the root, move to the (first) child whose token equals the target's
+    token at the current row; stop where none does and emit the target's token there.
+
+    ``target_tokens`` ``[n+1]``: per row, the token plain decoding would emit after that row's branch (argmax,
+    or Gumbel-max keyed by the row's own position). Each accepted node is plain decoding's token, so the
+    output is plain decoding's; returns ``(accepted_nodes, next_token)``, the nodes a root path.
+    """
+    kids = children(parents)
+    wanted = target_tokens.tolist()
+    tokens = draft_tokens.tolist()
+    accepted: list[int] = []
+    row = 0
+    while True:
+        match = next((node for node in kids[row] if tokens[node] == wanted[row]), None)
+        if match is None:
+            return accepted, wanted[row]
+        accepted.append(match)
+        row = match + 1
+
+
+def tree_speculative_sample(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling over siblings; every emitted token follows the target (module docstring).
+
+    ``target_probs`` ``[n+1, V]`` (row 0 the root, row i + 1 node i); ``draft_probs`` ``[n, V]`` with
+    ``draft_probs[i]`` the distribution node i and its siblings were drawn from without replacement, or None
+    for point masses. At each node, child i is accepted iff u < r(x_i) / q_i(x_i) (u a float64 uniform;
+    q_i(x_i) = 0 rejects); a rejection sets r ← norm(max(0, r − q_i)) (r kept when that mass is ≤ eps) and
+    q_{i+1} ← q_i with x_i removed, renormalised. Returns ``(accepted_nodes, next_token)``.
+    """
+    if target_probs.shape[0] != len(draft_tokens) + 1:
+        raise ValueError(f"target_probs needs n+1 = {len(draft_tokens) + 1} rows, got {target_probs.shape[0]}")
+    kids = children(parents)
+    tokens = draft_tokens.tolist()
+    accepted: list[int] = []
+    row = 0
+    while True:
+        residual = target_probs[row].double()
+        residual = residual / residual.sum()
+        draft = None if draft_probs is None or not kids[row] else draft_probs[kids[row][0]].double()
+        for node in kids[row]:
+            token = tokens[node]
+            q_x = 1.0 if draft is None else float(draft[token])
+            u = float(torch.rand((), dtype=torch.float64, generator=generator))
+            if q_x > 0 and u < float(residual[token]) / q_x:
+                accepted.append(node)
+                row = node + 1
+                break
+            residual = _residual(residual, draft, token)
+            residual = residual / residual.sum()
+            if draft is not None:
+                draft = draft.clone()
+                draft[token] = 0.0
+                mass = draft.sum()
+                draft = draft / mass if mass > 0 else draft
+        else:
+            return accepted, int(torch.multinomial(residual, 1, generator=generator))
