@@ -92,6 +92,65 @@ def test_incremental_index_matches_brute_force_on_growing_and_replaced_contexts(
         assert lookup(proposer, list(context), k) == expected, (step, context, k)
 
 
+def brute_force_branches(context: list[int], k: int, branches: int, max_ngram: int = 3, min_ngram: int = 1):
+    """Continuations after the suffix n-gram's occurrences (longest n first, latest first), each kept if it is
+    not a prefix of the ones kept so far, up to ``branches``; returned as the set of their prefixes."""
+    kept: set[tuple[int, ...]] = set()
+    taken = 0
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= len(context):
+            continue
+        for start in range(len(context) - n - 1, -1, -1):
+            if taken == branches:
+                break
+            if context[start : start + n] == context[-n:]:
+                follow = tuple(context[start + n : start + n + k])
+                prefixes = {follow[:i] for i in range(1, len(follow) + 1)}
+                taken += not prefixes <= kept
+                kept |= prefixes
+    return kept
+
+
+def node_paths(draft: sd.Draft) -> list[tuple[int, ...]]:
+    """The token path from the root to each node."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(draft.tokens.tolist(), draft.parents.tolist(), strict=True):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+def test_prompt_lookup_tree_offers_distinct_continuations_as_branches():
+    # [1, 2] was followed by 9 8 (latest), 7 5 and 9 4: a trie 9─┬─8 and 7─5, limited to `branches`
+    context = [1, 2, 9, 4, 0, 1, 2, 7, 5, 0, 1, 2, 9, 8, 0, 1, 2]
+    tree = sd.PromptLookupProposer(max_ngram=2, min_ngram=2, branches=3).propose(context, 2, GREEDY, gen())
+    assert tree.probs is None and tree.is_tree
+    assert tree.tokens.tolist() == [9, 8, 7, 5, 4] and tree.parents.tolist() == [-1, 0, -1, 2, 0]
+    two = sd.PromptLookupProposer(max_ngram=2, min_ngram=2, branches=2).propose(context, 2, GREEDY, gen())
+    assert node_paths(two) == [(9,), (9, 8), (7,), (7, 5)]
+    chain = sd.PromptLookupProposer(max_ngram=2, min_ngram=2).propose(context, 2, GREEDY, gen())
+    assert chain.parents is None and chain.tokens.tolist() == [9, 8]  # the default stays a chain
+    with pytest.raises(ValueError, match="branches"):
+        sd.PromptLookupProposer(branches=0)
+
+
+@pytest.mark.parametrize("branches", [2, 4])
+def test_prompt_lookup_tree_matches_brute_force_on_growing_contexts(branches):
+    rng = random.Random(branches)
+    proposer = sd.PromptLookupProposer(branches=branches)
+    context: list[int] = []
+    for step in range(300):
+        if not context or rng.random() < 0.05:
+            context = [rng.randrange(5) for _ in range(rng.randrange(1, 20))]
+        else:
+            context = context + [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+        k = rng.randrange(1, 5)
+        draft = proposer.propose(list(context), k, GREEDY, gen())
+        paths = node_paths(draft) if len(draft) else []
+        assert len(paths) == len(set(paths)), (step, context)  # siblings are distinct
+        assert set(paths) == brute_force_branches(context, k, branches), (step, context, k)
+        assert all(len(path) <= k for path in paths)
+
+
 def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 3
