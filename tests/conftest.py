@@ -212,13 +212,14 @@ def draw_tree(
 
 
 class TreeProposer:
-    """Drafts a random token tree of a fixed shape (``draw_tree``) after the context's newest token; a shape
-    deeper than the round's k is cut to depth k. The tables ignore the context, which the rule allows."""
+    """Drafts a random token tree of a fixed shape (``draw_tree`` over ``table`` ``[depth, V, V]``) after the
+    context's newest token; a shape deeper than the round's k is cut to depth k. The table sees only the
+    parent token, not the whole context, which the rule allows."""
 
-    def __init__(self, widths: tuple[int, ...], vocab_size: int, seed: int = 0, sampled: bool = True) -> None:
+    def __init__(self, widths: tuple[int, ...], table: torch.Tensor, sampled: bool = True) -> None:
         self.widths = widths
         self.sampled = sampled
-        self.table = random_tables(len(widths), vocab_size, seed)
+        self.table = table
 
     def propose(self, context, k, params, generator):
         return draw_tree(self.widths[:k], self.table, context[-1], generator, self.sampled)

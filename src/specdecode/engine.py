@@ -20,7 +20,15 @@ from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .sampling import probs_from_logits
 from .stats import DecodeStats
-from .verify import coupled_verify, greedy_verify, speculative_sample
+from .tree import attention_mask, children, depths, prune_depth
+from .verify import (
+    coupled_verify,
+    greedy_verify,
+    speculative_sample,
+    tree_coupled_verify,
+    tree_greedy_verify,
+    tree_speculative_sample,
+)
 from .vocab import check_vocabularies
 
 TextCallback = Callable[[str], None]
@@ -40,11 +48,14 @@ class GenerationOutput:
 
 @dataclass
 class Round:
-    """A round in flight: its draft, the chunk the target scores (newest context token + draft), drafting time."""
+    """A round in flight: its draft, the chunk the target scores (newest context token + draft), drafting time;
+    for a token tree also the chunk's positions and attention mask (None for a chain)."""
 
     draft: Draft
     tokens: torch.Tensor
     draft_seconds: float
+    positions: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
 
 
 def fresh_seed() -> int:
@@ -142,6 +153,11 @@ class SpeculativeDecoder:
     the target's, but the text differs from plain decoding with the same seed. ``mode="reproducible"``
     verifies with the keyed noise plain decoding uses (``keyed_noise``, ``verify.coupled_verify``): the
     output equals ``autoregressive_generate`` with the same seed, token for token.
+
+    A proposer may return a token tree (``Draft.parents``): the target scores every node in one pass (depth
+    positions; each node attends to the cache, the newest token and its ancestors), the mode's tree rule
+    keeps one root path, and ``runner.retain`` keeps that path's cache entries. ``gamma`` then bounds the
+    tree's depth (the tokens a round can accept); the proposer chooses the width.
     """
 
     def __init__(
@@ -208,11 +224,15 @@ class SpeculativeDecoder:
         k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
         pending = self.draft(request, self.proposer, k)
         started = time.perf_counter()
-        logits = self._runner.forward(pending.tokens)
+        if pending.positions is None:
+            logits = self._runner.forward(pending.tokens)
+        else:
+            logits = self._runner.forward(pending.tokens, positions=pending.positions, attn_mask=pending.attn_mask)
         self.settle(request, pending, logits, self._runner, started)
 
     def draft(self, request: Request, proposer: Proposer | None, k: int) -> Round:
-        """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step)."""
+        """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step); a
+        tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask."""
         t0 = time.perf_counter()
         context, params = request.context, request.params
         if proposer is None:
@@ -221,16 +241,26 @@ class SpeculativeDecoder:
             draft = proposer.propose_coupled(context, k, params, request.noise)
         else:
             draft = proposer.propose(context, k, params, request.generator)
-        if len(draft) > k:  # a proposer must never push a round past gamma or the token budget
+        if draft.is_tree:  # a proposer must never push a round past gamma or the token budget
+            draft = prune_depth(draft, k)
+        if not draft.is_tree and len(draft) > k:
             draft = draft.truncated(k)
         tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens])
-        return Round(draft, tokens, time.perf_counter() - t0)
+        if not draft.is_tree:
+            return Round(draft, tokens, time.perf_counter() - t0)
+        cached = len(context) - 1  # the newest context token sits at slot `cached`
+        positions = cached + torch.cat([torch.zeros(1, dtype=torch.int64), depths(draft.parents)])
+        mask = attention_mask(draft.parents, cached)
+        return Round(draft, tokens, time.perf_counter() - t0, positions, mask)
 
     def settle(
         self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
         """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
         ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
+        if pending.positions is not None:
+            self._settle_tree(request, pending, logits, runner, started)
+            return
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         draft = pending.draft
         n_drafted = len(draft)
@@ -251,6 +281,35 @@ class SpeculativeDecoder:
             self.costs.observe(n_drafted + 1, t2 - started, n_drafted, pending.draft_seconds)
         request.emit(draft.tokens[:n_accepted].tolist() + [token])
         runner.rollback_to(len(context) - 1)
+
+    def _settle_tree(
+        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    ) -> None:
+        """``settle`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
+        params, context, stats, controller = request.params, request.context, request.stats, request.controller
+        draft = pending.draft
+        if params.greedy:
+            accepted, token = tree_greedy_verify(logits, draft.tokens, draft.parents)
+        elif self.mode == "reproducible":
+            target_tokens = request.noise.tokens_at(logits, params, (pending.positions + 1).tolist())
+            accepted, token = tree_coupled_verify(target_tokens, draft.tokens, draft.parents)
+        else:
+            target_probs = probs_from_logits(logits, params)
+            accepted, token = tree_speculative_sample(
+                target_probs, draft.probs, draft.tokens, draft.parents, request.generator
+            )
+        t2 = time.perf_counter()
+        rejected = bool(children(draft.parents)[accepted[-1] + 1 if accepted else 0])  # the path stopped at a fork
+        nodes_per_depth = torch.bincount(pending.positions[1:] - pending.positions[0])[1:].tolist()
+        stats.draft_seconds += pending.draft_seconds
+        stats.verify_seconds += t2 - started
+        stats.record_tree_round(nodes_per_depth, len(accepted), rejected)
+        if controller is not None:
+            controller.observe(len(accepted) + rejected, len(accepted))
+            self.costs.observe(len(draft) + 1, t2 - started, len(draft), pending.draft_seconds)
+        start = len(context)  # node i sits at slot start + i
+        request.emit(draft.tokens[accepted].tolist() + [token])
+        runner.retain(start, [start + node for node in accepted])
 
 
 def autoregressive_generate(

@@ -11,7 +11,10 @@ class DecodeStats:
 
     ``per_position[i]`` counts draft tokens accepted at draft position i+1 and ``per_position_reached[i]``
     the rounds in which position i+1 was tested (all earlier positions accepted), so
-    ``per_position[i] / per_position_reached[i]`` is the conditional acceptance a_{i+1}.
+    ``per_position[i] / per_position_reached[i]`` is the conditional acceptance a_{i+1}. For a token tree
+    the position is the depth: depth i+1 is tested when the accepted path reaches a node with children, and
+    ``drafted`` counts every node verified. ``per_depth_drafted[i]`` sums the nodes drafted at depth i+1 (1
+    per round for a chain reaching it); ``tree_rounds`` counts the rounds that verified a tree.
     """
 
     generated: int = 0
@@ -21,6 +24,8 @@ class DecodeStats:
     rejections: int = 0
     per_position: list[int] = field(default_factory=list)
     per_position_reached: list[int] = field(default_factory=list)
+    per_depth_drafted: list[int] = field(default_factory=list)
+    tree_rounds: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -43,6 +48,16 @@ class DecodeStats:
         return self.generated / self.rounds if self.rounds else 0.0
 
     @property
+    def drafted_per_round(self) -> float:
+        """Draft tokens (tree nodes) verified per target pass."""
+        return self.drafted / self.rounds if self.rounds else 0.0
+
+    @property
+    def accepted_per_round(self) -> float:
+        """Mean accepted length per target pass (draft tokens kept, the recovered/bonus token not counted)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
     def per_position_rate(self) -> list[float]:
         """Conditional acceptance a_i at each draft position (0.0 where never reached)."""
         return [a / r if r else 0.0 for a, r in zip(self.per_position, self.per_position_reached, strict=True)]
@@ -58,11 +73,19 @@ class DecodeStats:
         return self.generated / self.total_seconds if self.total_seconds else 0.0
 
     def record_round(self, drafted: int, accepted: int) -> None:
-        """Count one target pass that checked ``drafted`` tokens and kept ``accepted`` of them."""
+        """Count one target pass that checked a chain of ``drafted`` tokens and kept ``accepted`` of them."""
+        self._record([1] * drafted, accepted, accepted < drafted)
+
+    def record_tree_round(self, nodes_per_depth: list[int], accepted: int, rejected: bool) -> None:
+        """Count one target pass over a tree (``nodes_per_depth[i]`` nodes at depth i+1) whose accepted path
+        has ``accepted`` nodes; ``rejected``: the path's last node (or the root) has children, all rejected."""
+        self.tree_rounds += 1
+        self._record(nodes_per_depth, accepted, rejected)
+
+    def _record(self, nodes_per_depth: list[int], accepted: int, rejected: bool) -> None:
         self.rounds += 1
-        self.drafted += drafted
+        self.drafted += sum(nodes_per_depth)
         self.accepted += accepted
-        rejected = accepted < drafted
         self.rejections += rejected
         reached = accepted + rejected
         if reached > len(self.per_position):
@@ -72,13 +95,17 @@ class DecodeStats:
         for i in range(reached):
             self.per_position_reached[i] += 1
             self.per_position[i] += i < accepted
+        if len(nodes_per_depth) > len(self.per_depth_drafted):
+            self.per_depth_drafted.extend([0] * (len(nodes_per_depth) - len(self.per_depth_drafted)))
+        for i, nodes in enumerate(nodes_per_depth):
+            self.per_depth_drafted[i] += nodes
 
     def merge(self, other: DecodeStats) -> DecodeStats:
         """Sum of two sets of counters and timings."""
-        width = max(len(self.per_position), len(other.per_position))
 
-        def pad(xs: list[int]) -> list[int]:
-            return xs + [0] * (width - len(xs))
+        def add(xs: list[int], ys: list[int]) -> list[int]:
+            width = max(len(xs), len(ys))
+            return [a + b for a, b in zip(xs + [0] * (width - len(xs)), ys + [0] * (width - len(ys)), strict=True)]
 
         return DecodeStats(
             generated=self.generated + other.generated,
@@ -86,10 +113,10 @@ class DecodeStats:
             drafted=self.drafted + other.drafted,
             accepted=self.accepted + other.accepted,
             rejections=self.rejections + other.rejections,
-            per_position=[a + b for a, b in zip(pad(self.per_position), pad(other.per_position), strict=True)],
-            per_position_reached=[
-                a + b for a, b in zip(pad(self.per_position_reached), pad(other.per_position_reached), strict=True)
-            ],
+            per_position=add(self.per_position, other.per_position),
+            per_position_reached=add(self.per_position_reached, other.per_position_reached),
+            per_depth_drafted=add(self.per_depth_drafted, other.per_depth_drafted),
+            tree_rounds=self.tree_rounds + other.tree_rounds,
             prefill_seconds=self.prefill_seconds + other.prefill_seconds,
             draft_seconds=self.draft_seconds + other.draft_seconds,
             verify_seconds=self.verify_seconds + other.verify_seconds,
@@ -103,6 +130,8 @@ class DecodeStats:
             "acceptance_rate",
             "alpha",
             "tokens_per_round",
+            "drafted_per_round",
+            "accepted_per_round",
             "per_position_rate",
             "other_seconds",
             "tokens_per_second",
