@@ -59,6 +59,23 @@ def test_prune_depth_renumbers_and_keeps_probs():
     assert len(prune_depth(draft, 0)) == 0
 
 
+def test_tree_stats_count_nodes_per_depth_and_merge():
+    stats = sd.DecodeStats()
+    stats.record_tree_round([2, 3], accepted=1, rejected=True)  # depth 1 accepted, depth 2 tested and failed
+    stats.record_round(2, 2)
+    assert (stats.rounds, stats.tree_rounds, stats.drafted, stats.accepted, stats.rejections) == (2, 1, 7, 3, 1)
+    assert stats.per_position == [2, 1] and stats.per_position_reached == [2, 2]
+    assert stats.per_depth_drafted == [3, 4]
+    assert stats.drafted_per_round == 3.5 and stats.accepted_per_round == 1.5
+    leaf = sd.DecodeStats()
+    leaf.record_tree_round([2, 2, 1], accepted=3, rejected=False)  # a leaf reached: nothing rejected
+    assert leaf.per_position_reached == [1, 1, 1] and leaf.rejections == 0
+    both = stats.merge(leaf)
+    assert both.per_depth_drafted == [5, 6, 1] and both.tree_rounds == 2 and both.per_position == [3, 2, 1]
+    data = both.to_dict()
+    assert data["per_depth_drafted"] == [5, 6, 1] and data["drafted_per_round"] == 4.0
+
+
 # ------------------------------------------------------------------------------------------- identity
 
 PROMPT = [5, 17, 33, 5, 17, 2, 60, 41]
