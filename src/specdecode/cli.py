@@ -11,6 +11,7 @@ from .commands.demo import demo
 from .commands.generate import generate
 from .commands.plan import plan
 from .commands.quality import quality
+from .commands.serve import serve
 
 app = typer.Typer(
     help="Speculative decoding that makes generation faster without changing its output.",
@@ -25,6 +26,7 @@ for _name, _command in (
     ("bench", bench),
     ("check-exact", check_exact),
     ("quality", quality),
+    ("serve", serve),
 ):
     app.command(_name)(friendly(_command))
 

@@ -1,0 +1,453 @@
+"""The FastAPI app: OpenAI-compatible routes over one ``Scheduler`` (the engine thread).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``),
+``GET /v1/models``, ``GET /health`` (no key needed), ``GET /metrics`` (Prometheus). Handlers validate and
+tokenize on the event loop, hand the request to the engine thread and await its events; a client that goes
+away (mid-stream, or while waiting) is cancelled at the engine's next step, which frees its slot and cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import Request, SpeculativeDecoder
+from ..models.loader import LoadedModel
+from ..params import SamplingParams
+from ..proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from .metrics import ServerMetrics
+from .policy import POLICIES, SpeculationPolicy
+from .protocol import (
+    DONE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Shape,
+    SpeculativeOptions,
+    error_body,
+    finish_reason,
+    sse,
+    usage,
+    validation_message,
+)
+from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_SECONDS = 0.25
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
+CHAT_DEFAULT_MAX_TOKENS = 1024  # for a model that states no context window
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What ``specdecode serve`` serves and how (picklable when ``target`` is a name: Ray ships it to replicas).
+
+    ``proposer``: the default proposer (``lookup``, ``draft`` with ``draft`` = a model path or ``self:N``, or
+    ``none``); requests may pick ``none``, ``lookup``, this one, or a name in ``proposers`` (extra factories).
+    ``gamma``: the most tokens a round drafts (an integer or ``auto`` = up to ``max_gamma``); ``policy``:
+    ``auto`` (speculate when the measured costs say it pays), ``always`` or ``never``; ``mode``: the verification
+    rule, ``reproducible`` (default: a seed gives the same text whatever the batch or the policy does) or
+    ``exact``.
+    """
+
+    target: str | LoadedModel = "smollm2"
+    proposer: str = "lookup"
+    draft: str | None = None
+    gamma: int | str = "auto"
+    max_gamma: int = 8
+    policy: str = "auto"
+    mode: str = "reproducible"
+    max_batch: int = 16
+    api_key: str | None = None
+    max_body_bytes: int = 1_000_000
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    quantization: str = "auto"
+    group_size: int = 32
+    threads: int | None = None
+    proposers: Mapping[str, Callable[[], Proposer]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.mode not in ("reproducible", "exact"):
+            raise ValueError(f"mode must be reproducible or exact, got {self.mode!r}")
+        if self.gamma != "auto" and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1):
+            raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}")
+        if self.proposer == "draft" and not self.draft:
+            raise ValueError("the draft proposer needs a draft model: a path or self:N")
+
+
+def replicate(proposer: Proposer) -> Callable[[], Proposer]:
+    """A factory of proposers like ``proposer``, each with its own state (draft KV cache, n-gram index).
+
+    An unknown kind is shared: proposers resync to the context they are given, so sharing is correct (only
+    slower, as each switch between requests re-feeds the draft)."""
+    if isinstance(proposer, DraftModelProposer):
+        return lambda: DraftModelProposer(proposer.model)
+    if isinstance(proposer, PromptLookupProposer):
+        return lambda: PromptLookupProposer(proposer.max_ngram, proposer.min_ngram)
+    return lambda: proposer
+
+
+class Server:
+    """The loaded model, the engine thread and the request handling behind the routes."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        from ..commands import build_proposer, load
+
+        if config.threads is not None:
+            import torch
+
+            torch.set_num_threads(config.threads)
+        self.config = config
+        if isinstance(config.target, LoadedModel):
+            target = config.target
+        else:
+            target = load(config.target, config.dtype, config.quantization, config.group_size)
+        self.target = target
+        prototype = None
+        if config.proposer != PLAIN:
+            prototype = build_proposer(
+                config.proposer, target, config.draft, config.dtype, config.quantization, config.group_size
+            )
+        factories: dict[str, Callable[[], Proposer]] = {"lookup": PromptLookupProposer}
+        if prototype is not None:
+            factories[config.proposer] = replicate(prototype)
+        factories.update(config.proposers)
+        decoder = SpeculativeDecoder(
+            target, prototype, gamma=config.gamma, max_gamma=config.max_gamma, mode=config.mode
+        )
+        self.default = Speculation(config.proposer, config.gamma)
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(
+            decoder, factories, SpeculationPolicy(config.policy), config.max_batch, config.max_gamma, self.metrics
+        )
+        self.model_name = config.served_model_name or target.name
+        self.window: int | None = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
+        self.created = int(time.time())
+
+    # --- turning a body into a job --------------------------------------------------------------------
+
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[Request, Speculation, Shape]:
+        """Validate and tokenize; every problem is an ``APIError`` naming the field."""
+        body.check()
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                404,
+                f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                "model_not_found",
+            )
+        chat = isinstance(body, ChatCompletionRequest)
+        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+        max_tokens = self._max_tokens(body, len(ids), chat)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_k = 0 if body.top_k in (None, -1) else body.top_k
+        top_p = 1.0 if body.top_p is None else body.top_p
+        try:
+            params = SamplingParams(temperature, top_k, top_p, max_tokens, body.seed, body.stop_strings())
+            request = Request(self.target, ids, params, None)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        return request, self._speculation(body.speculative), Shape(chat, self.model_name, len(ids))
+
+    def _prompt_ids(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt_value()
+        try:
+            ids = self.target.encode(prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
+        if not ids:
+            raise APIError(400, "prompt is empty", "prompt")
+        return ids
+
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template's own checks (e.g. roles it refuses)
+            raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        if not ids:
+            raise APIError(400, "messages produced an empty prompt", "messages")
+        return [int(t) for t in ids]
+
+    def _max_tokens(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, chat: bool) -> int:
+        """max_tokens as asked (checked against the context window), else the route's default, clipped to it."""
+        asked = body.checked_max_tokens()
+        window = self.window
+        where = "messages" if chat else "prompt"
+        if window is not None and prompt_tokens >= window:
+            raise APIError(
+                400,
+                f"the prompt is {prompt_tokens} tokens; this model's context window is {window} tokens "
+                "(prompt + max_tokens must fit): shorten the prompt",
+                where,
+                "context_length_exceeded",
+            )
+        room = None if window is None else window - prompt_tokens
+        if asked is None:
+            if chat:
+                return CHAT_DEFAULT_MAX_TOKENS if room is None else room
+            return COMPLETION_DEFAULT_MAX_TOKENS if room is None else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+        if room is not None and asked > room:
+            raise APIError(
+                400,
+                f"max_tokens is {asked} but the prompt ({prompt_tokens} tokens) leaves {room} of the model's "
+                f"{window}-token context window: ask for at most {room}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return asked
+
+    def _speculation(self, option: bool | SpeculativeOptions | None) -> Speculation:
+        default = self.default
+        fallback = default.proposer if default.proposer != PLAIN else "lookup"
+        if option is None:
+            return default
+        if option is False:
+            return Speculation(PLAIN, default.gamma)
+        if option is True:
+            return Speculation(fallback, default.gamma)
+        proposer = option.proposer or fallback
+        offered = [PLAIN, *self.scheduler.proposers]
+        if proposer not in offered:
+            raise APIError(
+                400, f"unknown proposer {proposer!r}: this server offers {', '.join(offered)}", "speculative"
+            )
+        return Speculation(proposer, default.gamma if option.gamma is None else option.gamma)
+
+    # --- answering ------------------------------------------------------------------------------------
+
+    async def respond(self, body: CompletionRequest | ChatCompletionRequest, http: HTTPRequest) -> Response:
+        request, speculation, shape = self.prepare(body)
+        inbox = Inbox(asyncio.get_running_loop())
+        job = Job(request, speculation, inbox.put)
+        self.scheduler.submit(job)
+        try:
+            event = await inbox.next(http)
+            if event.kind == "error":
+                return _error_response(500, f"generation failed: {event.error}")
+            if body.stream:
+                return StreamingResponse(
+                    self._stream(job, inbox, event, shape, body),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            while event.kind == "text":
+                event = await inbox.next(http)
+            if event.kind == "error":
+                return _error_response(500, f"generation failed: {event.error}")
+            return JSONResponse(shape.response(event.output))
+        except (ClientGone, asyncio.CancelledError):
+            self.scheduler.cancel(job)
+            raise
+
+    async def _stream(
+        self, job: Job, inbox: Inbox, event: Event, shape: Shape, body: CompletionRequest | ChatCompletionRequest
+    ) -> AsyncIterator[str]:
+        options = body.stream_options
+        continuous = options is not None and options.continuous_usage_stats
+        finished = False
+        try:
+            if shape.chat:
+                yield shape.chunk("", role=True, usage_=usage(shape.prompt_tokens, 0) if continuous else None)
+            while True:
+                if event.kind == "text":
+                    running = usage(shape.prompt_tokens, event.completion_tokens) if continuous else None
+                    yield shape.chunk(event.text, usage_=running)
+                elif event.kind == "done":
+                    output = event.output
+                    final = usage(shape.prompt_tokens, len(output.token_ids), output) if continuous else None
+                    yield shape.chunk("", finish_reason(output), usage_=final)
+                    if options is not None and options.include_usage:
+                        yield shape.usage_chunk(output)
+                    finished = True
+                    yield DONE
+                    return
+                else:
+                    finished = True
+                    yield sse(error_body(500, f"generation failed: {event.error}"))
+                    yield DONE
+                    return
+                event = await inbox.next()
+        finally:
+            if not finished:
+                self.scheduler.cancel(job)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was in the engine."""
+
+
+class Inbox:
+    """One job's events, handed from the engine thread to the event loop (nothing is lost on a timeout)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._events: deque[Event] = deque()
+        self._ready = asyncio.Event()
+        self._check_at = 0.0
+
+    def put(self, event: Event) -> None:
+        """Called by the engine thread."""
+        with contextlib.suppress(RuntimeError):  # a closed event loop: the server is gone
+            self._loop.call_soon_threadsafe(self._push, event)
+
+    def _push(self, event: Event) -> None:
+        self._events.append(event)
+        self._ready.set()
+
+    async def next(self, http: HTTPRequest | None = None) -> Event:
+        """The next event; with ``http``, raise ``ClientGone`` once the client has disconnected (checked at
+        most every ``DISCONNECT_POLL_SECONDS``, also while events keep coming)."""
+        while True:
+            if http is not None and time.monotonic() >= self._check_at:
+                self._check_at = time.monotonic() + DISCONNECT_POLL_SECONDS
+                if await http.is_disconnected():
+                    raise ClientGone
+            if self._events:
+                return self._events.popleft()
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), None if http is None else DISCONNECT_POLL_SECONDS)
+
+
+def _error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+class Guard:
+    """ASGI middleware: the API key (every route but /health) and the request-body size limit (413)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope.get("path") != "/health":
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+                await _error_response(401, message, None, "invalid_api_key")(scope, receive, send)
+                return
+        limit = self.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _error_response(413, _too_large(limit), None, "request_too_large")(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise HTTPException(413, _too_large(limit))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body is larger than this server's limit of {limit} bytes"
+
+
+def create_app(config: ServerConfig | Server) -> FastAPI:
+    """The FastAPI app. Given a config, the model loads when the app starts (in each Ray replica)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server = config if isinstance(config, Server) else Server(config)
+        server.scheduler.start()
+        app.state.server = server
+        try:
+            yield
+        finally:
+            server.scheduler.stop()
+
+    settings = config.config if isinstance(config, Server) else config
+    app = FastAPI(title="specdecode", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return _error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def server_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return _error_response(500, f"internal error: {type(exc).__name__}")
+
+    @app.get("/health")
+    async def health(request: HTTPRequest) -> JSONResponse:
+        alive = request.app.state.server.scheduler.alive
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest) -> dict[str, Any]:
+        server: Server = request.app.state.server
+        card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "specdecode"}
+        if server.window is not None:
+            card["max_model_len"] = server.window
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics(request: HTTPRequest) -> Response:
+        return Response(request.app.state.server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
+        return await _answer(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
+        return await _answer(request, body)
+
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+async def _answer(request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest) -> Response:
+    try:
+        return await request.app.state.server.respond(body, request)
+    except ClientGone:
+        return Response(status_code=499)

@@ -1,0 +1,318 @@
+"""OpenAI's shapes: the request bodies of /v1/completions and /v1/chat/completions, responses, stream chunks,
+and errors (``{"error": {"message", "type", "param", "code"}}``).
+
+Bodies are parsed strictly (a string where a number belongs is an error, not a coercion); unknown fields are
+ignored, as OpenAI's own server does. Fields we cannot honour (n > 1, logprobs, echo, penalties) are refused
+with a 400 rather than silently ignored. Extensions: ``top_k``; ``speculative`` (``false``, ``true`` or
+``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every chunk, as vLLM);
+``usage`` also counts drafted and accepted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ..engine import GenerationOutput
+
+MAX_STOP_STRINGS = 4
+MAX_GAMMA = 16
+MAX_SEED = 2**63
+
+
+class APIError(Exception):
+    """An error the client gets as OpenAI's JSON shape with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """``{"error": {...}}`` with OpenAI's error types by status."""
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable line (and the offending field) from pydantic's errors: ``invalid max_tokens: ...``."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the body is not valid JSON ({detail})", None
+    if not loc:
+        return f"the body must be a JSON object: {first.get('msg')}", None
+    param = loc[0]
+    same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == [param]]
+    if len(same) > 1:  # a union: one message per alternative
+        got = type(first.get("input")).__name__
+        return f"invalid {param}: wrong type ({got})", param
+    where = ".".join(loc)
+    return f"invalid {where}: {first.get('msg')}", param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class SpeculativeOptions(_Strict):
+    """Per-request speculation: a proposer name and/or gamma (an integer or ``auto``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    proposer: str | None = None
+    gamma: int | Literal["auto"] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both routes share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    speculative: bool | SpeculativeOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def checked_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        return self.max_tokens
+
+    def check(self) -> None:
+        """Refuse values we cannot honour, each with a message naming the field."""
+        if self.n != 1:
+            raise APIError(400, f"n must be 1 (one choice per request), got {self.n}", "n")
+        if self.temperature is not None and self.temperature < 0:
+            raise APIError(400, f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise APIError(400, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k is not None and self.top_k < -1:
+            raise APIError(400, f"top_k must be >= 0 (0 or -1 = off), got {self.top_k}", "top_k")
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
+            raise APIError(400, f"seed must be in [0, 2**63), got {self.seed}", "seed")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (it would change the target's distribution)", name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must be non-empty", "stop")
+        if isinstance(self.speculative, SpeculativeOptions):
+            gamma = self.speculative.gamma
+            if isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
+                raise APIError(
+                    400, f"speculative.gamma must be in 1..{MAX_GAMMA} or 'auto', got {gamma}", "speculative"
+                )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. ``prompt``: a string, token ids, or a one-element list of either."""
+
+    prompt: Any = None
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of must be 1", "best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: a non-empty string or a non-empty list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", "prompt")
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "prompt is empty", "prompt")
+        if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
+            raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
+        if prompt is None:
+            raise APIError(400, "prompt is required", "prompt")
+        raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    def checked_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:
+                raise APIError(
+                    400, f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}", "max_tokens"
+                )
+            return self.max_completion_tokens
+        return super().checked_max_tokens()
+
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise APIError(400, "messages is empty: give at least one message", "messages")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+
+
+def finish_reason(output: GenerationOutput) -> str:
+    """OpenAI's words: ``stop`` (EOS or a stop string) or ``length`` (max_tokens)."""
+    return "length" if output.finish_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, output: GenerationOutput | None = None) -> dict[str, Any]:
+    """Token counts; with the final output also drafted/accepted (and OpenAI's predicted-output details)."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if output is not None:
+        stats = output.stats
+        out["drafted_tokens"] = stats.drafted
+        out["accepted_tokens"] = stats.accepted
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": stats.accepted,
+            "rejected_prediction_tokens": stats.drafted - stats.accepted,
+        }
+    return out
+
+
+class Shape:
+    """Responses and stream chunks of one request, in the shape of its route."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+        self.chat = chat
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choice: dict[str, Any], usage_: dict[str, Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if usage_ is not None:
+            body["usage"] = usage_
+        return body
+
+    def response(self, output: GenerationOutput) -> dict[str, Any]:
+        """The non-streaming body."""
+        reason = finish_reason(output)
+        if self.chat:
+            message = {"role": "assistant", "content": output.text}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
+        body = self._envelope(
+            "chat.completion" if self.chat else "text_completion",
+            choice,
+            usage(self.prompt_tokens, len(output.token_ids), output),
+        )
+        body["seed"] = output.seed
+        return body
+
+    def chunk(
+        self, text: str, reason: str | None = None, usage_: dict[str, Any] | None = None, role: bool = False
+    ) -> str:
+        """One server-sent event: a text delta (chat: the first carries the role), or the finish reason."""
+        if self.chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            )
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return sse(self._envelope("chat.completion.chunk" if self.chat else "text_completion", choice, usage_))
+
+    def usage_chunk(self, output: GenerationOutput) -> str:
+        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+        body = self._envelope(
+            "chat.completion.chunk" if self.chat else "text_completion",
+            {},
+            usage(self.prompt_tokens, len(output.token_ids), output),
+        )
+        body["choices"] = []
+        return sse(body)
+
+
+def sse(body: dict[str, Any] | str) -> str:
+    """``data: <json>`` and a blank line (``[DONE]`` as is)."""
+    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+DONE = sse("[DONE]")

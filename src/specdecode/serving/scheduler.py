@@ -1,0 +1,320 @@
+"""The engine thread: continuous batching of many requests over one target model, each with its own KV cache.
+
+All model work runs on one background thread. Requests arrive through a thread-safe inbox and wait for a
+slot (a runner with its own KV cache, plus the request's proposer state), up to ``max_batch`` at once. Each
+step the thread (1) drops requests whose client went away and admits waiting ones (prefill), (2) asks the
+policy how many tokens each request drafts, (3) drafts them (``SpeculativeDecoder.draft``), (4) runs ONE
+target pass for all of them (``forward_batch``: every request's newest token plus its draft), and (5)
+verifies, emits and handles stops per request (``SpeculativeDecoder.settle``). Requests join and leave
+between steps. Events (text deltas, the final output, an error) go back through each job's ``deliver``
+callback, which the HTTP side makes thread-safe (``loop.call_soon_threadsafe``).
+
+Greedy output does not depend on the batch: the native runner's batched pass gives every row bitwise the
+logits of that request's own ``forward`` (row invariance), and settle is per request. A request that
+raises (in its proposer, its pass or its verification) fails alone; the others continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import GenerationOutput, Request, Round, SpeculativeDecoder
+from ..models.base import ModelRunner
+from ..models.batch import forward_batch
+from ..proposers.base import Proposer
+from .metrics import ServerMetrics
+from .policy import Acceptance, Candidate, SpeculationPolicy, blended_acceptance
+
+log = logging.getLogger(__name__)
+PLAIN = "none"
+DRAFT_COST_SMOOTHING = 0.2
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How one request speculates: a proposer name (``none`` = plain decoding) and gamma, the most tokens it
+    drafts per round (an integer, or ``auto``: up to the scheduler's ``max_gamma``, as the policy decides)."""
+
+    proposer: str
+    gamma: int | str
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a job reports: ``text`` (a delta; ``completion_tokens`` so far), ``done`` (the output) or ``error``."""
+
+    kind: str
+    text: str = ""
+    completion_tokens: int = 0
+    output: GenerationOutput | None = None
+    error: str = ""
+
+
+class Job:
+    """One request inside the scheduler: the engine's request, how it speculates, where its events go."""
+
+    def __init__(self, request: Request, speculation: Speculation, deliver: Callable[[Event], None]) -> None:
+        self.request = request
+        self.speculation = speculation
+        self.deliver = deliver
+        self.cancelled = False
+        self.arrived = time.perf_counter()
+        self.slot: Slot | None = None
+        self.proposer: Proposer | None = None
+        self.sent_tokens = 0
+        self.last_token_at: float | None = None
+        self._text: list[str] = []
+        request.on_text = self._text.append
+
+    def take_text(self) -> str:
+        text = "".join(self._text)
+        self._text.clear()
+        return text
+
+
+class Slot:
+    """A runner with its own KV cache and, lazily, one proposer of each kind (their own draft caches)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.proposers: dict[str, Proposer] = {}
+
+
+_WAKE = object()
+_STOP = object()
+
+
+class Scheduler:
+    """Runs ``Job``s on one background thread; ``submit`` and ``cancel`` may be called from any thread."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        proposers: Mapping[str, Callable[[], Proposer]],
+        policy: SpeculationPolicy,
+        max_batch: int = 16,
+        max_gamma: int = 8,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.decoder = decoder
+        self.target = decoder.target
+        self.proposers = dict(proposers)
+        self.policy = policy
+        self.max_batch = max_batch
+        self.max_gamma = max_gamma
+        self.metrics = metrics or ServerMetrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._free: list[Slot] = []  # every slot is either in a job or here: at most max_batch
+        self._acceptance: dict[str, Acceptance] = {}
+        self._draft_seconds: dict[str, float] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+
+    # --- any thread ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the current step, fail what is left ('server shutting down') and end the thread."""
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        if job.speculation.proposer != PLAIN and job.speculation.proposer not in self.proposers:
+            raise ValueError(f"unknown proposer {job.speculation.proposer!r}")
+        self._inbox.put(job)
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: free the job's slot and KV cache at the next step boundary."""
+        job.cancelled = True
+        self._inbox.put(_WAKE)
+
+    # --- the engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain(block=not (self._active or self._waiting))
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self._active:
+                    self._step()
+            except Exception:  # a bug outside any one request: fail the batch, keep serving
+                log.exception("engine step failed")
+                for job in [*self._active]:
+                    self._fail(job, "internal error in the engine step")
+            self.metrics.running.set(len(self._active))
+            self.metrics.waiting.set(len(self._waiting))
+        for job in [*self._active, *self._waiting]:
+            self._fail(job, "the server is shutting down")
+
+    def _drain(self, block: bool) -> None:
+        item = self._inbox.get() if block else None
+        while True:
+            if item is _STOP:
+                self._stopping = True
+            elif isinstance(item, Job):
+                self._waiting.append(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in (*self._waiting, *self._active) if j.cancelled]:
+            self.metrics.aborted.inc()
+            self._release(job)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_batch:
+            job = self._waiting.popleft()
+            job.slot = self._free.pop() if self._free else Slot(self.target.new_runner())
+            self._active.append(job)
+            try:
+                name = job.speculation.proposer
+                if name != PLAIN:
+                    if name not in job.slot.proposers:
+                        job.slot.proposers[name] = self.proposers[name]()
+                    job.proposer = job.slot.proposers[name]
+                job.request.prefill(job.slot.runner)
+            except Exception as exc:
+                self._fail(job, exc)
+                continue
+            self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+
+    def _candidate(self, job: Job) -> Candidate:
+        if job.proposer is None:
+            return Candidate(0, ())
+        name, gamma = job.speculation.proposer, job.speculation.gamma
+        cap = max(0, min(self.max_gamma if gamma == "auto" else gamma, job.request.sink.remaining - 1))
+        stats = job.request.stats
+        prior = self._acceptance.setdefault(name, Acceptance())
+        rates = blended_acceptance(stats.per_position, stats.per_position_reached, prior, cap)
+        return Candidate(cap, rates, self._draft_seconds.get(name, 0.0))
+
+    def _step(self) -> None:
+        plan = self.policy.plan([self._candidate(job) for job in self._active])
+        rounds: list[tuple[Job, Round]] = []
+        for job, k in zip(list(self._active), plan.draft_lengths, strict=True):
+            try:
+                rounds.append((job, self.decoder.draft(job.request, job.proposer, k)))
+            except Exception as exc:
+                self._fail(job, exc)
+        if not rounds:
+            return
+        started = time.perf_counter()
+        logits = self._forward([job for job, _ in rounds], [pending.tokens for _, pending in rounds])
+        seconds = time.perf_counter() - started
+        rows = sum(int(pending.tokens.shape[0]) for _, pending in rounds)
+        if all(x is not None for x in logits):
+            self.policy.costs.observe(rows, seconds)
+            self.metrics.pass_seconds.labels(str(rows)).set(self.policy.costs.seconds[rows])
+        speculating = rows > len(rounds)
+        self.metrics.speculating.set(int(speculating))
+        self.metrics.steps.labels(str(speculating).lower()).inc()
+        self.metrics.planned_draft_tokens.set(plan.rows - len(plan.draft_lengths))
+        self.metrics.predicted_speedup.set(plan.predicted_speedup)
+        for (job, pending), job_logits in zip(rounds, logits, strict=True):
+            if job_logits is not None:
+                self._settle(job, pending, job_logits, started)
+
+    def _forward(self, jobs: list[Job], chunks: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """One batched pass; if it raises, each request alone, so that only the faulty one fails."""
+        try:
+            return forward_batch([job.slot.runner for job in jobs], chunks)
+        except Exception:
+            log.exception("batched pass failed; retrying each request alone")
+        out: list[torch.Tensor | None] = []
+        for job, chunk in zip(jobs, chunks, strict=True):
+            try:
+                job.slot.runner.rollback_to(len(job.request.context) - 1)
+                out.append(job.slot.runner.forward(chunk))
+            except Exception as exc:
+                self._fail(job, exc)
+                out.append(None)
+        return out
+
+    def _settle(self, job: Job, pending: Round, logits: torch.Tensor, started: float) -> None:
+        stats = job.request.stats
+        accepted_before = stats.accepted
+        try:
+            self.decoder.settle(job.request, pending, logits, job.slot.runner, started)
+        except Exception as exc:
+            self._fail(job, exc)
+            return
+        drafted, accepted = len(pending.draft), stats.accepted - accepted_before
+        if drafted:
+            name = job.speculation.proposer
+            self._acceptance.setdefault(name, Acceptance()).observe(drafted, accepted)
+            per_token = pending.draft_seconds / drafted
+            old = self._draft_seconds.get(name)
+            self._draft_seconds[name] = (
+                per_token if old is None else (1 - DRAFT_COST_SMOOTHING) * old + DRAFT_COST_SMOOTHING * per_token
+            )
+        self.metrics.observe_round(drafted, accepted)
+        self._emit(job)
+        if job.request.done:
+            self._finish(job)
+
+    def _emit(self, job: Job) -> None:
+        """Send the text accepted this step; record time to first token and inter-token latency."""
+        now = time.perf_counter()
+        total = len(job.request.sink.token_ids)
+        new = total - job.sent_tokens
+        if new <= 0:
+            return
+        if job.last_token_at is None:
+            self.metrics.ttft.observe(now - job.arrived)
+        else:
+            gap = (now - job.last_token_at) / new
+            for _ in range(new):
+                self.metrics.itl.observe(gap)
+        self.metrics.generation_tokens.inc(new)
+        job.sent_tokens, job.last_token_at = total, now
+        text = job.take_text()
+        if text:
+            job.deliver(Event("text", text, total))
+
+    def _finish(self, job: Job) -> None:
+        output = job.request.finish()
+        self.metrics.finished.labels("length" if output.finish_reason == "length" else "stop").inc()
+        self.metrics.e2e.observe(time.perf_counter() - job.arrived)
+        self._release(job)
+        job.deliver(Event("done", "", len(output.token_ids), output))
+
+    def _fail(self, job: Job, error: Exception | str) -> None:
+        if isinstance(error, Exception):
+            log.error("request failed", exc_info=error)
+            error = f"{type(error).__name__}: {error}"
+        self.metrics.failed.inc()
+        self._release(job)
+        job.deliver(Event("error", error=error))
+
+    def _release(self, job: Job) -> None:
+        """Take the job out of the batch or the queue; its slot's cache is emptied and pooled for reuse."""
+        if job in self._active:
+            self._active.remove(job)
+        elif job in self._waiting:
+            self._waiting.remove(job)
+        if job.slot is not None:
+            job.slot.runner.reset()
+            self._free.append(job.slot)
+            job.slot = None
+        job.proposer = None

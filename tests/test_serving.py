@@ -1,0 +1,419 @@
+"""The HTTP server, end to end: a real uvicorn server on a free loopback port over a tiny model (native runner).
+
+Greedy texts are checked against ``autoregressive_generate`` on the same ids: with and without speculation,
+streamed and not, alone and in a batch of 16. Bad input gets OpenAI-style 4xx errors and the server keeps
+serving; a request that raises in the engine fails alone with a 500; a client that disconnects frees its slot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+
+import specdecode as sd
+from specdecode.bench.serve_load import run_load, scrape
+from specdecode.proposers.base import EMPTY_DRAFT
+from specdecode.serving import ServerConfig, create_app
+from specdecode.serving.local import LocalServer
+
+WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+REPEATING = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
+PROMPTS = [" ".join(f"w{(3 * i + j * j) % LARGE_VOCAB}" for j in range(4 + i % 5)) * 2 for i in range(16)]
+API_KEY = "sekrit"
+
+
+class Boom:
+    """Raises on its first proposal."""
+
+    def propose(self, context, k, params, generator):
+        raise RuntimeError("boom")
+
+
+class LateBoom:
+    """Drafts nothing for two rounds, then raises: the failure comes mid-stream."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, context, k, params, generator):
+        self.calls += 1
+        if self.calls > 2:
+            raise RuntimeError("late boom")
+        return EMPTY_DRAFT
+
+
+class Slow:
+    """Drafts nothing, slowly: keeps a request running long enough to disconnect from it."""
+
+    def propose(self, context, k, params, generator):
+        time.sleep(0.02)
+        return EMPTY_DRAFT
+
+
+@pytest.fixture(scope="module")
+def target() -> sd.LoadedModel:
+    tokenizer = word_tokenizer(WORDS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=tokenizer, backend="native")
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    config = ServerConfig(
+        target=target,
+        gamma=4,
+        policy="always",
+        max_body_bytes=100_000,
+        served_model_name="tiny",
+        proposers={"boom": Boom, "late-boom": LateBoom, "slow": Slow},
+    )
+    with LocalServer(create_app(config)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def plain_text(target, ids, max_tokens, temperature=0.0, seed=None) -> str:
+    params = sd.SamplingParams(temperature=temperature, max_new_tokens=max_tokens, seed=seed)
+    return sd.autoregressive_generate(target, ids, params).text
+
+
+def chat_ids(target, text: str) -> list[int]:
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def body_for(route: str, text: str, **extra) -> dict:
+    if route == "chat":
+        return {"messages": [{"role": "user", "content": text}], **extra}
+    return {"prompt": text, **extra}
+
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def events(response_text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in response_text.splitlines() if line.startswith("data: ")]
+
+
+def streamed_text(data: list[str]) -> str:
+    text = ""
+    for item in data[:-1]:
+        for choice in json.loads(item)["choices"]:
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_non_streaming_and_streaming_give_the_plain_greedy_text(http, target, route):
+    ids = chat_ids(target, REPEATING) if route == "chat" else target.encode(REPEATING)
+    expected = plain_text(target, ids, 24)
+    body = body_for(route, REPEATING, max_tokens=24, temperature=0)
+    response = http.post(PATHS[route], json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    choice = data["choices"][0]
+    assert data["object"] == ("chat.completion" if route == "chat" else "text_completion")
+    assert data["model"] == "tiny" and data["id"]
+    text = choice["message"]["content"] if route == "chat" else choice["text"]
+    assert choice["message"]["role"] == "assistant" if route == "chat" else True
+    assert text == expected
+    assert choice["finish_reason"] == "length"
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == 24
+    assert usage["total_tokens"] == len(ids) + 24
+    assert usage["drafted_tokens"] > 0 and 0 <= usage["accepted_tokens"] <= usage["drafted_tokens"]
+    assert usage["completion_tokens_details"]["accepted_prediction_tokens"] == usage["accepted_tokens"]
+
+    response = http.post(PATHS[route], json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    data = events(response.text)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk" if route == "chat" else "text_completion"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24  # include_usage
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    if route == "chat":
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert streamed_text(data) == expected
+    assert len(chunks) > 4  # text arrived in pieces, not at the end
+
+
+def test_speculation_on_or_off_gives_the_same_greedy_text(http, target):
+    expected = plain_text(target, target.encode(REPEATING), 32)
+    usages = {}
+    for option in (False, True, {"proposer": "lookup", "gamma": 2}, {"gamma": "auto"}, None):
+        body = body_for("completions", REPEATING, max_tokens=32, temperature=0, speculative=option)
+        data = http.post("/v1/completions", json=body).json()
+        assert data["choices"][0]["text"] == expected, option
+        usages[json.dumps(option)] = data["usage"]
+    assert usages["false"]["drafted_tokens"] == 0
+    assert usages["null"]["drafted_tokens"] > 0 and usages['{"proposer": "lookup", "gamma": 2}']["drafted_tokens"] > 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_speculation(http, target):
+    """Reproducible mode (the server's default): a seed gives plain sampling's text, speculating or not."""
+    expected = plain_text(target, target.encode(REPEATING), 24, temperature=1.0, seed=7)
+    for option in (False, None, {"gamma": 3}):
+        body = body_for("completions", REPEATING, max_tokens=24, temperature=1.0, seed=7, speculative=option)
+        data = http.post("/v1/completions", json=body).json()
+        assert data["choices"][0]["text"] == expected
+        assert data["seed"] == 7
+
+
+def test_a_request_alone_and_in_a_batch_of_16_gives_the_same_greedy_text(http, target):
+    expected = [plain_text(target, target.encode(p), 20) for p in PROMPTS]
+
+    def ask(i: int) -> str:
+        body = body_for("completions", PROMPTS[i], max_tokens=20, temperature=0, stream=i % 2 == 1)
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200
+        return streamed_text(events(response.text)) if i % 2 else response.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    assert got == expected
+
+
+BAD = [
+    ("completions", b"{", 400, None),
+    ("completions", b'{"prompt": "w1", "temperature": NaN}', 400, "temperature"),
+    ("completions", b"[1, 2]", 400, None),
+    ("completions", {"prompt": "w1", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "w1", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": "w1", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "w1", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("completions", {"prompt": "w1", "stop": 3}, 400, "stop"),
+    ("completions", {"prompt": "w1", "model": "gpt-4"}, 404, "model"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"max_tokens": 4}, 400, "prompt"),
+    ("completions", {"prompt": ["w1", "w2"]}, 400, "prompt"),
+    ("completions", {"prompt": [999]}, 400, None),
+    ("completions", {"prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "w1", "max_tokens": -3}, 400, "max_tokens"),
+    ("completions", {"prompt": "w1", "max_tokens": 600}, 400, "max_tokens"),
+    ("completions", {"prompt": "w1 " * 600, "max_tokens": 4}, 400, "prompt"),
+    ("completions", {"prompt": "w1", "temperature": -0.5}, 400, "temperature"),
+    ("completions", {"prompt": "w1", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "w1", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("completions", {"prompt": "w1", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "w1", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "w1", "seed": -1}, 400, "seed"),
+    ("completions", {"prompt": "w1", "speculative": {"proposer": "oracle"}}, 400, "speculative"),
+    ("completions", {"prompt": "w1", "speculative": {"gamma": 0}}, 400, "speculative"),
+    ("completions", {"prompt": "w1", "speculative": {"depth": 3}}, 400, "speculative"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": [{"role": "robot", "content": "w1"}]}, 400, "messages"),
+    ("chat", {"messages": "w1"}, 400, "messages"),
+    ("chat", {"prompt": "w1"}, 400, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), BAD)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(http, route, body, status, param):
+    if isinstance(body, bytes):
+        response = http.post(PATHS[route], content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(PATHS[route], json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
+    if param is not None:
+        assert error["param"] == param, error
+    ok = http.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_oversized_body_is_refused_with_413(http):
+    big = {"prompt": "w1 " * 40_000, "max_tokens": 2}
+    response = http.post("/v1/completions", json=big)
+    assert response.status_code == 413 and "100000 bytes" in response.json()["error"]["message"]
+    chunked = http.post("/v1/completions", content=iter([json.dumps(big).encode()]))  # no Content-Length
+    assert chunked.status_code == 413
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_models_health_and_metrics(http):
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == 512
+    assert http.get("/health").status_code == 200
+    http.post("/v1/completions", json={"prompt": REPEATING, "max_tokens": 16, "temperature": 0})
+    metrics = scrape(str(http.base_url).rstrip("/"))
+    for name in (
+        "specdecode:num_requests_running",
+        "specdecode:num_requests_waiting",
+        "specdecode:prompt_tokens_total",
+        "specdecode:generation_tokens_total",
+        "specdecode:time_to_first_token_seconds_count",
+        "specdecode:inter_token_latency_seconds_count",
+        "specdecode:spec_decode_num_draft_tokens_total",
+        "specdecode:spec_decode_num_accepted_tokens_total",
+        "specdecode:spec_decode_enabled",
+        "specdecode:spec_decode_predicted_speedup",
+        "process_resident_memory_bytes",
+    ):
+        assert name in metrics, name
+    assert metrics["specdecode:spec_decode_num_draft_tokens_total"] > 0
+    assert metrics["specdecode:generation_tokens_total"] >= 16
+    assert any(k.startswith("specdecode:spec_decode_num_accepted_tokens_per_pos_total") for k in metrics)
+    assert any(k.startswith("specdecode:batch_pass_seconds") for k in metrics)
+    assert http.get("/nowhere").json()["error"]["message"]
+
+
+def _idle(http, aborted_before: float, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = scrape(str(http.base_url).rstrip("/"))
+        aborted = metrics["specdecode:request_aborted_total"] > aborted_before
+        if aborted and metrics["specdecode:num_requests_running"] == 0 or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(http, server):
+    before = scrape(server.url)["specdecode:request_aborted_total"]
+    body = {"prompt": "w1 w2", "max_tokens": 400, "stream": True, "speculative": {"proposer": "slow"}}
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert scrape(server.url)["specdecode:num_requests_running"] == 1
+    metrics = _idle(http, before)
+    assert metrics["specdecode:num_requests_running"] == 0
+    assert metrics["specdecode:request_aborted_total"] == before + 1
+
+
+def test_a_client_that_gives_up_waiting_frees_its_slot(http, server):
+    before = scrape(server.url)["specdecode:request_aborted_total"]
+    body = {"prompt": "w1 w2", "max_tokens": 400, "speculative": {"proposer": "slow"}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    metrics = _idle(http, before)
+    assert metrics["specdecode:num_requests_running"] == 0
+    assert metrics["specdecode:request_aborted_total"] == before + 1
+
+
+def test_a_request_that_raises_in_the_engine_fails_alone(http, target):
+    expected = plain_text(target, target.encode(REPEATING), 16)
+    good = body_for("completions", REPEATING, max_tokens=16, temperature=0)
+    boom = {**good, "speculative": {"proposer": "boom"}}
+    late = {**good, "stream": True, "speculative": {"proposer": "late-boom"}}
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(http.post, "/v1/completions", json=good) for _ in range(4)]
+        booms = [pool.submit(http.post, "/v1/completions", json=b) for b in (boom, {**boom, "stream": True})]
+        late_response = pool.submit(http.post, "/v1/completions", json=late).result()
+    for future in goods:
+        assert future.result().status_code == 200 and future.result().json()["choices"][0]["text"] == expected
+    for future in booms:
+        response = future.result()
+        assert response.status_code == 500
+        assert "boom" in response.json()["error"]["message"] and response.json()["error"]["type"] == "server_error"
+    data = events(late_response.text)  # the failure came after the first tokens: an error event, then [DONE]
+    assert late_response.status_code == 200 and data[-1] == "[DONE]"
+    assert "late boom" in json.loads(data[-2])["error"]["message"]
+    assert http.post("/v1/completions", json=good).json()["choices"][0]["text"] == expected
+
+
+@pytest.fixture(scope="module")
+def locked_server(target):
+    with LocalServer(create_app(ServerConfig(target=target, api_key=API_KEY, served_model_name="tiny"))) as running:
+        yield running
+
+
+def test_api_key_is_checked_on_every_route_but_health(locked_server):
+    url = locked_server.url
+    assert httpx.get(f"{url}/health").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            response = httpx.request(method, f"{url}{path}", headers=headers, json={"prompt": "w1"})
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    ok = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200
+
+
+def test_the_official_openai_client_works_unchanged(locked_server, target):
+    client = openai.OpenAI(base_url=f"{locked_server.url}/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    completion = client.completions.create(model="tiny", prompt=REPEATING, max_tokens=16, temperature=0)
+    assert completion.choices[0].text == plain_text(target, target.encode(REPEATING), 16)
+    assert completion.usage.completion_tokens == 16
+    assert completion.usage.completion_tokens_details.accepted_prediction_tokens >= 0
+    expected = plain_text(target, chat_ids(target, REPEATING), 16)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": REPEATING}], max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": REPEATING}],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"speculative": False, "top_k": 5},
+    )
+    assert chat.choices[0].message.content == expected and chat.usage.model_extra["drafted_tokens"] == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="w1", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="w1", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{locked_server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_32_concurrent_streaming_clients_lose_nothing(server, target):
+    """A short load test: every stream ends in [DONE], none errs, each text is its prompt's greedy text."""
+    prompts = PROMPTS[:8]
+    bodies = [body_for("completions", p, max_tokens=24, temperature=0) for p in prompts]
+    expected = [plain_text(target, target.encode(p), 24) for p in prompts]
+    rss_before = scrape(server.url)["process_resident_memory_bytes"]
+    record = run_load(server.url, bodies, clients=32, duration=4.0, path="/v1/completions", drain=True)
+    rss_after = scrape(server.url)["process_resident_memory_bytes"]
+    summary = record.summary()
+    print(
+        f"\n32 clients: {len(record.streams)} streams, {summary['tokens_per_s']:.0f} tokens/s, TTFT p99 "
+        f"{summary['ttft_p99_s'] * 1000:.0f} ms, ITL p99 {summary['itl_p99_s'] * 1000:.1f} ms, RSS growth "
+        f"{(rss_after - rss_before) / 2**20:+.1f} MiB"
+    )
+    assert len(record.streams) >= 32
+    assert not record.errors and all(s.done for s in record.streams)
+    assert all(s.text == expected[s.prompt_index] for s in record.streams)
+    assert sum(s.tokens for s in record.streams) == 24 * len(record.streams)
+    assert scrape(server.url)["specdecode:num_requests_running"] == 0
+
+
+def test_engine_thread_batches_requests_of_mixed_prompt_lengths_in_one_pass(target, monkeypatch):
+    """The scheduler gathers every active request into one forward_batch call."""
+    from specdecode.serving import scheduler as scheduler_module
+
+    calls = []
+    real = scheduler_module.forward_batch
+
+    def spy(runners, tokens):
+        calls.append([int(t.shape[0]) for t in tokens])
+        return real(runners, tokens)
+
+    monkeypatch.setattr(scheduler_module, "forward_batch", spy)
+    with LocalServer(create_app(ServerConfig(target=target, policy="never"))) as running:
+        bodies = [body_for("completions", p, max_tokens=12, temperature=0) for p in PROMPTS[:6]]
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda b: httpx.post(f"{running.url}/v1/completions", json=b, timeout=60), bodies))
+    assert max(len(c) for c in calls) > 1 and all(set(c) == {1} for c in calls)  # plain steps, several rows
