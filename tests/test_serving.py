@@ -417,3 +417,52 @@ def test_engine_thread_batches_requests_of_mixed_prompt_lengths_in_one_pass(targ
         with ThreadPoolExecutor(6) as pool:
             list(pool.map(lambda b: httpx.post(f"{running.url}/v1/completions", json=b, timeout=60), bodies))
     assert max(len(c) for c in calls) > 1 and all(set(c) == {1} for c in calls)  # plain steps, several rows
+
+
+@pytest.fixture
+def cli_target(monkeypatch, target):
+    """Every model name the CLI loads is the tiny target."""
+    from specdecode import commands
+
+    monkeypatch.setattr(commands, "load", lambda name, *settings: target)
+    return target
+
+
+def test_serve_command_builds_the_app_and_hands_it_to_uvicorn(cli_target, monkeypatch):
+    import uvicorn
+    from typer.testing import CliRunner
+
+    import specdecode.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: seen.update(app=app, **options))
+    result = CliRunner().invoke(cli.app, ["serve", "--port", "8123", "--gamma", "3", "--served-model-name", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8123  # loopback unless told otherwise
+    with LocalServer(seen["app"]) as running:
+        body = {"prompt": REPEATING, "max_tokens": 8, "temperature": 0}
+        assert httpx.post(f"{running.url}/v1/completions", json=body).json()["choices"][0]["text"] == plain_text(
+            cli_target, cli_target.encode(REPEATING), 8
+        )
+    for args in (["--policy", "sometimes"], ["--replicas", "2"], ["--gamma", "0"], ["--mode", "fast"]):
+        result = CliRunner().invoke(cli.app, ["serve", *args])
+        assert result.exit_code != 0 and "error:" in result.output and "Traceback" not in result.output
+
+
+def test_bench_serve_writes_a_report_and_plots(cli_target, tmp_path):
+    from typer.testing import CliRunner
+
+    import specdecode.cli as cli
+
+    args = ["bench-serve", "--clients", "1,2", "--duration", "0.5", "--warmup", "0", "--max-tokens", "8"]
+    result = CliRunner().invoke(cli.app, [*args, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "serve_results.json").read_text())
+    assert [(r["clients"], r["policy"]) for r in data["rows"]] == [
+        (c, p) for c in (1, 2) for p in ("always", "never", "auto")
+    ]
+    assert all(r["errors"] == 0 and r["tokens"] > 0 for r in data["rows"])
+    report = (tmp_path / "serve_report.md").read_text()
+    assert "| 2 | auto |" in report and "best fixed policy" in report
+    for name in ("serve_tokens_per_s.png", "serve_ttft.png", "serve_itl.png"):
+        assert (tmp_path / name).stat().st_size > 1000

