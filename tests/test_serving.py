@@ -72,7 +72,12 @@ def server(target):
         policy="always",
         max_body_bytes=100_000,
         served_model_name="tiny",
-        proposers={"boom": Boom, "late-boom": LateBoom, "slow": Slow},
+        proposers={
+            "boom": Boom,
+            "late-boom": LateBoom,
+            "slow": Slow,
+            "tree": lambda: sd.PromptLookupProposer(branches=3),
+        },
     )
     with LocalServer(create_app(config)) as running:
         yield running
@@ -187,6 +192,22 @@ def test_a_request_alone_and_in_a_batch_of_16_gives_the_same_greedy_text(http, t
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(ask, range(16)))
     assert got == expected
+
+
+def test_token_trees_in_a_batch_with_chains(http, target):
+    """A tree draft (prompt lookup with branches) is scored alone with its own positions and mask, next to
+    batched chains; every text stays plain decoding's."""
+    expected = [plain_text(target, target.encode(p), 20) for p in PROMPTS[:8]]
+
+    def ask(i: int) -> dict:
+        proposer = "tree" if i % 2 else "lookup"
+        body = body_for("completions", PROMPTS[i], max_tokens=20, temperature=0, speculative={"proposer": proposer})
+        return http.post("/v1/completions", json=body).json()
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert [g["choices"][0]["text"] for g in got] == expected
+    assert sum(g["usage"]["drafted_tokens"] for g in got[1::2]) > 0
 
 
 BAD = [

@@ -105,7 +105,7 @@ def replicate(proposer: Proposer) -> Callable[[], Proposer]:
     if isinstance(proposer, DraftModelProposer):
         return lambda: DraftModelProposer(proposer.model)
     if isinstance(proposer, PromptLookupProposer):
-        return lambda: PromptLookupProposer(proposer.max_ngram, proposer.min_ngram)
+        return lambda: PromptLookupProposer(proposer.max_ngram, proposer.min_ngram, proposer.branches)
     return lambda: proposer
 
 

@@ -4,7 +4,8 @@ All model work runs on one background thread. Requests arrive through a thread-s
 slot (a runner with its own KV cache, plus the request's proposer state), up to ``max_batch`` at once. Each
 step the thread (1) drops requests whose client went away and admits waiting ones (prefill), (2) asks the
 policy how many tokens each request drafts, (3) drafts them (``SpeculativeDecoder.draft``), (4) runs ONE
-target pass for all of them (``forward_batch``: every request's newest token plus its draft), and (5)
+target pass for all of them (``forward_batch``: every request's newest token plus its draft; a token tree,
+with positions and a mask of its own, runs alone), and (5)
 verifies, emits and handles stops per request (``SpeculativeDecoder.settle``). Requests join and leave
 between steps. Events (text deltas, the final output, an error) go back through each job's ``deliver``
 callback, which the HTTP side makes thread-safe (``loop.call_soon_threadsafe``).
@@ -193,6 +194,8 @@ class Scheduler:
                     if name not in job.slot.proposers:
                         job.slot.proposers[name] = self.proposers[name]()
                     job.proposer = job.slot.proposers[name]
+                # an EAGLE head drafts from the target's features: the runner keeps them for this request
+                job.slot.runner.capture_hidden = bool(getattr(job.proposer, "needs_target_hidden", False))
                 job.request.prefill(job.slot.runner)
             except Exception as exc:
                 self._fail(job, exc)
@@ -220,7 +223,7 @@ class Scheduler:
         if not rounds:
             return
         started = time.perf_counter()
-        logits = self._forward([job for job, _ in rounds], [pending.tokens for _, pending in rounds])
+        logits = self._forward(rounds)
         seconds = time.perf_counter() - started
         rows = sum(int(pending.tokens.shape[0]) for _, pending in rounds)
         if all(x is not None for x in logits):
@@ -235,20 +238,31 @@ class Scheduler:
             if job_logits is not None:
                 self._settle(job, pending, job_logits, started)
 
-    def _forward(self, jobs: list[Job], chunks: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """One batched pass; if it raises, each request alone, so that only the faulty one fails."""
+    def _forward(self, rounds: list[tuple[Job, Round]]) -> list[torch.Tensor | None]:
+        """The target's logits for every round: the chains in one batched pass, token trees (their own
+        positions and mask) one by one; if the batched pass raises, each request alone, so only the faulty
+        one fails (None)."""
+        out: list[torch.Tensor | None] = [None] * len(rounds)
+        chains = [i for i, (_, pending) in enumerate(rounds) if pending.positions is None]
+        alone = [i for i, (_, pending) in enumerate(rounds) if pending.positions is not None]
         try:
-            return forward_batch([job.slot.runner for job in jobs], chunks)
+            runners = [rounds[i][0].slot.runner for i in chains]
+            for i, logits in zip(chains, forward_batch(runners, [rounds[i][1].tokens for i in chains]), strict=True):
+                out[i] = logits
         except Exception:
             log.exception("batched pass failed; retrying each request alone")
-        out: list[torch.Tensor | None] = []
-        for job, chunk in zip(jobs, chunks, strict=True):
+            alone = list(range(len(rounds)))
+        for i in alone:
+            job, pending = rounds[i]
+            runner = job.slot.runner
             try:
-                job.slot.runner.rollback_to(len(job.request.context) - 1)
-                out.append(job.slot.runner.forward(chunk))
+                runner.rollback_to(len(job.request.context) - 1)
+                if pending.positions is None:
+                    out[i] = runner.forward(pending.tokens)
+                else:
+                    out[i] = runner.forward(pending.tokens, positions=pending.positions, attn_mask=pending.attn_mask)
             except Exception as exc:
                 self._fail(job, exc)
-                out.append(None)
         return out
 
     def _settle(self, job: Job, pending: Round, logits: torch.Tensor, started: float) -> None:
