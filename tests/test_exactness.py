@@ -96,3 +96,17 @@ def test_check_exact_command_json(small_target, small_draft, monkeypatch, tmp_pa
     assert report["passed"] and len(report["tests"]) == 2 and report["mode"] == "exact"
     bad = CliRunner().invoke(cli.app, [*args, "--samples", "0"])
     assert bad.exit_code != 0
+
+
+def test_check_exact_command_with_lookup_trees(small_target, monkeypatch, tmp_path):
+    monkeypatch.setattr(commands, "load", lambda name, *settings: small_target)
+    prompts = tmp_path / "q.jsonl"
+    branching = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]  # [1, 2] was followed by 3, 4 and 5: a three-branch tree
+    prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": [branching]}) + "\n")
+    args = ["check-exact", "--target", "tiny", "--proposer", "lookup", "--prompts", str(prompts), "--gamma", "2"]
+    result = CliRunner().invoke(cli.app, [*args, "--tree-width", "3", "--samples", "200", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["tree_width"] == 3 and report["drafted"] >= 3 * 200
+    bad = CliRunner().invoke(cli.app, [*args, "--proposer", "draft", "--draft", "tiny", "--tree-width", "2"])
+    assert bad.exit_code != 0 and "tree-width" in bad.output

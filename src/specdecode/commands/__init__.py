@@ -102,13 +102,24 @@ def load(name: str, dtype: str, quantization: str = "auto", group_size: int = 32
 
 
 def build_proposer(
-    kind: str, target, draft: str | None, dtype: str = "float32", quantization: str = "auto", group_size: int = 32
+    kind: str,
+    target,
+    draft: str | None,
+    dtype: str = "float32",
+    quantization: str = "auto",
+    group_size: int = 32,
+    tree_width: int = 1,
 ):
-    """A proposer from CLI words: ``lookup``, or ``draft`` with a path or ``self:N``."""
+    """A proposer from CLI words: ``lookup``, or ``draft`` with a path or ``self:N``; ``tree_width`` > 1: lookup
+    offers that many distinct matches as a token tree."""
     from specdecode.proposers import DraftModelProposer, LayerSkipProposer, PromptLookupProposer
 
+    if tree_width < 1:
+        raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
+    if tree_width > 1 and kind != "lookup":
+        raise ValueError(f"--tree-width applies to the lookup proposer, not {kind}")
     if kind == "lookup":
-        return PromptLookupProposer()
+        return PromptLookupProposer(branches=tree_width)
     if kind != "draft":
         raise ValueError(f"unknown proposer {kind!r}: use draft, lookup or none")
     if draft is None:

@@ -34,7 +34,10 @@ def check_exact(
     proposer: Annotated[
         str | None, typer.Option(help="draft (needs --draft) or lookup; default: draft if --draft is given.")
     ] = None,
-    gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round.")] = 4,
+    gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")] = 4,
+    tree_width: Annotated[
+        int, typer.Option(min=1, help="lookup: offer up to this many distinct matches as a token tree (1 = chain).")
+    ] = 1,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most probable tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus mass in (0, 1] (1 = off).")] = 1.0,
@@ -68,7 +71,7 @@ def check_exact(
     quiet_transformers()
     with err.status(f"loading {target}…"):
         target_model = load(target, dtype, quantization, group_size)
-        chosen = build_proposer(kind, target_model, draft, dtype, quantization, group_size)
+        chosen = build_proposer(kind, target_model, draft, dtype, quantization, group_size, tree_width=tree_width)
     prompt_ids = [
         text if isinstance(text, list) else target_model.encode(text) if raw else target_model.chat_prompt(text)
         for text in texts
@@ -90,7 +93,8 @@ def check_exact(
             on_sample=lambda: progress.advance(task),
         )
     if as_json:
-        print(json.dumps({"target": target, "proposer": draft or kind, "mode": mode.value, **report.to_dict()}))
+        settings = {"target": target, "proposer": draft or kind, "tree_width": tree_width, "mode": mode.value}
+        print(json.dumps({**settings, **report.to_dict()}))
     else:
         _print_report(report, texts, Console())
     if not report.passed:
