@@ -194,6 +194,25 @@ def test_a_request_alone_and_in_a_batch_of_16_gives_the_same_greedy_text(http, t
     assert got == expected
 
 
+def test_the_transformers_runner_serves_the_same_texts_in_a_batch(target):
+    """Runners without a batched pass (transformers') take one forward per request: same texts."""
+    hf = sd.load_model(target.model, tokenizer=target.tokenizer, backend="transformers")
+    expected = [plain_text(hf, hf.encode(p), 12) for p in PROMPTS[:6]]
+    with LocalServer(create_app(ServerConfig(target=hf, gamma=3, policy="always"))) as running:
+        bodies = [body_for("completions", p, max_tokens=12, temperature=0) for p in PROMPTS[:6]]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda b: httpx.post(f"{running.url}/v1/completions", json=b, timeout=60), bodies))
+    assert [g.json()["choices"][0]["text"] for g in got] == expected
+
+
+def test_a_prompt_given_as_token_ids_is_the_same_prompt(http, target):
+    as_text = http.post("/v1/completions", json={"prompt": REPEATING, "max_tokens": 8, "temperature": 0}).json()
+    ids = target.encode(REPEATING)
+    for prompt in (ids, [ids]):
+        as_ids = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+        assert as_ids["choices"][0]["text"] == as_text["choices"][0]["text"]
+
+
 def test_token_trees_in_a_batch_with_chains(http, target):
     """A tree draft (prompt lookup with branches) is scored alone with its own positions and mask, next to
     batched chains; every text stays plain decoding's."""
