@@ -104,6 +104,7 @@ class Scheduler:
         max_batch: int = 16,
         max_gamma: int = 8,
         metrics: ServerMetrics | None = None,
+        prefill_budget: int = 512,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -113,6 +114,7 @@ class Scheduler:
         self.policy = policy
         self.max_batch = max_batch
         self.max_gamma = max_gamma
+        self.prefill_budget = prefill_budget
         self.metrics = metrics or ServerMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Job] = deque()
@@ -184,8 +186,13 @@ class Scheduler:
             self._release(job)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.max_batch:
+        """Prefill waiting requests into free slots, up to ``prefill_budget`` prompt tokens per step (at least
+        one request): a burst of arrivals then stalls the running requests a little, several times, rather
+        than once for every prompt."""
+        budget = self.prefill_budget
+        while self._waiting and len(self._active) < self.max_batch and budget > 0:
             job = self._waiting.popleft()
+            budget -= len(job.request.prompt_ids)
             job.slot = self._free.pop() if self._free else Slot(self.target.new_runner())
             self._active.append(job)
             try:
