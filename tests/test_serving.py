@@ -18,6 +18,7 @@ from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
 
 import specdecode as sd
 from specdecode.bench.serve_load import run_load, scrape
+from specdecode.engine import Request
 from specdecode.proposers.base import EMPTY_DRAFT
 from specdecode.serving import ServerConfig, create_app
 from specdecode.serving.local import LocalServer
@@ -49,6 +50,23 @@ class LateBoom:
         return EMPTY_DRAFT
 
 
+class FeatureCheck:
+    """Needs the target's features (as an EAGLE head): checks it is given one row per verified position."""
+
+    needs_target_hidden = True
+
+    def __init__(self):
+        self.rows = 0
+
+    def observe_target(self, hidden):
+        self.rows = sum(int(h.shape[0]) for h in hidden)
+
+    def propose(self, context, k, params, generator):
+        if self.rows != len(context) - 1:
+            raise AssertionError(f"{self.rows} feature rows for a context of {len(context)} tokens")
+        return sd.PromptLookupProposer().propose(context, k, params, generator)
+
+
 class Slow:
     """Drafts nothing, slowly: keeps a request running long enough to disconnect from it."""
 
@@ -77,6 +95,7 @@ def server(target):
             "late-boom": LateBoom,
             "slow": Slow,
             "tree": lambda: sd.PromptLookupProposer(branches=3),
+            "features": FeatureCheck,
         },
     )
     with LocalServer(create_app(config)) as running:
@@ -227,6 +246,21 @@ def test_token_trees_in_a_batch_with_chains(http, target):
         got = list(pool.map(ask, range(8)))
     assert [g["choices"][0]["text"] for g in got] == expected
     assert sum(g["usage"]["drafted_tokens"] for g in got[1::2]) > 0
+
+
+@pytest.mark.skipif(not hasattr(Request, "keep_hidden"), reason="the engine keeps no target features yet (EAGLE)")
+def test_a_proposer_that_needs_the_targets_features_gets_one_row_per_position_in_a_batch(http, target):
+    expected = [plain_text(target, target.encode(p), 20) for p in PROMPTS[:6]]
+
+    def ask(i: int) -> dict:
+        proposer = "features" if i % 2 else "lookup"
+        body = body_for("completions", PROMPTS[i], max_tokens=20, temperature=0, speculative={"proposer": proposer})
+        return http.post("/v1/completions", json=body)
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(ask, range(6)))
+    assert [g.status_code for g in got] == [200] * 6, [g.text for g in got]
+    assert [g.json()["choices"][0]["text"] for g in got] == expected
 
 
 BAD = [
