@@ -107,6 +107,8 @@ class Request:
         self.on_text = on_text
         self.controller: AdaptiveGamma | None = None
         self.started = time.perf_counter()
+        # The target's verified features, in position order (rows of passes over a capture_hidden runner).
+        self.target_hidden: list[torch.Tensor] = []
 
     def prefill(self, runner) -> None:
         """Fill the cache with every prompt token but the last, which leads the first round."""
@@ -114,7 +116,13 @@ class Request:
         runner.reset()
         if len(self.context) > 1:
             runner.prefill(torch.tensor(self.context[:-1], dtype=torch.int64))
+            self.keep_hidden(runner, slice(None))
         self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def keep_hidden(self, runner, rows: slice | list[int]) -> None:
+        """Record the features of the last pass's ``rows`` (verified tokens) if the runner captures them."""
+        if getattr(runner, "capture_hidden", False):
+            self.target_hidden.append(runner.hidden[rows])
 
     def emit(self, tokens: list[int]) -> int:
         """Append tokens up to the first stop condition; stream new text; return how many were kept."""
@@ -186,7 +194,9 @@ class SpeculativeDecoder:
     @functools.cached_property
     def _runner(self) -> ModelRunner:
         """The target's runner for generate/stream, allocated on first use (the server brings its own)."""
-        return self.target.new_runner()
+        runner = self.target.new_runner()
+        runner.capture_hidden = getattr(self.proposer, "needs_target_hidden", False)  # an EAGLE head reads them
+        return runner
 
     def generate(
         self,
@@ -235,6 +245,8 @@ class SpeculativeDecoder:
         tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask."""
         t0 = time.perf_counter()
         context, params = request.context, request.params
+        if getattr(proposer, "needs_target_hidden", False):  # an EAGLE head: the features verified so far
+            proposer.observe_target(request.target_hidden)
         if proposer is None:
             draft = EMPTY_DRAFT
         elif self.mode == "reproducible" and isinstance(proposer, CoupledProposer):
@@ -279,6 +291,7 @@ class SpeculativeDecoder:
         if controller is not None:
             controller.observe(n_drafted, n_accepted)
             self.costs.observe(n_drafted + 1, t2 - started, n_drafted, pending.draft_seconds)
+        request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         request.emit(draft.tokens[:n_accepted].tolist() + [token])
         runner.rollback_to(len(context) - 1)
 
@@ -308,6 +321,7 @@ class SpeculativeDecoder:
             controller.observe(len(accepted) + rejected, len(accepted))
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), pending.draft_seconds)
         start = len(context)  # node i sits at slot start + i
+        request.keep_hidden(runner, [0] + [node + 1 for node in accepted])
         request.emit(draft.tokens[accepted].tolist() + [token])
         runner.retain(start, [start + node for node in accepted])
 
