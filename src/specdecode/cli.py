@@ -13,6 +13,7 @@ from .commands.generate import generate
 from .commands.plan import plan
 from .commands.quality import quality
 from .commands.serve import serve
+from .commands.train_head import train_head
 
 app = typer.Typer(
     help="Speculative decoding that makes generation faster without changing its output.",
@@ -29,6 +30,7 @@ for _name, _command in (
     ("quality", quality),
     ("serve", serve),
     ("bench-serve", bench_serve),
+    ("train-head", train_head),
 ):
     app.command(_name)(friendly(_command))
 

@@ -1,0 +1,455 @@
+"""Training an EAGLE head on a frozen target: teacher forcing over chats, distillation of the target's outputs.
+
+For each training sequence the frozen target gives its features f_t (last layer, before the final norm); the
+head, unrolled ``passes`` guesses deep as it drafts (``model.unrolled``), learns
+``feature_weight · smoothL1(f̂_{t+1}, f_{t+1}) + ce_weight · CE(target's next-token law, head's)``, both laws
+over the head's drafting vocabulary, pass j weighted ``pass_decay**j``. The targets are the target model's
+outputs, not the dataset's text.
+
+Features are computed once per sequence and cached (bfloat16 shards in ``out/features``); a checkpoint
+(``out/checkpoint.pt``) is written every ``checkpoint_every`` steps and at each epoch's end, so a run can be
+resumed. One thread, a seed, the same batches and the cached features make a run reproducible: a resumed run
+ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..models.loader import LoadedModel, resolve_dtype
+from .data import DataStats, Sample, iter_samples, spec_bench_questions
+from .model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
+from .saved import save_head
+
+EVAL_DEPTHS = 5
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a training run does; recorded in the checkpoint and the saved head's config."""
+
+    data: str = "sharegpt"
+    limit: int | None = None  # training samples (after the held-out ones); None = all
+    held_out: int = 32  # the first samples of the data, never trained on: the accuracy figures (at least 1)
+    max_length: int = 1024  # tokens per sample (longer ones are cut)
+    epochs: int = 1
+    batch_tokens: int = 2048  # samples are packed into batches of at most this many tokens
+    passes: int = 2  # guesses deep the head is unrolled in training
+    pass_decay: float = 0.8
+    feature_weight: float = 1.0
+    ce_weight: float = 0.1
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    draft_vocab: int = 0  # most frequent training tokens the head learns to draft; 0 = the whole vocabulary
+    init_from_target: bool = True  # start the decoder layer from the target's last layer
+    extract_dtype: str = "bfloat16"  # the target's dtype while computing features
+    compute_dtype: str = "bfloat16"  # the head's matrix products in training (autocast; weights stay float32)
+    checkpoint_every: int = 100
+    seed: int = 0
+    spec_bench: str | None = None  # Spec-Bench question.jsonl to exclude (default: the project's copy if present)
+
+    def __post_init__(self) -> None:
+        positive = ("held_out", "max_length", "epochs", "batch_tokens", "passes", "checkpoint_every")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+            raise ValueError(f"limit must be a positive integer or None, got {self.limit!r}")
+        if self.max_length > self.batch_tokens:
+            raise ValueError(f"max_length ({self.max_length}) must not exceed batch_tokens ({self.batch_tokens})")
+        if self.max_length < 4:
+            raise ValueError(f"max_length must be at least 4, got {self.max_length}")
+        if not (self.lr > 0 and self.grad_clip > 0 and 0 < self.pass_decay <= 1):
+            raise ValueError("lr and grad_clip must be > 0 and pass_decay in (0, 1]")
+        if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
+            raise ValueError("feature_weight and ce_weight must be >= 0, not both 0")
+        if self.draft_vocab < 0 or self.warmup_steps < 0:
+            raise ValueError("draft_vocab and warmup_steps must be >= 0")
+        resolve_dtype(self.extract_dtype)
+        resolve_dtype(self.compute_dtype)
+
+
+@dataclass
+class Progress:
+    """Where a run stands, passed to ``on_step`` after every step (and after any checkpoint it wrote)."""
+
+    step: int
+    total_steps: int
+    epoch: int
+    tokens: int  # training tokens processed so far (all epochs)
+    loss: float
+    accuracy: float  # this step's depth-1 top-1 agreement with the target (drafting vocabulary)
+    elapsed: float  # seconds, including earlier runs of a resumed training
+    checkpointed: bool
+
+
+@dataclass
+class TrainResult:
+    folder: Path
+    steps: int
+    tokens: int
+    samples: int
+    elapsed: float
+    accuracy: list[float]  # held-out top-1 agreement with the target at depths 1..EVAL_DEPTHS
+    coverage: float  # held-out share of the target's argmax tokens inside the drafting vocabulary
+    by_vocab: dict[int, dict[str, Any]] = field(default_factory=dict)  # the same, drafting from the top N ids
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def tokenize(target: LoadedModel, sample: Sample, max_length: int) -> list[int]:
+    """Token ids of a chat (the target's chat template, or the turns' text joined by newlines without one) or a
+    text, cut to ``max_length``."""
+    tokenizer = target.tokenizer
+    if isinstance(sample, str):
+        ids = tokenizer(sample, add_special_tokens=True)["input_ids"]
+    elif getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(sample, tokenize=True)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+    else:
+        ids = tokenizer("\n".join(m["content"] for m in sample), add_special_tokens=True)["input_ids"]
+    return [int(t) for t in ids[:max_length]]
+
+
+def read_samples(target: LoadedModel, settings: TrainSettings) -> tuple[list[list[int]], list[list[int]], DataStats]:
+    """(held-out sequences, training sequences, reader stats): the first ``held_out`` usable samples are held out,
+    the next ``limit`` train. Sequences shorter than 4 tokens are skipped."""
+    if target.tokenizer is None:
+        raise ValueError("training a head needs the target's tokenizer")
+    stats = DataStats()
+    wanted = None if settings.limit is None else settings.held_out + settings.limit
+    sequences: list[list[int]] = []
+    for sample in iter_samples(settings.data, spec_bench_questions(settings.spec_bench), stats):
+        ids = tokenize(target, sample, settings.max_length)
+        if len(ids) >= 4:
+            sequences.append(ids)
+        if wanted is not None and len(sequences) >= wanted:
+            break
+    if len(sequences) <= settings.held_out:
+        raise ValueError(
+            f"{settings.data} gave {len(sequences)} usable samples: not enough for {settings.held_out} held out "
+            "plus training (lower --held-out or add data)"
+        )
+    return sequences[: settings.held_out], sequences[settings.held_out :], stats
+
+
+def choose_draft_vocab(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` (0: all) token ids most frequent in ``sequences``, most frequent first (ties by id)."""
+    counts = Counter(t for seq in sequences for t in seq)
+    ranked = sorted(range(vocab_size), key=lambda t: (-counts.get(t, 0), t))
+    return torch.tensor(ranked[: size or vocab_size], dtype=torch.int64)
+
+
+def rank_by_target(draft_vocab: torch.Tensor, target_counts: torch.Tensor) -> torch.Tensor:
+    """``draft_vocab`` reordered by how often each id was the target's argmax in training (ties: kept order), so
+    that its first N ids are the best drafting vocabulary of size N."""
+    order = torch.sort(-target_counts[draft_vocab], stable=True).indices
+    return draft_vocab[order]
+
+
+def pack(lengths: list[int], order: list[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive samples of ``order`` grouped into batches of at most ``batch_tokens`` tokens."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        if current and used + lengths[i] > batch_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += lengths[i]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def epoch_batches(lengths: list[int], settings: TrainSettings, epoch: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(settings.seed * 7919 + epoch)
+    return pack(lengths, torch.randperm(len(lengths), generator=generator).tolist(), settings.batch_tokens)
+
+
+class FeatureCache:
+    """The target's features per sequence (bfloat16), computed on first use and kept in shards on disk."""
+
+    def __init__(self, folder: Path, target: LoadedModel, dtype: torch.dtype) -> None:
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._target = target
+        self._dtype = dtype
+        self._extractor: torch.nn.Module | None = None
+        self._stored: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+        for shard in sorted(self.folder.glob("shard-*.safetensors")):
+            self._stored.update(load_file(str(shard)))
+
+    def get(self, key: str, ids: list[int]) -> torch.Tensor:
+        """Features [len(ids), H] in float32 (from their bfloat16 copy, so cached and fresh runs agree)."""
+        found = self._stored.get(key)
+        if found is None or found.shape[0] != len(ids):
+            found = self._extract(ids).to(torch.bfloat16).contiguous()
+            self._stored[key] = self._pending[key] = found
+        return found.float()
+
+    def flush(self) -> None:
+        """Write the features computed since the last flush as a new shard."""
+        if not self._pending:
+            return
+        index = len(list(self.folder.glob("shard-*.safetensors")))
+        final = self.folder / f"shard-{index:05d}.safetensors"
+        staging = final.with_suffix(".tmp")
+        save_file(self._pending, str(staging))
+        os.replace(staging, final)
+        self._pending = {}
+
+    @torch.inference_mode()
+    def _extract(self, ids: list[int]) -> torch.Tensor:
+        model = self._model()
+        captured: list[torch.Tensor] = []
+        hook = model.get_decoder().norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+        try:
+            model.get_decoder()(input_ids=torch.tensor([ids]), use_cache=False)
+        finally:
+            hook.remove()
+        return captured[0][0].float()
+
+    def _model(self) -> torch.nn.Module:
+        if self._extractor is None:
+            model = self._target.model
+            dtype = next(model.parameters()).dtype
+            self._extractor = model if dtype == self._dtype else copy.deepcopy(model).to(self._dtype)
+        return self._extractor
+
+
+def batch_tensors(
+    cache: FeatureCache, prefix: str, sequences: list[list[int]], indices: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed (features [T, H], tokens [T], positions [T]) of the sequences ``indices``."""
+    features = torch.cat([cache.get(f"{prefix}{i}", sequences[i]) for i in indices])
+    tokens = torch.tensor([t for i in indices for t in sequences[i]], dtype=torch.int64)
+    positions = torch.cat([torch.arange(len(sequences[i])) for i in indices])
+    return features, tokens, positions
+
+
+def head_loss(
+    head: EagleHead, parts: TargetParts, batch: tuple[torch.Tensor, ...], settings: TrainSettings, scale: float
+) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """(training loss, depth-1 top-1 agreement with the target over the drafting vocabulary, the target's argmax
+    ids at the rows trained on). The feature loss
+    compares features divided by ``scale``, their typical per-dimension size, so that it weighs the same
+    whatever the target's feature magnitudes."""
+    features, tokens, positions = batch
+    next_features = torch.cat([features[1:], features[:1]])
+    with torch.no_grad():
+        target_log_probs = F.log_softmax(parts.logits(next_features), dim=-1)
+    loss = features.new_zeros(())
+    accuracy = 0.0
+    target_ids = torch.zeros(0, dtype=torch.int64)
+    for j, (predicted, valid) in enumerate(unrolled(head, parts, features, tokens, positions, settings.passes)):
+        rows = valid.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        feature_loss = F.smooth_l1_loss(predicted[rows] / scale, next_features[rows] / scale)
+        log_probs = F.log_softmax(parts.logits(predicted[rows]), dim=-1)
+        teacher = target_log_probs[rows]
+        ce = -(teacher.exp() * log_probs).sum(-1).mean()
+        loss = loss + settings.pass_decay**j * (settings.feature_weight * feature_loss + settings.ce_weight * ce)
+        if j == 0:
+            accuracy = float((log_probs.argmax(-1) == teacher.argmax(-1)).float().mean())
+            target_ids = parts.to_vocab(teacher.argmax(-1))
+    return loss, accuracy, target_ids
+
+
+@torch.no_grad()
+def held_out_accuracy(
+    head: EagleHead,
+    parts: TargetParts,
+    full_rows: torch.Tensor,
+    cache: FeatureCache,
+    sequences: list[list[int]],
+    sizes: list[int],
+) -> dict[int, dict[str, Any]]:
+    """Per drafting vocabulary size N (the first N ids of ``parts.draft_vocab``): top-1 agreement with the
+    target at depths 1..EVAL_DEPTHS, and the share of the target's tokens among those N ids. At depth d the
+    head has read true features up to t-d+1 and its own guesses' features after, with the text's tokens; the
+    reference is the target's argmax over its whole vocabulary."""
+    hits = {n: [0] * EVAL_DEPTHS for n in sizes}
+    inside = dict.fromkeys(sizes, 0)
+    counts = [0] * EVAL_DEPTHS
+    rank = torch.full((full_rows.shape[0],), full_rows.shape[0], dtype=torch.int64)
+    rank[parts.draft_vocab] = torch.arange(parts.draft_vocab.numel())
+    for i in range(len(sequences)):
+        features, tokens, positions = batch_tensors(cache, "h", sequences, [i])
+        normed = F.rms_norm(features, (parts.hidden_size,), parts.norm_weight, parts.eps)
+        # row t guesses the token after t+1: the target's argmax at row t+1
+        target_next = (normed @ full_rows.T).argmax(-1).roll(-1)
+        for j, (predicted, valid) in enumerate(unrolled(head, parts, features, tokens, positions, EVAL_DEPTHS)):
+            logits = parts.logits(predicted[valid])
+            wanted = target_next[valid]
+            counts[j] += int(valid.sum())
+            for n in sizes:
+                hits[n][j] += int((parts.to_vocab(logits[:, :n].argmax(-1)) == wanted).sum())
+                if j == 0:
+                    inside[n] += int((rank[wanted] < n).sum())
+    return {
+        n: {
+            "top1_by_depth": [round(h / max(c, 1), 4) for h, c in zip(hits[n], counts, strict=True)],
+            "coverage": round(inside[n] / max(counts[0], 1), 4),
+        }
+        for n in sizes
+    }
+
+
+def feature_scale(cache: FeatureCache, sequences: list[list[int]]) -> float:
+    """Root mean square of the target's features over ``sequences`` (their first position excluded: it often
+    carries a few outsized activations)."""
+    squares = [cache.get(f"h{i}", ids)[1:].square().mean() for i, ids in enumerate(sequences)]
+    return float(torch.stack(squares).mean().sqrt())
+
+
+def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, total - settings.warmup_steps)
+    return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_head(
+    target: LoadedModel,
+    settings: TrainSettings,
+    out: str | Path,
+    resume: bool = False,
+    on_step: Callable[[Progress], None] | None = None,
+    on_start: Callable[[int, int, DataStats], None] | None = None,
+) -> TrainResult:
+    """Train a head for ``target`` and save it in ``out`` (see the module docstring). ``on_start`` receives
+    (total steps, steps already done, reader stats) once the data is read."""
+    out = Path(out)
+    checkpoint_path = out / "checkpoint.pt"
+    state = None
+    if resume:
+        if not checkpoint_path.is_file():
+            raise FileNotFoundError(f"nothing to resume: {checkpoint_path} does not exist")
+        state = torch.load(checkpoint_path, weights_only=False)
+        if state["settings"] != asdict(settings):
+            changed = sorted(k for k, v in asdict(settings).items() if state["settings"].get(k) != v)
+            raise ValueError(f"--resume needs the settings of the interrupted run; these differ: {', '.join(changed)}")
+    elif checkpoint_path.exists():
+        raise ValueError(f"{out} holds a training checkpoint: pass --resume to continue it, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+
+    held_out, train, stats = read_samples(target, settings)
+    lengths = [len(s) for s in train]
+    draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
+    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    torch.manual_seed(settings.seed)
+    head = EagleHead(HeadShape.of(target.model))
+    if settings.init_from_target:
+        head.layer.load_target_layer(target.model.get_decoder().layers[-1])
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = [epoch_batches(lengths, settings, e) for e in range(settings.epochs)]
+    total_steps = sum(len(b) for b in schedule)
+    epoch, done_in_epoch, step, tokens, elapsed_before = 0, 0, 0, 0, 0.0
+    target_counts = torch.zeros(target.vocab_size, dtype=torch.int64)  # the target's argmax ids seen in training
+    if state is not None:
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch, done_in_epoch, step = state["epoch"], state["batch"], state["step"]
+        tokens, elapsed_before = state["tokens"], state["elapsed"]
+        target_counts = state["target_counts"]
+    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
+    scale = feature_scale(cache, held_out)
+    if on_start is not None:
+        on_start(total_steps, step, stats)
+    started = time.perf_counter()
+
+    def checkpoint(next_epoch: int, next_batch: int) -> None:
+        cache.flush()
+        staging = checkpoint_path.with_suffix(".tmp")
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": next_epoch,
+                "batch": next_batch,
+                "step": step,
+                "tokens": tokens,
+                "elapsed": elapsed_before + time.perf_counter() - started,
+                "settings": asdict(settings),
+                "target_counts": target_counts,
+            },
+            staging,
+        )
+        os.replace(staging, checkpoint_path)
+
+    head.train()
+    while epoch < settings.epochs:
+        batches = schedule[epoch]
+        for b in range(done_in_epoch, len(batches)):
+            batch = batch_tensors(cache, "t", train, batches[b])
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(settings, step, total_steps)
+            with torch.autocast(
+                "cpu", dtype=torch.bfloat16, enabled=resolve_dtype(settings.compute_dtype) == torch.bfloat16
+            ):
+                loss, accuracy, target_ids = head_loss(head, parts, batch, settings, scale)
+            target_counts += torch.bincount(target_ids, minlength=target.vocab_size)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)
+            optimizer.step()
+            step += 1
+            tokens += int(batch[1].shape[0])
+            last = b + 1 == len(batches)
+            save = last or step % settings.checkpoint_every == 0
+            if save:
+                checkpoint(epoch + 1 if last else epoch, 0 if last else b + 1)
+            if on_step is not None:
+                elapsed = elapsed_before + time.perf_counter() - started
+                on_step(Progress(step, total_steps, epoch, tokens, loss.item(), accuracy, elapsed, save))
+        epoch, done_in_epoch = epoch + 1, 0
+
+    head.eval()
+    draft_vocab = rank_by_target(draft_vocab, target_counts)
+    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    sizes = [draft_vocab.numel(), *(n for n in (32768, 16384, 8192) if n < draft_vocab.numel())]
+    by_vocab = held_out_accuracy(head, parts, lm_head_rows(target.model)[: target.vocab_size], cache, held_out, sizes)
+    accuracy, coverage = by_vocab[sizes[0]]["top1_by_depth"], by_vocab[sizes[0]]["coverage"]
+    cache.flush()
+    elapsed = elapsed_before + time.perf_counter() - started
+    data = {
+        "samples_read": stats.samples,
+        "spec_bench_excluded": stats.excluded,
+        "spec_bench_checked": stats.spec_bench_checked,
+        "train_samples": len(train),
+        "train_tokens_per_epoch": sum(lengths),
+        "held_out_samples": len(held_out),
+        "held_out_tokens": sum(len(s) for s in held_out),
+    }
+    training = {
+        "settings": asdict(settings),
+        "feature_scale": round(scale, 4),
+        "steps": step,
+        "tokens_seen": tokens,
+        "wall_seconds": round(elapsed, 1),
+        "held_out_top1_by_depth": accuracy,
+        "held_out_draft_vocab_coverage": coverage,
+        "held_out_by_draft_vocab": {str(n): v for n, v in by_vocab.items()},
+        "data": data,
+        "torch": torch.__version__,
+    }
+    save_head(out, head, draft_vocab, target, training)
+    return TrainResult(out, step, tokens, len(train), elapsed, accuracy, coverage, by_vocab, data)

