@@ -5,13 +5,21 @@ from .engine import GenerationOutput, SpeculativeDecoder, autoregressive_generat
 from .errors import ModelNotAvailable, SpecDecodeError, VocabularyMismatch
 from .models import LoadedModel, load_model
 from .params import SamplingParams
-from .proposers import Draft, DraftModelProposer, LayerSkipProposer, PromptLookupProposer, Proposer
+from .proposers import (
+    Draft,
+    DraftModelProposer,
+    EagleProposer,
+    LayerSkipProposer,
+    PromptLookupProposer,
+    Proposer,
+)
 from .stats import DecodeStats
 
 __all__ = [
     "DecodeStats",
     "Draft",
     "DraftModelProposer",
+    "EagleProposer",
     "GenerationOutput",
     "LayerSkipProposer",
     "LoadedModel",

@@ -2,7 +2,8 @@
 
 from .base import Draft, Proposer
 from .draft_model import DraftModelProposer
+from .eagle import EagleProposer
 from .layer_skip import LayerSkipProposer
 from .prompt_lookup import PromptLookupProposer
 
-__all__ = ["Draft", "DraftModelProposer", "LayerSkipProposer", "PromptLookupProposer", "Proposer"]
+__all__ = ["Draft", "DraftModelProposer", "EagleProposer", "LayerSkipProposer", "PromptLookupProposer", "Proposer"]

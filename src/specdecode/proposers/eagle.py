@@ -1,0 +1,258 @@
+"""EAGLE: a trained one-layer head drafts over the target's own features, as a chain or a dynamic token tree.
+
+The head (``heads.model``) needs the target's features (last layer, before the final norm) for every context
+token but the newest: the engine sets ``capture_hidden`` on its runner for a proposer with
+``needs_target_hidden`` and hands it the verified rows' features through ``observe_target``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..heads.model import TargetParts
+from ..heads.saved import load_head, shipped_head
+from ..keyed_noise import KeyedNoise
+from ..models.loader import LoadedModel, load_model
+from ..params import SamplingParams
+from ..sampling import probs_from_logits
+from .base import EMPTY_DRAFT, Draft, common_prefix_length
+
+# A node's children, given the head's logits over the drafting vocabulary [V_draft] and the children's depth:
+# (their indices in the drafting vocabulary, in sibling order [m]; the law they were drawn from over the whole
+# vocabulary [V], or None for deterministic candidates).
+Children = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the node list, -1 for a child of the root
+    depth: int
+    score: float  # log draft probability of the path; for sampled siblings capped by earlier siblings' scores
+    probs: torch.Tensor | None  # the distribution this node and its siblings were drawn from
+    feature: torch.Tensor | None = None  # the head's output at this node's row, once expanded
+
+
+class EagleProposer:
+    """Guesses from an EAGLE head: a chain (``tree_nodes=None``) or an EAGLE-2 dynamic tree.
+
+    ``draft_vocab=N`` drafts from the N ids the target most often predicted in training (the head's saved
+    ranking; default: all it was trained on): a cheaper read-out, at the cost of never guessing the rest.
+
+    Tree mode grows the tree level by level: the ``branching`` best-scored nodes of a level (score = log of
+    the path's draft probability) each get their ``branching`` most probable children (sampled without
+    replacement at temperature > 0), up to ``depth`` levels (default: the round's k); the best
+    ``tree_nodes`` nodes are kept (a node's ancestors and earlier siblings always score at least as high).
+
+    The head keeps a KV cache of its own: entry t is computed from the target's true feature f_t and token
+    t+1. Each ``propose`` keeps the entries whose inputs are unchanged, recomputes the rest from the target's
+    verified features, drafts past them, then drops the drafted entries.
+    """
+
+    needs_target_hidden = True
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        head: str | Path | None = None,
+        tree_nodes: int | None = 6,
+        depth: int | None = None,
+        branching: int = 3,
+        draft_vocab: int | None = None,
+    ) -> None:
+        if tree_nodes is not None and (isinstance(tree_nodes, bool) or tree_nodes < 1):
+            raise ValueError(f"tree_nodes must be a positive integer or None (a chain), got {tree_nodes!r}")
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be a positive integer or None (the round's k), got {depth!r}")
+        if branching < 1:
+            raise ValueError(f"branching must be a positive integer, got {branching!r}")
+        if draft_vocab is not None and draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be a positive integer or None (all the head's), got {draft_vocab!r}")
+        self.target = load_model(target)
+        folder = shipped_head(self.target) if head is None else Path(head)
+        self.head, ranked, self.config = load_head(folder, self.target)
+        self.parts = TargetParts(self.target.model, self.target.vocab_size, ranked[:draft_vocab])
+        self.tree_nodes = tree_nodes
+        self.depth = depth
+        self.branching = branching
+        shape = self.head.shape
+        self._index = torch.full((self.parts.vocab_size,), -1, dtype=torch.int64)  # token id -> drafting index
+        self._index[self.parts.draft_vocab] = torch.arange(self.parts.draft_vocab.numel())
+        self._empty = torch.zeros(shape.num_kv_heads, 0, shape.head_dim)
+        self._features = torch.zeros(0, shape.hidden_size)  # the target's f_t for positions 0..n-1
+        self._keys, self._values = self._empty, self._empty  # entry t: from (f_t, token t+1)
+        self._entry_tokens: list[int] = []  # token t+1 of each entry t
+        self._source: list[torch.Tensor] | None = None  # the request's feature chunks (observe_target)
+        self._seen = 0
+
+    def observe_target(self, hidden: list[torch.Tensor]) -> None:
+        """The request's verified target features so far: chunks [n_i, H] in position order, appended to as
+        the request goes on (a new list: a new request). Only the chunks not yet seen are read."""
+        if hidden is not self._source:
+            self._source, self._seen = hidden, 0
+            self._features = self._features[:0]
+            self._truncate_entries(0)
+        if len(hidden) > self._seen:
+            self._features = torch.cat([self._features, *(h.float() for h in hidden[self._seen :])])
+            self._seen = len(hidden)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if params.greedy:
+                return self._top(logits, self._width()), None
+            probs = probs_from_logits(logits, params)
+            width = min(self._width(), int((probs > 0).sum()))
+            # without replacement, in draw order (torch draws successively from the renormalised rest)
+            return torch.multinomial(probs, width, replacement=False, generator=generator), self._full(probs)
+
+        return self._draft(context, k, children)
+
+    def propose_coupled(self, context: list[int], k: int, params: SamplingParams, noise: KeyedNoise) -> Draft:
+        """First child: the token the target's keyed noise would pick from the head's logits at that position
+        (the guess plain sampling makes if the laws agree); further children: the most probable others."""
+        start = len(context)
+
+        def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            full = torch.full((self.parts.vocab_size,), float("-inf"))
+            full[self.parts.draft_vocab] = logits
+            first = self._index[noise.token(full, params, start + depth - 1)]
+            others = self._top(logits, self._width() + 1)
+            others = others[others != first][: self._width() - 1]
+            return torch.cat([first[None], others]), None
+
+        return self._draft(context, k, children)
+
+    def _width(self) -> int:
+        return 1 if self.tree_nodes is None else self.branching
+
+    @staticmethod
+    def _top(logits: torch.Tensor, n: int) -> torch.Tensor:
+        return logits.topk(min(n, logits.shape[0])).indices
+
+    def _full(self, probs: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(self.parts.vocab_size)
+        full[self.parts.draft_vocab] = probs
+        return full
+
+    def _truncate_entries(self, length: int) -> None:
+        """Keep the head's first ``length`` cache entries (drafted entries sit past the true ones)."""
+        self._entry_tokens = self._entry_tokens[:length]
+        self._keys, self._values = self._keys[:, :length], self._values[:, :length]
+
+    @torch.inference_mode()
+    def _draft(self, context: list[int], k: int, children: Children) -> Draft:
+        if k <= 0 or len(context) < 2:
+            return EMPTY_DRAFT
+        true_entries = len(context) - 1
+        if self._features.shape[0] < true_entries:
+            raise RuntimeError(
+                f"EagleProposer has the target's features for {self._features.shape[0]} of {true_entries} context "
+                "positions: run it through SpeculativeDecoder, which hands them over (observe_target)"
+            )
+        feature = self._sync(context)  # the head's guess of f at the newest token's position
+        depth = min(k, self.depth or k)
+        if self.tree_nodes is None:
+            return self._chain(feature, len(context) - 1, depth, children)
+        return self._tree(feature, len(context) - 1, depth, children)
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Bring the head's cache to one entry per context token but the newest; return the last entry's output
+        (the predicted feature of the newest token), recomputing at least that entry."""
+        true_entries = len(context) - 1
+        keep = min(common_prefix_length(self._entry_tokens, context[1:]), true_entries - 1)
+        self._truncate_entries(keep)
+        positions = torch.arange(keep, true_entries)
+        tokens = torch.tensor(context[keep + 1 :], dtype=torch.int64)
+        mask = torch.ones(len(positions), keep + len(positions), dtype=torch.bool).tril(keep)
+        out = self._run(self._features[keep:true_entries], tokens, positions, mask)
+        self._entry_tokens = list(context[1:])
+        return out[-1]
+
+    def _run(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Head rows appended to its cache (``mask`` [n, cached + n]); returns their predicted features."""
+        cos, sin = self.parts.rope(positions)
+        out, keys, values = self.head(features, self.parts.embed(tokens), cos, sin, mask, (self._keys, self._values))
+        self._keys, self._values = torch.cat([self._keys, keys], 1), torch.cat([self._values, values], 1)
+        return out
+
+    def _chain(self, feature: torch.Tensor, newest: int, depth: int, children: Children) -> Draft:
+        tokens, rows = [], []
+        for d in range(1, depth + 1):
+            picked, probs = children(self.parts.logits(feature[None])[0], d)
+            token = self.parts.to_vocab(picked[:1])
+            tokens.append(int(token))
+            rows.append(probs)
+            if d < depth:
+                mask = torch.ones(1, self._keys.shape[1] + 1, dtype=torch.bool)
+                feature = self._run(feature[None], token, torch.tensor([newest + d - 1]), mask)[0]
+        self._truncate_entries(newest)
+        return Draft(torch.tensor(tokens, dtype=torch.int64), None if rows[0] is None else torch.stack(rows))
+
+    def _tree(self, feature: torch.Tensor, newest: int, depth: int, children: Children) -> Draft:
+        nodes: list[_Node] = []
+        slot_of: dict[int, int] = {}  # node index -> its row's slot in the head's cache
+        level = self._add_children(nodes, -1, 0.0, self.parts.logits(feature[None])[0], 1, children)
+        for d in range(2, depth + 1):
+            expand = heapq.nlargest(self.branching, level, key=lambda i: (nodes[i].score, -i))
+            if not expand:
+                break
+            expand.sort()
+            cached = self._keys.shape[1]
+            mask = torch.zeros(len(expand), cached + len(expand), dtype=torch.bool)
+            mask[:, :newest] = True
+            for row, i in enumerate(expand):
+                ancestor = i
+                while ancestor >= 0:
+                    if ancestor in slot_of:
+                        mask[row, slot_of[ancestor]] = True
+                    ancestor = nodes[ancestor].parent
+                mask[row, cached + row] = True
+            parent_features = torch.stack([self._node_feature(i, feature, nodes) for i in expand])
+            tokens = torch.tensor([nodes[i].token for i in expand], dtype=torch.int64)
+            outputs = self._run(parent_features, tokens, torch.full((len(expand),), newest + d - 2), mask)
+            logits = self.parts.logits(outputs)  # one pass over the LM head's rows for the whole level
+            level = []
+            for row, i in enumerate(expand):
+                slot_of[i] = cached + row
+                nodes[i].feature = outputs[row]
+                level += self._add_children(nodes, i, nodes[i].score, logits[row], d, children)
+        self._truncate_entries(newest)
+        return self._select(nodes)
+
+    @staticmethod
+    def _node_feature(i: int, root_feature: torch.Tensor, nodes: list[_Node]) -> torch.Tensor:
+        """The predicted feature a node's row reads: its parent's row output (the root's for depth 1)."""
+        parent = nodes[i].parent
+        return root_feature if parent < 0 else nodes[parent].feature
+
+    def _add_children(
+        self, nodes: list[_Node], parent: int, score: float, logits: torch.Tensor, depth: int, children: Children
+    ) -> list[int]:
+        """Append a node's children (score: the path's log draft probability, capped by earlier siblings')."""
+        picked, probs = children(logits, depth)
+        log_q = torch.log_softmax(logits, -1)[picked].tolist()
+        tokens = self.parts.to_vocab(picked).tolist()
+        added = []
+        cap = score
+        for token, lq in zip(tokens, log_q, strict=True):
+            cap = min(cap, score + lq)
+            nodes.append(_Node(token, parent, depth, cap, probs))
+            added.append(len(nodes) - 1)
+        return added
+
+    def _select(self, nodes: list[_Node]) -> Draft:
+        """The best ``tree_nodes`` nodes, in creation order (parents first, siblings in draw order)."""
+        best = heapq.nlargest(self.tree_nodes, range(len(nodes)), key=lambda i: (nodes[i].score, -i))
+        kept = sorted(best)
+        renumber = {old: new for new, old in enumerate(kept)}
+        parents = torch.tensor([renumber[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in kept])
+        tokens = torch.tensor([nodes[i].token for i in kept], dtype=torch.int64)
+        probs = None if nodes[0].probs is None else torch.stack([nodes[i].probs for i in kept])
+        return Draft(tokens, probs, parents.to(torch.int64))

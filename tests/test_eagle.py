@@ -1,0 +1,149 @@
+"""EagleProposer: drafts through the engine with plain decoding's output (chain and tree), its cache resync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+
+import specdecode as sd
+from specdecode.heads.train import TrainSettings, train_head
+from specdecode.proposers.eagle import EagleProposer
+
+WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
+GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
+PROMPTS = [[3, 17, 5, 9], [1], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory) -> Path:
+    """A head trained briefly for ``large_target`` (same weights: tiny_llama(64, seed=10)) on its own samples."""
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
+    corpus = tmp_path_factory.mktemp("eagle-corpus")
+    generator = torch.Generator().manual_seed(3)
+    for i in range(16):
+        prompt = torch.randint(0, LARGE_VOCAB, (3,), generator=generator).tolist()
+        out = sd.autoregressive_generate(target, prompt, sd.SamplingParams(temperature=0.7, max_new_tokens=45, seed=i))
+        (corpus / f"{i}.txt").write_text(" ".join(WORDS[t] for t in prompt + out.token_ids))
+    settings = TrainSettings(
+        data=str(corpus), held_out=2, max_length=48, batch_tokens=96, epochs=4, lr=3e-3, warmup_steps=2,
+        draft_vocab=56, extract_dtype="float32",
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("eagle-head") / "head"
+    train_head(target, settings, folder)
+    return folder
+
+
+@pytest.mark.parametrize("tree_nodes", [None, 1, 4, 9])
+def test_greedy_output_equals_plain_decoding(large_target, head_dir, tree_nodes):
+    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, branching=3)
+    decoder = sd.SpeculativeDecoder(large_target, proposer, gamma=4)
+    accepted = 0
+    for prompt in PROMPTS:
+        out = decoder.generate(prompt, GREEDY)
+        assert out.token_ids == sd.autoregressive_generate(large_target, prompt, GREEDY).token_ids
+        accepted += out.stats.accepted
+    assert accepted > 0  # the head learned something: guesses are accepted
+
+
+def test_reproducible_sampling_equals_plain_sampling(large_target, head_dir):
+    params = sd.SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=30, seed=11)
+    plain = sd.autoregressive_generate(large_target, PROMPTS[0], params).token_ids
+    for tree_nodes in (None, 6):
+        proposer = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes)
+        decoder = sd.SpeculativeDecoder(large_target, proposer, gamma=3, mode="reproducible")
+        assert decoder.generate(PROMPTS[0], params).token_ids == plain
+
+
+def start(target: sd.LoadedModel, context: list[int]):
+    """A target runner holding ``context`` but its newest token, and the features it captured."""
+    runner = target.new_runner()
+    runner.capture_hidden = True
+    runner.prefill(torch.tensor(context[:-1]))
+    return runner, [runner.hidden]
+
+
+def test_tree_drafts_are_well_formed(large_target, head_dir):
+    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=7, branching=3)
+    context = PROMPTS[2]
+    _, features = start(large_target, context)
+    proposer.observe_target(features)
+    params = sd.SamplingParams(temperature=1.0, top_k=20)
+    generator = torch.Generator().manual_seed(0)
+    for k in (3, 1):
+        draft = proposer.propose(context, k, params, generator)
+        parents = draft.parents.tolist()
+        assert 1 <= len(draft) <= 7 and all(-1 <= p < i for i, p in enumerate(parents))
+        depth: list[int] = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        assert max(depth) <= k
+        for parent in set(parents):
+            siblings = [i for i, p in enumerate(parents) if p == parent]
+            tokens = draft.tokens[siblings].tolist()
+            assert len(set(tokens)) == len(tokens)  # drawn without replacement
+            q = draft.probs[siblings[0]]
+            assert all(torch.equal(draft.probs[i], q) for i in siblings)
+            assert abs(float(q.sum()) - 1) < 1e-5 and bool((q[tokens] > 0).all())
+            assert int((q > 0).sum()) <= 20  # the request's top-k warp
+
+
+def first_path(draft: sd.Draft) -> list[int]:
+    """Nodes of a root path (each node's first child), or the whole chain."""
+    if draft.parents is None:
+        return list(range(len(draft)))
+    path = [0]
+    while path[-1] in draft.parents.tolist():
+        path.append(draft.parents.tolist().index(path[-1]))
+    return path
+
+
+@pytest.mark.parametrize("tree_nodes", [None, 5])
+def test_cache_resync_after_partial_acceptance_matches_a_fresh_proposer(large_target, head_dir, tree_nodes):
+    """Rounds that keep 0, 1 or 2 guesses (whatever the target says) then a target token: the long-lived
+    proposer's drafts equal those of a fresh proposer that recomputes its whole cache from the features."""
+    context = list(PROMPTS[0])
+    runner, features = start(large_target, context)
+    warm = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes)
+    sampled = sd.SamplingParams(temperature=1.0)
+    for round_ in range(9):
+        warm.observe_target(features)
+        draft = warm.propose(context, 4, GREEDY, torch.Generator())
+        fresh = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes)
+        fresh.observe_target(list(features))
+        assert torch.equal(fresh.propose(context, 4, GREEDY, torch.Generator()).tokens, draft.tokens)
+        a = warm.propose(context, 4, sampled, torch.Generator().manual_seed(round_))
+        b = fresh.propose(context, 4, sampled, torch.Generator().manual_seed(round_))
+        assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.probs, b.probs, atol=1e-5)
+        chain = draft.tokens[first_path(draft)]
+        logits = runner.forward(torch.cat([torch.tensor(context[-1:]), chain]))
+        n = min(round_ % 3, len(chain))
+        features.append(runner.hidden[: n + 1])
+        context += chain[:n].tolist() + [int(logits[n].argmax())]
+        runner.rollback_to(len(context) - 1)
+
+
+def test_needs_the_target_features_and_a_head(large_target, head_dir):
+    proposer = EagleProposer(large_target, head=head_dir)
+    with pytest.raises(RuntimeError, match="SpeculativeDecoder"):
+        proposer.propose([1, 2, 3], 2, GREEDY, torch.Generator())
+    assert len(proposer.propose([1], 2, GREEDY, torch.Generator())) == 0  # nothing to draft from yet
+    with pytest.raises(ValueError, match="no EAGLE head is shipped"):
+        EagleProposer(large_target)
+    with pytest.raises(ValueError, match="tree_nodes"):
+        EagleProposer(large_target, head=head_dir, tree_nodes=0)
+
+
+@pytest.mark.slow
+def test_shipped_head_drafts_for_smollm2_with_plain_output():
+    target = sd.load_model("smollm2")
+    params = sd.SamplingParams(max_new_tokens=48)
+    for tree_nodes in (None, 6):
+        decoder = sd.SpeculativeDecoder(target, sd.EagleProposer(target, tree_nodes=tree_nodes), gamma=4)
+        for question in ("What is the capital of France?", "Write a haiku about autumn leaves."):
+            prompt = target.chat_prompt(question)
+            out = decoder.generate(prompt, params)
+            assert out.token_ids == sd.autoregressive_generate(target, prompt, params).token_ids
+            assert out.stats.acceptance_rate > 0.2
