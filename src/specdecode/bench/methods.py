@@ -14,13 +14,13 @@ import torch
 from ..engine import SpeculativeDecoder, autoregressive_generate
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
-from ..proposers import DraftModelProposer, LayerSkipProposer, PromptLookupProposer, Proposer
+from ..proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, PromptLookupProposer, Proposer
 from ..stats import DecodeStats
 
 PLAIN = "ours:plain"
 HF_PLAIN = "hf:plain"
 HF_PROMPT_LOOKUP_TOKENS = 10
-PROPOSERS = ("lookup", "draft")
+PROPOSERS = ("lookup", "draft", "eagle")
 
 
 @dataclass(frozen=True)
@@ -196,10 +196,14 @@ def build_methods(
     dtype: str | torch.dtype = torch.float32,
     modes: Sequence[str] = ("exact",),
     setting: str | None = None,
+    head: str | None = None,
+    tree_nodes: Sequence[int] = (),
 ) -> list[Method]:
     """Ours plain; ours speculative for each proposer × gamma; transformers plain / prompt lookup / assisted.
 
     The ``draft`` proposer and transformers' assisted generation need ``draft``; without it they are left out.
+    ``eagle`` uses ``head`` (default: the head shipped for the target), one method per ``tree_nodes`` entry
+    (0 = a chain; none given: the proposer's default tree), named ``eagle``, ``eagle-chain``, ``eagle-t8``.
     ``setting`` names our methods' target weights (``ours:plain@int4``) when several are compared.
     """
     unknown = [p for p in proposers if p not in PROPOSERS]
@@ -213,14 +217,31 @@ def build_methods(
         raise ValueError(f"unknown mode {unknown_modes[0]!r}; choose from exact, reproducible")
     make_draft, draft_model = (None, None) if draft is None else draft_proposer_factory(target, draft, dtype)
     methods = [_ours_plain(target, setting)]
+    makers: list[tuple[str, Callable[[], Proposer]]] = []
     for proposer in proposers:
-        if proposer == "draft" and make_draft is None:
-            continue
-        make = make_draft if proposer == "draft" else PromptLookupProposer
-        methods += [_ours_speculative(target, proposer, make, g, m, setting) for m in modes for g in gammas]
+        if proposer == "draft" and make_draft is not None:
+            makers.append((proposer, make_draft))
+        elif proposer == "lookup":
+            makers.append((proposer, PromptLookupProposer))
+        elif proposer == "eagle":
+            makers += [(_eagle_name(n), _eagle_factory(target, head, n)) for n in tree_nodes or [None]]
+    for name, make in makers:
+        methods += [_ours_speculative(target, name, make, g, m, setting) for m in modes for g in gammas]
     if transformers:
         methods += transformers_methods(target, draft_model, dtype)
     return methods
+
+
+def _eagle_name(tree_nodes: int | None) -> str:
+    return "eagle" if tree_nodes is None else "eagle-chain" if tree_nodes == 0 else f"eagle-t{tree_nodes}"
+
+
+def _eagle_factory(target: LoadedModel, head: str | None, tree_nodes: int | None) -> Callable[[], Proposer]:
+    if tree_nodes is not None and tree_nodes < 0:
+        raise ValueError(f"tree sizes must be >= 0 (0 = a chain), got {tree_nodes}")
+    EagleProposer(target, head=head)  # fail early: no head for this target, or a head for another one
+    shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
+    return lambda: EagleProposer(target, head=head, **shape)
 
 
 def transformers_methods(

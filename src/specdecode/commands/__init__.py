@@ -51,6 +51,7 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
 class ProposerChoice(str, Enum):
     draft = "draft"
     lookup = "lookup"
+    eagle = "eagle"
     none = "none"
 
 
@@ -72,6 +73,15 @@ QuantizationOption = Annotated[
     ),
 ]
 GroupSizeOption = Annotated[int, typer.Option(help="int4: weights per quantization group (32, 64, 128 or 256).")]
+# The EAGLE proposer's options, worded once.
+HeadOption = Annotated[
+    str | None,
+    typer.Option(help="--proposer eagle: a head trained with train-head (default: the one shipped for the target)."),
+]
+TreeNodesOption = Annotated[
+    int | None,
+    typer.Option(help="--proposer eagle: nodes of the dynamic token tree, 0 = a chain (default: the proposer's)."),
+]
 
 
 def parse_gamma(text: str) -> int | str:
@@ -108,11 +118,14 @@ def build_proposer(
     dtype: str = "float32",
     quantization: str = "auto",
     group_size: int = 32,
+    head: str | None = None,
+    tree_nodes: int | None = None,
     tree_width: int = 1,
 ):
-    """A proposer from CLI words: ``lookup``, or ``draft`` with a path or ``self:N``; ``tree_width`` > 1: lookup
+    """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
+    0 = a chain), or ``draft`` with a path or ``self:N``; ``tree_width`` > 1: lookup
     offers that many distinct matches as a token tree."""
-    from specdecode.proposers import DraftModelProposer, LayerSkipProposer, PromptLookupProposer
+    from specdecode.proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, PromptLookupProposer
 
     if tree_width < 1:
         raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
@@ -120,8 +133,13 @@ def build_proposer(
         raise ValueError(f"--tree-width applies to the lookup proposer, not {kind}")
     if kind == "lookup":
         return PromptLookupProposer(branches=tree_width)
+    if kind == "eagle":
+        if tree_nodes is not None and tree_nodes < 0:
+            raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
+        shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
+        return EagleProposer(target, head=head, **shape)
     if kind != "draft":
-        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup or none")
+        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle or none")
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
     if draft.startswith("self:"):

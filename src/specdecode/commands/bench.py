@@ -34,6 +34,15 @@ def _gammas(text: str, allow_auto: bool = True) -> list[int | str]:
     return gammas
 
 
+def _tree_sizes(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    sizes = _split(text, "--tree-nodes")
+    if not all(size.isdigit() for size in sizes):
+        raise ValueError(f"--tree-nodes must be a comma list of integers >= 0 (0 = a chain), got {text!r}")
+    return [int(size) for size in sizes]
+
+
 def _quantizations(text: str) -> list[str]:
     settings = _split(text, "--quantization")
     unknown = [q for q in settings if q not in QUANTIZATIONS]
@@ -70,8 +79,14 @@ def bench(
         ),
     ] = None,
     proposer: Annotated[
-        str, typer.Option(help="Comma list of our proposers: lookup, draft (draft needs --draft).")
+        str, typer.Option(help="Comma list of our proposers: lookup, draft (draft needs --draft), eagle.")
     ] = "lookup,draft",
+    head: Annotated[
+        str | None, typer.Option(help="eagle: a head trained with train-head (default: the one shipped).")
+    ] = None,
+    tree_nodes: Annotated[
+        str | None, typer.Option(help="eagle: comma list of token-tree sizes, one method each (0 = a chain).")
+    ] = None,
     gamma: Annotated[
         str, typer.Option(help="Comma list of gammas for each proposer; auto = adaptive (may pick 0).")
     ] = "2,4,8",
@@ -134,6 +149,7 @@ def bench(
 
         proposers = _split(proposer, "--proposer")
         gammas = _gammas(gamma)
+        trees = _tree_sizes(tree_nodes)
         modes = _split(mode, "--mode")
         settings = _quantizations(quantization)
         if quirk_repeats < 1:
@@ -184,6 +200,8 @@ def bench(
                     dtype=dtype,
                     modes=modes,
                     setting=setting,
+                    head=head,
+                    tree_nodes=trees,
                 )
             if hf:  # on dense weights, as before quantized targets existed: figures stay comparable
                 dense = next((t for t in targets.values() if t.quantization is None), None)

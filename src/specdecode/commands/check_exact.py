@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from specdecode.commands import DtypeOption, GroupSizeOption, QuantizationOption
+from specdecode.commands import DtypeOption, GroupSizeOption, HeadOption, QuantizationOption, TreeNodesOption
 
 DEFAULT_PROMPTS = (
     "Write one sentence about the sea.",
@@ -32,7 +32,8 @@ def check_exact(
         str | None, typer.Option(help="Draft model (HF folder or .gguf) or self:N, the target's first N layers.")
     ] = None,
     proposer: Annotated[
-        str | None, typer.Option(help="draft (needs --draft) or lookup; default: draft if --draft is given.")
+        str | None,
+        typer.Option(help="draft (needs --draft), lookup or eagle; default: draft if --draft is given."),
     ] = None,
     gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")] = 4,
     tree_width: Annotated[
@@ -56,6 +57,8 @@ def check_exact(
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
+    head: HeadOption = None,
+    tree_nodes: TreeNodesOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Test that speculative decoding samples the first 1 and 2 tokens exactly as the target does."""
@@ -71,7 +74,17 @@ def check_exact(
     quiet_transformers()
     with err.status(f"loading {target}…"):
         target_model = load(target, dtype, quantization, group_size)
-        chosen = build_proposer(kind, target_model, draft, dtype, quantization, group_size, tree_width=tree_width)
+        chosen = build_proposer(
+            kind,
+            target_model,
+            draft,
+            dtype,
+            quantization,
+            group_size,
+            head=head,
+            tree_nodes=tree_nodes,
+            tree_width=tree_width,
+        )
     prompt_ids = [
         text if isinstance(text, list) else target_model.encode(text) if raw else target_model.chat_prompt(text)
         for text in texts

@@ -8,7 +8,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdecode.commands import DtypeOption, GroupSizeOption, QuantizationOption, parse_gamma, quiet_transformers
+from specdecode.commands import (
+    DtypeOption,
+    GroupSizeOption,
+    HeadOption,
+    QuantizationOption,
+    TreeNodesOption,
+    parse_gamma,
+    quiet_transformers,
+)
 
 PASSAGE = (
     "The city council met on Tuesday evening to discuss the new public library. After a long debate, the "
@@ -28,25 +36,31 @@ ROUNDS = 2
 def demo(
     target: str = typer.Option("smollm2", help="Target model (bundled name, HF folder or .gguf)."),
     gamma: str = typer.Option(
-        "auto", help="Tokens guessed per round by prompt lookup, or auto (adapts to the measured verify cost)."
+        "auto", help="Tokens guessed per round (a tree's depth), or auto (adapts to the measured verify cost)."
     ),
+    proposer: str = typer.Option("lookup", help="lookup (prompt lookup) or eagle (a trained draft head)."),
     max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
+    head: HeadOption = None,
+    tree_nodes: TreeNodesOption = None,
 ) -> None:
     """Edit a pasted passage plainly and speculatively; show the outputs match and the measured speedup."""
-    from specdecode import PromptLookupProposer, SamplingParams, SpeculativeDecoder, autoregressive_generate
-    from specdecode.commands import load
+    from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
+    from specdecode.commands import build_proposer, load
 
     quiet_transformers()
     parsed_gamma = parse_gamma(gamma)  # validate before the slow load
+    if proposer not in ("lookup", "eagle"):
+        raise ValueError(f"--proposer must be lookup or eagle, got {proposer!r}")
     console = Console()
     with console.status(f"loading {target} (the first load dequantizes and caches it)…"):
         model = load(target, dtype, quantization, group_size)
+        chosen = build_proposer(proposer, model, None, head=head, tree_nodes=tree_nodes)
     ids = model.chat_prompt(PROMPT)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    decoder = SpeculativeDecoder(model, PromptLookupProposer(), gamma=parsed_gamma)
+    decoder = SpeculativeDecoder(model, chosen, gamma=parsed_gamma)
     console.print(f"[bold]Prompt[/bold] ({len(ids)} tokens, greedy, {max_new_tokens} new tokens at most):")
     console.print(PROMPT, highlight=False)
     with console.status("warming up…"):
@@ -66,7 +80,8 @@ def demo(
     console.print(spec.text, highlight=False)
     weights = model.quantization or "dense"
     table = Table(
-        title=f"{model.name} ({weights} weights), prompt lookup, gamma={parsed_gamma} "
+        title=f"{model.name} ({weights} weights), {'prompt lookup' if proposer == 'lookup' else 'EAGLE head'}, "
+        f"gamma={parsed_gamma} "
         f"(median of {ROUNDS} alternating runs)"
     )
     for column in ("method", "tokens", "tok/s", "passes", "tok/pass", "accept", "α"):

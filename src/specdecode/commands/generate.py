@@ -10,8 +10,10 @@ import typer
 from specdecode.commands import (
     DtypeOption,
     GroupSizeOption,
+    HeadOption,
     ProposerChoice,
     QuantizationOption,
+    TreeNodesOption,
     err,
     parse_gamma,
     parse_quantization,
@@ -32,7 +34,7 @@ def generate(
     proposer: ProposerChoice | None = typer.Option(
         None,
         help="Where guesses come from: draft (needs --draft), "
-        "lookup (prompt lookup) or none (plain decoding). Default: "
+        "lookup (prompt lookup), eagle (a trained draft head) or none (plain decoding). Default: "
         "draft if --draft is given, else lookup.",
     ),
     gamma: str = typer.Option("4", help="Tokens guessed per round, or auto (adapts each round, 0 = plain)."),
@@ -51,6 +53,8 @@ def generate(
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
+    head: HeadOption = None,
+    tree_nodes: TreeNodesOption = None,
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
     from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
@@ -78,7 +82,9 @@ def generate(
         chosen = (
             None
             if choice is ProposerChoice.none
-            else build_proposer(choice.value, target_model, draft, dtype, quantization, group_size)
+            else build_proposer(
+                choice.value, target_model, draft, dtype, quantization, group_size, head=head, tree_nodes=tree_nodes
+            )
         )
     ids = target_model.encode(prompt) if raw else target_model.chat_prompt(prompt)
     on_text = None

@@ -87,7 +87,8 @@ class HeadShape:
             num_kv_heads=config.num_key_value_heads,
             head_dim=attn.head_dim,
             rms_norm_eps=float(config.rms_norm_eps),
-            attention_bias=attn.q_proj.bias is not None,
+            # Qwen2 always has q/k/v biases; Llama and Mistral say so in the config (a quantized q_proj may hide it)
+            attention_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
         )
 
 
@@ -183,7 +184,13 @@ class TargetParts:
     """What the head borrows from its target, frozen: token embeddings, final norm, the LM head's rows for the
     drafting vocabulary, and RoPE's inverse frequencies."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, draft_vocab: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        vocab_size: int,
+        draft_vocab: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         check_supported(model)
         base = model.model
         config = text_config(model)
@@ -195,25 +202,27 @@ class TargetParts:
         self.draft_vocab = torch.arange(vocab_size) if draft_vocab is None else draft_vocab.to(torch.int64)
         if self.draft_vocab.numel() and int(self.draft_vocab.max()) >= vocab_size:
             raise ValueError(f"the head's drafting vocabulary names ids past the target's {vocab_size} tokens")
-        self.lm_rows = lm_head_rows(model)[self.draft_vocab]
+        self.dtype = dtype  # of the embeddings, RoPE tables and LM head rows handed to the head
+        self.lm_rows = lm_head_rows(model)[self.draft_vocab].to(dtype)
         rotary = base.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float()
         self.attention_scaling = float(rotary.attention_scaling)
 
     @torch.no_grad()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embedding(tokens).float()
+        return self.embedding(tokens).to(self.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n, head_dim] at integer ``positions``, as transformers' rotary embedding computes them."""
         freqs = positions[:, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        scale = self.attention_scaling
+        return (angles.cos() * scale).to(self.dtype), (angles.sin() * scale).to(self.dtype)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Logits over the drafting vocabulary [n, V_draft] of (pre-norm) features [n, H]."""
-        normed = F.rms_norm(features, (self.hidden_size,), self.norm_weight, self.eps)
-        return normed @ self.lm_rows.T
+        """Logits over the drafting vocabulary [n, V_draft] of (pre-norm) features [n, H] (the norm in float32)."""
+        normed = F.rms_norm(features.float(), (self.hidden_size,), self.norm_weight, self.eps)
+        return (normed.to(self.dtype) @ self.lm_rows.T).float()
 
     def to_vocab(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Token ids of drafting-vocabulary indices."""

@@ -43,10 +43,13 @@ class EagleProposer:
 
     ``draft_vocab=N`` drafts from the N ids the target most often predicted in training (the head's saved
     ranking; default: all it was trained on): a cheaper read-out, at the cost of never guessing the rest.
+    ``dtype``: the head's weights and activations while drafting (bfloat16, as it was trained under autocast,
+    reads half the bytes; the norm before the read-out runs in float32). Drafting numerics never affect the
+    output, only how often guesses are accepted.
 
     Tree mode grows the tree level by level: the ``branching`` best-scored nodes of a level (score = log of
-    the path's draft probability) each get their ``branching`` most probable children (sampled without
-    replacement at temperature > 0), up to ``depth`` levels (default: the round's k); the best
+    the path's draft probability) each get their ``branching`` most probable children (point masses at any
+    temperature: a shape chosen by scores that read the drafted tokens is exact only for deterministic children), up to ``depth`` levels (default: the round's k); the best
     ``tree_nodes`` nodes are kept (a node's ancestors and earlier siblings always score at least as high).
 
     The head keeps a KV cache of its own: entry t is computed from the target's true feature f_t and token
@@ -64,6 +67,7 @@ class EagleProposer:
         depth: int | None = None,
         branching: int = 3,
         draft_vocab: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if tree_nodes is not None and (isinstance(tree_nodes, bool) or tree_nodes < 1):
             raise ValueError(f"tree_nodes must be a positive integer or None (a chain), got {tree_nodes!r}")
@@ -76,15 +80,16 @@ class EagleProposer:
         self.target = load_model(target)
         folder = shipped_head(self.target) if head is None else Path(head)
         self.head, ranked, self.config = load_head(folder, self.target)
-        self.parts = TargetParts(self.target.model, self.target.vocab_size, ranked[:draft_vocab])
+        self.head.to(dtype)
+        self.parts = TargetParts(self.target.model, self.target.vocab_size, ranked[:draft_vocab], dtype)
         self.tree_nodes = tree_nodes
         self.depth = depth
         self.branching = branching
         shape = self.head.shape
         self._index = torch.full((self.parts.vocab_size,), -1, dtype=torch.int64)  # token id -> drafting index
         self._index[self.parts.draft_vocab] = torch.arange(self.parts.draft_vocab.numel())
-        self._empty = torch.zeros(shape.num_kv_heads, 0, shape.head_dim)
-        self._features = torch.zeros(0, shape.hidden_size)  # the target's f_t for positions 0..n-1
+        self._empty = torch.zeros(shape.num_kv_heads, 0, shape.head_dim, dtype=dtype)
+        self._features = torch.zeros(0, shape.hidden_size, dtype=dtype)  # the target's f_t for positions 0..n-1
         self._keys, self._values = self._empty, self._empty  # entry t: from (f_t, token t+1)
         self._entry_tokens: list[int] = []  # token t+1 of each entry t
         self._source: list[torch.Tensor] | None = None  # the request's feature chunks (observe_target)
@@ -98,12 +103,15 @@ class EagleProposer:
             self._features = self._features[:0]
             self._truncate_entries(0)
         if len(hidden) > self._seen:
-            self._features = torch.cat([self._features, *(h.float() for h in hidden[self._seen :])])
+            self._features = torch.cat([self._features, *(h.to(self._features.dtype) for h in hidden[self._seen :])])
             self._seen = len(hidden)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            if params.greedy:
+            # A tree keeps its best-scored nodes, and a score reads the node's own token: a sampled sibling's
+            # existence would depend on its own draw, which biases recursive rejection sampling. Deterministic
+            # top-k candidates (point masses) are exact for any tree shape; a chain samples with its law.
+            if params.greedy or self.tree_nodes is not None:
                 return self._top(logits, self._width()), None
             probs = probs_from_logits(logits, params)
             width = min(self._width(), int((probs > 0).sum()))
