@@ -196,3 +196,17 @@ def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nod
     )
     assert report.passed, report.verdict
     assert report.accepted > 0
+
+
+def test_bench_runs_eagle_chains_and_trees_with_plain_output(large_target, head_dir):
+    from specdecode.bench.methods import build_methods
+    from specdecode.bench.runner import BenchConfig, run_bench
+    from specdecode.bench.workloads import WorkItem
+
+    methods = build_methods(large_target, ["eagle"], [3], transformers=False, head=str(head_dir), tree_nodes=[0, 4])
+    assert [m.name for m in methods] == ["ours:plain", "ours:eagle-chain:g3", "ours:eagle-t4:g3"]
+    items = [WorkItem(1, "writing", (PROMPTS[0], PROMPTS[2]))]
+    result = run_bench(large_target, items, methods, BenchConfig(max_new_tokens=12))
+    assert len(result.records) == 2 * 3 and all(r.identical for r in result.records)
+    with pytest.raises(ValueError, match="no EAGLE head is shipped"):
+        build_methods(large_target, ["eagle"], [3], transformers=False)
