@@ -380,6 +380,10 @@ def test_quantization_settings_run_every_method_with_their_own_identity_check(tm
     report = (tmp_path / "report.md").read_text()
     assert "target weights (--quantization): int4 = int4, none = dense, int8 = int8" in report
     assert "| ours:lookup:g3@int8 | int8 |" in report and "(3/3 same)" in report
+    plain, lookup = overall["ours:plain@int4"], overall["ours:lookup:g3@int4"]
+    assert plain["verify_ratio"] == pytest.approx(1.0) and plain["drafted_per_pass"] == 0
+    assert lookup["drafted_per_pass"] > 0 and lookup["verify_ms_per_pass"] > 0
+    assert "## Time per target pass (overall)" in report
     data = json.loads((tmp_path / "results.json").read_text())
     assert {m["name"]: m["quantization"] for m in data["methods"]}["ours:plain@none"] is None
     assert data["setup"]["quantization"] == ["int4", "none", "int8"]

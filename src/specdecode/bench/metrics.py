@@ -110,6 +110,20 @@ def draft_cost_ratio(spec: DecodeStats | None, step_seconds: float | None) -> fl
     return (spec.draft_seconds / spec.drafted) / step_seconds
 
 
+def pass_split(stats: DecodeStats | None, step_seconds: float | None) -> dict[str, float | None]:
+    """Per target pass: drafted tokens (a tree's size), milliseconds drafting and verifying, and the verify
+    pass relative to a plain 1-token step (the measured v at this method's pass size)."""
+    if stats is None or not stats.rounds:
+        return {"drafted_per_pass": None, "draft_ms_per_pass": None, "verify_ms_per_pass": None, "verify_ratio": None}
+    verify = stats.verify_seconds / stats.rounds
+    return {
+        "drafted_per_pass": stats.drafted / stats.rounds,
+        "draft_ms_per_pass": 1e3 * stats.draft_seconds / stats.rounds,
+        "verify_ms_per_pass": 1e3 * verify,
+        "verify_ratio": ratio(verify, step_seconds),
+    }
+
+
 def other_share(stats: DecodeStats | None) -> float | None:
     """Fraction of wall time outside prefill, drafting and verification."""
     if stats is None or not stats.total_seconds:
@@ -223,6 +237,7 @@ def aggregate(
                     mean_decode_tokens_per_second(group, method), plain_decode_tps.get(ref)
                 ),
                 "predicted_from_drafted": predicted_from_drafted(stats, cost, verify_cost),
+                **pass_split(stats, step.get(ref)),
             }
         out[subtask] = rows
     return out

@@ -256,6 +256,29 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
             for m, row in speculative.items()
         ]
         lines += _md_table(["method", *(str(i + 1) for i in range(width))], rows)
+    split = {m: row for m, row in result.aggregates[OVERALL].items() if row.get("verify_ms_per_pass") is not None}
+    if split:
+        lines += [
+            "## Time per target pass (overall)",
+            "",
+            "Drafted tokens (a tree's nodes) per pass, milliseconds drafting and verifying per pass, and the verify",
+            "pass relative to a plain 1-token step of the same weights: where a speculative method loses, this says",
+            "whether acceptance (tokens/pass) or cost (draft + verify) is short.",
+            "",
+        ]
+        rows = [
+            [
+                m,
+                _f(row["drafted_per_pass"]),
+                _f(row["tokens_per_pass"]),
+                _f(row["draft_ms_per_pass"]),
+                _f(row["verify_ms_per_pass"]),
+                _f(row["verify_ratio"]),
+            ]
+            for m, row in split.items()
+        ]
+        header = ["method", "drafted/pass", "tokens/pass", "draft ms/pass", "verify ms/pass", "verify ÷ plain step"]
+        lines += _md_table(header, rows)
     for subtask in subtasks:
         lines += [f"## {subtask}", ""]
         lines += _md_table(COLUMNS, [_row(m, row, specs) for m, row in result.aggregates[subtask].items()])
