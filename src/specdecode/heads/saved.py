@@ -15,7 +15,7 @@ from ..models.loader import LoadedModel
 from .model import EagleHead, HeadShape, config_fingerprint, vocab_fingerprint
 
 FORMAT = "specdecode-eagle-head"
-VERSION = 1
+VERSION = 2  # 2: the head normalises its two inputs (feature_norm, embed_norm)
 SHIPPED = Path(__file__).parent / "shipped"
 
 

@@ -2,7 +2,8 @@
 
 For each training sequence the frozen target gives its features f_t (last layer, before the final norm); the
 head, unrolled ``passes`` guesses deep as it drafts (``model.unrolled``), learns
-``feature_weight · smoothL1(f̂_{t+1}, f_{t+1}) + ce_weight · CE(target's next-token law, head's)``, both laws
+``feature_weight · smoothL1(ŷ_{t+1}, f_{t+1} / s) + ce_weight · CE(target's next-token law, head's)`` (ŷ the
+head's output, s the features' RMS on the held-out samples), both laws
 over the head's drafting vocabulary, pass j weighted ``pass_decay**j``. The targets are the target model's
 outputs, not the dataset's text.
 
@@ -247,9 +248,9 @@ def head_loss(
     head: EagleHead, parts: TargetParts, batch: tuple[torch.Tensor, ...], settings: TrainSettings, scale: float
 ) -> tuple[torch.Tensor, float, torch.Tensor]:
     """(training loss, depth-1 top-1 agreement with the target over the drafting vocabulary, the target's argmax
-    ids at the rows trained on). The feature loss
-    compares features divided by ``scale``, their typical per-dimension size, so that it weighs the same
-    whatever the target's feature magnitudes."""
+    ids at the rows trained on). The feature loss compares the head's output with the target's next features
+    divided by ``scale``, their typical per-dimension size (the head predicts in those units), so that it weighs
+    the same whatever the target's feature magnitudes."""
     features, tokens, positions = batch
     next_features = torch.cat([features[1:], features[:1]])
     with torch.no_grad():
@@ -261,7 +262,7 @@ def head_loss(
         rows = valid.nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
-        feature_loss = F.smooth_l1_loss(predicted[rows] / scale, next_features[rows] / scale)
+        feature_loss = F.smooth_l1_loss(predicted[rows], next_features[rows] / scale)
         log_probs = F.log_softmax(parts.logits(predicted[rows]), dim=-1)
         teacher = target_log_probs[rows]
         ce = -(teacher.exp() * log_probs).sum(-1).mean()
@@ -355,10 +356,12 @@ def train_head(
     lengths = [len(s) for s in train]
     draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
+    scale = feature_scale(cache, held_out)
     torch.manual_seed(settings.seed)
     head = EagleHead(HeadShape.of(target.model))
     if settings.init_from_target:
-        head.layer.load_target_layer(target.model.get_decoder().layers[-1])
+        head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale)
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = [epoch_batches(lengths, settings, e) for e in range(settings.epochs)]
     total_steps = sum(len(b) for b in schedule)
@@ -370,8 +373,6 @@ def train_head(
         epoch, done_in_epoch, step = state["epoch"], state["batch"], state["step"]
         tokens, elapsed_before = state["tokens"], state["elapsed"]
         target_counts = state["target_counts"]
-    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
-    scale = feature_scale(cache, held_out)
     if on_start is not None:
         on_start(total_steps, step, stats)
     started = time.perf_counter()
