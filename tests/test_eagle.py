@@ -67,7 +67,7 @@ def start(target: sd.LoadedModel, context: list[int]):
 
 def test_tree_drafts_are_well_formed(large_target, head_dir):
     # float32: bfloat16 logits tie often, and top-k keeps ties
-    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=7, branching=3, dtype=torch.float32)
+    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=7, branching=3, dtype=torch.float32, int8=False)
     context = PROMPTS[2]
     _, features = start(large_target, context)
     proposer.observe_target(features)
@@ -105,12 +105,12 @@ def test_cache_resync_after_partial_acceptance_matches_a_fresh_proposer(large_ta
     (in float32, where a row's result hardly depends on how many rows share the call)."""
     context = list(PROMPTS[0])
     runner, features = start(large_target, context)
-    warm = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, dtype=torch.float32)
+    warm = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, dtype=torch.float32, int8=False)
     sampled = sd.SamplingParams(temperature=1.0)
     for round_ in range(9):
         warm.observe_target(features)
         draft = warm.propose(context, 4, GREEDY, torch.Generator())
-        fresh = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, dtype=torch.float32)
+        fresh = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, dtype=torch.float32, int8=False)
         fresh.observe_target(list(features))
         assert torch.equal(fresh.propose(context, 4, GREEDY, torch.Generator()).tokens, draft.tokens)
         a = warm.propose(context, 4, sampled, torch.Generator().manual_seed(round_))
@@ -136,6 +136,28 @@ def test_needs_the_target_features_and_a_head(large_target, head_dir):
         EagleProposer(large_target)
     with pytest.raises(ValueError, match="tree_nodes"):
         EagleProposer(large_target, head=head_dir, tree_nodes=0)
+    with pytest.raises(ValueError, match="int8=False"):
+        EagleProposer(large_target, head=head_dir, dtype=torch.float32)
+
+
+def test_int8_drafting_guesses_like_the_dense_head(large_target, head_dir):
+    """The int8 matrices move the head's output by ~1% and change the read-out's choice only near ties."""
+    int8 = EagleProposer(large_target, head=head_dir, tree_nodes=None)
+    dense = EagleProposer(large_target, head=head_dir, tree_nodes=None, dtype=torch.float32, int8=False)
+    generator = torch.Generator().manual_seed(0)
+    n, size = 64, dense.head.shape.hidden_size
+    features = torch.randn(n, size, generator=generator) * 30
+    tokens = torch.randint(0, large_target.vocab_size, (n,), generator=generator)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    cos, sin = dense.parts.rope(torch.arange(n))
+    out_dense = dense.head(features, dense.parts.embed(tokens), cos, sin, mask)[0]
+    out_int8 = int8.head(features.bfloat16(), int8.parts.embed(tokens), cos.bfloat16(), sin.bfloat16(), mask)[0]
+    assert (out_int8.float() - out_dense).norm() < 0.05 * out_dense.norm()
+    dense_logits, int8_logits = dense.parts.logits(out_dense), int8.parts.logits(out_dense.bfloat16())
+    top2 = dense_logits.topk(2).values
+    clear = top2[:, 0] - top2[:, 1] > 0.05 * dense_logits.abs().amax(-1)
+    assert clear.sum() > n // 2
+    assert torch.equal(int8_logits.argmax(-1)[clear], dense_logits.argmax(-1)[clear])
 
 
 @pytest.mark.slow

@@ -44,13 +44,15 @@ class EagleProposer:
     ``draft_vocab=N`` drafts from the N ids the target most often predicted in training (the head's saved
     ranking; default: all it was trained on): a cheaper read-out, at the cost of never guessing the rest.
     ``dtype``: the head's weights and activations while drafting (bfloat16, as it was trained under autocast,
-    reads half the bytes; the norm before the read-out runs in float32). Drafting numerics never affect the
-    output, only how often guesses are accepted.
+    reads half the bytes; the norm before the read-out runs in float32). ``int8`` (default): the head's matrices
+    and the read-out rows run through the int8 weight-only kernel on those bfloat16 activations (2-3x faster
+    than bfloat16 matrices here). Drafting numerics never affect the output, only how often guesses are accepted.
 
     Tree mode grows the tree level by level: the ``branching`` best-scored nodes of a level (score = log of
     the path's draft probability) each get their ``branching`` most probable children (point masses at any
-    temperature: a shape chosen by scores that read the drafted tokens is exact only for deterministic children), up to ``depth`` levels (default: the round's k); the best
-    ``tree_nodes`` nodes are kept (a node's ancestors and earlier siblings always score at least as high).
+    temperature: a shape chosen by scores that read the drafted tokens is exact only for deterministic
+    children), up to ``depth`` levels (default: the round's k); the best ``tree_nodes`` nodes are kept (a
+    node's ancestors and earlier siblings always score at least as high).
 
     The head keeps a KV cache of its own: entry t is computed from the target's true feature f_t and token
     t+1. Each ``propose`` keeps the entries whose inputs are unchanged, recomputes the rest from the target's
@@ -68,7 +70,10 @@ class EagleProposer:
         branching: int = 3,
         draft_vocab: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
+        int8: bool = True,
     ) -> None:
+        if int8 and dtype != torch.bfloat16:
+            raise ValueError(f"int8 drafting runs on bfloat16 activations: pass int8=False to draft in {dtype}")
         if tree_nodes is not None and (isinstance(tree_nodes, bool) or tree_nodes < 1):
             raise ValueError(f"tree_nodes must be a positive integer or None (a chain), got {tree_nodes!r}")
         if depth is not None and depth < 1:
@@ -80,8 +85,8 @@ class EagleProposer:
         self.target = load_model(target)
         folder = shipped_head(self.target) if head is None else Path(head)
         self.head, ranked, self.config = load_head(folder, self.target)
-        self.head.to(dtype)
-        self.parts = TargetParts(self.target.model, self.target.vocab_size, ranked[:draft_vocab], dtype)
+        self.head.to_int8() if int8 else self.head.to(dtype)
+        self.parts = TargetParts(self.target.model, self.target.vocab_size, ranked[:draft_vocab], dtype, int8)
         self.tree_nodes = tree_nodes
         self.depth = depth
         self.branching = branching
