@@ -323,6 +323,38 @@ def test_tree_rows_are_bitwise_the_chain_of_their_branch(dtype, quantization, gr
         runner.rollback_to(n)
 
 
+@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS[:3])
+def test_every_row_of_a_deep_wide_tree_is_bitwise_its_branch_then_the_cache_is_intact(dtype, quantization, group_size):
+    """Branches of different depths and prefixes in one pass (the runner moves each branch's entries next to
+    its prefix in turn): every row equals the chain along its branch, and the cache keeps every row's entry."""
+    from specdecode.tree import attention_mask, depths
+
+    runner = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+    prefix = _ids(12, seed=8)
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, 7, -1])
+    tokens = _ids(len(parents) + 1, seed=9)  # the root (newest context token), then one per node
+    runner.prefill(torch.tensor(prefix))
+    cached = runner.length
+    positions = cached + torch.cat([torch.zeros(1, dtype=torch.int64), depths(parents)])
+    tree = runner.forward(torch.tensor(tokens), positions=positions, attn_mask=attention_mask(parents, cached))
+    for node in range(-1, len(parents)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, at + 1)
+            at = int(parents[at])
+        branch = [0, *path]  # rows of the tree along the branch
+        chain = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+        chain.prefill(torch.tensor(prefix))
+        expected = chain.forward(torch.tensor([tokens[r] for r in branch]))
+        assert torch.equal(tree[node + 1], expected[-1]), f"node {node}"
+    runner.retain(cached, [cached + r for r in (0, 2, 5, 8)])  # keep root -> 1 -> 4 -> 7
+    after = runner.forward(torch.tensor([3]))
+    chain = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+    chain.prefill(torch.tensor(prefix))
+    expected = chain.forward(torch.tensor([tokens[r] for r in (0, 2, 5, 8)] + [3]))
+    assert torch.equal(after[0], expected[-1])
+
+
 def _dequantized_copy(model, quantization: str, group_size: int):
     """``model`` with every matrix replaced by the values its quantized format stands for (float32, dense)."""
     from specdecode.models.weights import GroupQuant, Int8Linear

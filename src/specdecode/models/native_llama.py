@@ -33,6 +33,19 @@ REFINED_LOGITS = 32  # per row, the logits a quantized head recomputes exactly
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class _Branch:
+    """A tree row's visible slots: cache slots ``0..prefix-1``, then the new rows ``rows`` (its ancestors and
+    itself, as indices into this call's rows), in that order."""
+
+    prefix: int
+    rows: torch.Tensor
+
+
+# Per row of a forward: a prefix length, a tree branch, or any other set of slot indices (gathered).
+Visible = int | _Branch | torch.Tensor
+
+
 def supports_native(model: nn.Module) -> bool:
     """True iff ``NativeLlamaRunner`` reproduces ``model``'s forward pass exactly (else use the transformers runner)."""
     config = getattr(model, "config", None)
@@ -274,15 +287,21 @@ class NativeLlamaRunner:
         """
         return self._run(tokens, positions, attn_mask, logits=True)
 
-    def _visible_keys(self, start: int, k: int, attn_mask: torch.Tensor | None) -> list[int | torch.Tensor]:
-        """Per row, the cache slots it attends to, in order: a prefix length, or slot indices (a tree branch)."""
+    def _visible_keys(self, start: int, k: int, attn_mask: torch.Tensor | None) -> list[Visible]:
+        """Per row, the cache slots it attends to, in order: a prefix length, a tree branch (a prefix, then new
+        rows of this call), or slot indices."""
         if attn_mask is None:
             return [start + i + 1 for i in range(k)]
-        visible: list[int | torch.Tensor] = []
+        visible: list[Visible] = []
         for row in attn_mask:
             slots = row.nonzero().squeeze(1)
-            n = slots.numel()
-            visible.append(n if n and int(slots[-1]) == n - 1 else slots)
+            prefix = int((slots == torch.arange(slots.numel())).sum())  # slots 0..prefix-1 all visible
+            if prefix == slots.numel():
+                visible.append(prefix)
+            elif prefix >= start and int(slots[prefix]) >= start:
+                visible.append(_Branch(prefix, slots[prefix:] - start))
+            else:
+                visible.append(slots)
         return visible
 
     @torch.inference_mode()
@@ -327,7 +346,7 @@ class NativeLlamaRunner:
                     q, keys[:, :, :end], values[:, :, :end], attn_mask=batched_mask, scale=self._scaling
                 )
                 return attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3)
-            return torch.cat([self._attend_row(queries[j], keys, values, visible[j]) for j in range(k)])
+            return self._attend_rows(queries, keys, values, new_keys, new_values, start, visible)
 
         x = self._decoder_layers(self._embed(tokens).to(self._dtype), cos, sin, attend)
         self._length = end
@@ -392,29 +411,46 @@ class NativeLlamaRunner:
         for i in range(logits.shape[0]):
             logits[i, top[i]] = torch.mv(rows[i], hidden[i])
 
-    def _attend_row(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: int | torch.Tensor
+    def _attend_rows(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        start: int,
+        visible: Sequence[Visible],
     ) -> torch.Tensor:
-        """One query row's attention over its visible slots, exactly as a one-token step computes it.
+        """Each query row's attention over its visible slots, one call per row, exactly as a one-token step
+        computes it (the new rows' keys/values sit at slots ``start..``).
 
-        A tree row sees a prefix of the cache, then its ancestors and itself at scattered slots. Those few
-        entries are moved to just after the prefix for the call (what they cover is saved and put back), so
-        the row attends over one run of slots ``:end`` laid out as the plain step will see it once
-        ``retain`` has compacted the path. It copies the path's few entries instead of the whole prefix (a
-        gather of every visible slot cost ~10 µs per row and layer at 200 cached tokens, growing with length).
+        A tree row (``_Branch``) sees a prefix of the cache, then its ancestors and itself. Those few entries
+        are copied to just after the prefix for its call, so it attends over one run of slots ``:end`` laid
+        out as the plain step will see it once ``retain`` has compacted the path; the new rows' own entries
+        are written back at the end. Rows reading the cache as it is go first; then branches, highest prefix
+        first: a branch's copies land at or past its prefix, so they never cover a slot a later row reads.
+        (Copying the path instead of gathering every visible slot saves ~10 µs per row and layer at 200
+        cached tokens, more with length.)
         """
-        q = q.view(1, self._kv_heads, self._groups, self._head_dim)
-        if isinstance(visible, int):
-            return F.scaled_dot_product_attention(q, keys[:, :, :visible], values[:, :, :visible], scale=self._scaling)
-        prefix = int((visible == torch.arange(visible.numel())).sum())  # slots 0..prefix-1 are visible
-        path = visible[prefix:]
-        end = prefix + path.numel()
-        saved = keys[:, :, prefix:end].clone(), values[:, :, prefix:end].clone()
-        keys[:, :, prefix:end], values[:, :, prefix:end] = keys[:, :, path], values[:, :, path]
-        try:
-            return F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=self._scaling)
-        finally:
-            keys[:, :, prefix:end], values[:, :, prefix:end] = saved
+        q = queries.view(-1, 1, self._kv_heads, self._groups, self._head_dim)
+        branches = [j for j, v in enumerate(visible) if isinstance(v, _Branch)]
+        branches.sort(key=lambda j: -visible[j].prefix)
+        out: list[torch.Tensor | None] = [None] * len(visible)
+        for j, v in enumerate(visible):
+            if isinstance(v, int):
+                out[j] = F.scaled_dot_product_attention(q[j], keys[:, :, :v], values[:, :, :v], scale=self._scaling)
+            elif not isinstance(v, _Branch):
+                out[j] = F.scaled_dot_product_attention(q[j], keys[:, :, v], values[:, :, v], scale=self._scaling)
+        for j in branches:
+            prefix, rows = visible[j].prefix, visible[j].rows
+            end = prefix + rows.numel()
+            keys[0, :, prefix:end] = new_keys[rows].transpose(0, 1)
+            values[0, :, prefix:end] = new_values[rows].transpose(0, 1)
+            out[j] = F.scaled_dot_product_attention(q[j], keys[:, :, :end], values[:, :, :end], scale=self._scaling)
+        if branches:  # the new rows' own entries back at their slots
+            end = start + new_keys.shape[0]
+            keys[0, :, start:end], values[0, :, start:end] = new_keys.transpose(0, 1), new_values.transpose(0, 1)
+        return torch.cat(out)
 
 
 @torch.inference_mode()
@@ -444,8 +480,12 @@ def forward_batch(runners: Sequence[NativeLlamaRunner], tokens: Sequence[torch.T
     def attend(i: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> torch.Tensor:
         rows = []
         for runner, start, k, offset in zip(runners, starts, counts, offsets, strict=True):
-            keys, values = runner._store(i, start, new_keys[offset : offset + k], new_values[offset : offset + k])
-            rows.extend(runner._attend_row(queries[offset + j], keys, values, start + j + 1) for j in range(k))
+            mine_keys, mine_values = new_keys[offset : offset + k], new_values[offset : offset + k]
+            keys, values = runner._store(i, start, mine_keys, mine_values)
+            chain = [start + j + 1 for j in range(k)]
+            rows.append(
+                runner._attend_rows(queries[offset : offset + k], keys, values, mine_keys, mine_values, start, chain)
+            )
         return torch.cat(rows)
 
     x = lead._decoder_layers(lead._embed(torch.cat(list(tokens))).to(lead._dtype), cos, sin, attend)
