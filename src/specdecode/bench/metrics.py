@@ -148,11 +148,14 @@ def predicted_from_drafted(
     """The planner's ratio with the measured acceptance process: tokens/pass / (v(k̄+1) + k̄c), k̄ = drafted/pass.
 
     Unlike E(α, γ) it holds for proposers that draft fewer than γ tokens (prompt lookup without a match).
+    v = 1 without a measured curve; None past its end (a pass larger than the curve measured).
     """
     if stats is None or not stats.rounds or cost is None:
         return None
     drafted = stats.drafted / stats.rounds
-    verify = 1.0 if verify_cost is None or drafted + 1 > verify_cost.max_k else verify_cost(drafted + 1)
+    if verify_cost is not None and drafted + 1 > verify_cost.max_k:
+        return None
+    verify = 1.0 if verify_cost is None else verify_cost(drafted + 1)
     return stats.tokens_per_round / (verify + drafted * cost)
 
 
