@@ -47,6 +47,41 @@ def test_free_drafting_with_flat_verify_always_pays():
     assert controller.predicted_speedup(1) > 1.0  # any α > 0 pays when drafting and verifying are free
 
 
+def _tree_rounds(price_trees: bool) -> list[int]:
+    """200 rounds of a proposer whose every tree has 32 nodes (33 verified rows, 2 steps of drafting) and whose
+    first guess is accepted 3 times in 5; v(k) = 1 + 0.05 (k-1), so a tree round costs 4.6 steps."""
+    costs = CostModel(1.0, 0.05, 0.1)  # as fixed_costs(), but learning trees (observe() is never called here)
+    controller = AdaptiveGamma(max_gamma=4, costs=costs)
+    choices = []
+    for i in range(200):
+        gamma = controller.choose()
+        choices.append(gamma)
+        if gamma:
+            accepted = int(i % 5 < 3)
+            controller.observe(drafted=accepted + 1, accepted=accepted)
+            if price_trees:
+                controller.observe_tree(rows=33, draft_seconds=2.0)
+    return choices
+
+
+def test_trees_are_priced_at_their_size_and_switched_off_when_they_do_not_pay():
+    priced = _tree_rounds(price_trees=True)
+    assert sum(g > 0 for g in priced[50:]) <= 4  # off, with rare probes
+    # the control: priced as chains (v(γ+1) + γc) the same acceptance looks worth speculating for
+    unpriced = _tree_rounds(price_trees=False)
+    assert sum(g > 0 for g in unpriced[50:]) >= 140
+
+
+def test_auto_opens_with_a_plain_round_to_measure_the_step():
+    """Without a measured 1-token step every cost reads as free; a proposer that always drafts would never
+    produce the plain round that measures it."""
+    costs = CostModel()
+    controller = AdaptiveGamma(max_gamma=4, costs=costs)
+    assert controller.choose() == 0
+    costs.observe(verified=1, verify_seconds=0.01, drafted=0, draft_seconds=0.0)
+    assert controller.choose() > 0  # the prior's acceptance with costs now known
+
+
 def test_cost_model_measures_linear_verify_cost_and_draft_cost():
     costs = CostModel(smoothing=1.0)
     costs.observe(verified=1, verify_seconds=0.02, drafted=0, draft_seconds=0.0)

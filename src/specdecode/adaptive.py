@@ -3,8 +3,12 @@
 Each round the controller picks γ ∈ {0, …, max_gamma} maximising predicted tokens per unit time,
 E(γ) / (v(γ+1) + γ·c), with E(γ) = 1 + Σ_{i≤γ} Π_{j≤i} a_j from per-position acceptance estimates a_j,
 v(k) the cost of a k-token target forward relative to one token, and c a draft token's cost relative to one
-target token. γ = 0 is plain decoding (speedup 1 by definition); while it wins, γ = 1 is probed after
+target token (until a plain round has measured the 1-token step, γ = 0: a proposer that always drafts
+would otherwise look free). γ = 0 is plain decoding (speedup 1 by definition); while it wins, γ = 1 is probed after
 ``probe_every`` plain rounds, an interval that doubles after each probe that does not change the verdict.
+A proposer that drafts token trees verifies a tree's nodes, not γ tokens: for each γ that produced trees,
+the cost model (shared by a decoder's requests) prices the round at the trees it measured,
+v(rows) + draft seconds / step seconds.
 Exactness does not depend on any of this: γ only changes between rounds.
 """
 
@@ -34,6 +38,7 @@ class CostModel:
     smoothing: float = 0.2
     fixed: bool = False
     verify_seconds: dict[int, float] = field(default_factory=dict)
+    tree_rounds: dict[int, tuple[float, float]] = field(default_factory=dict)  # γ -> (rows, draft seconds)
 
     def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float) -> None:
         """Fold one round's timings in (``verified`` = tokens in the target forward = drafted + 1)."""
@@ -47,6 +52,26 @@ class CostModel:
             self.extra_token_seconds = self._ema(self.extra_token_seconds, extra)
         if drafted:
             self.draft_token_seconds = self._ema(self.draft_token_seconds, draft_seconds / drafted)
+
+    def observe_tree(self, gamma: int, rows: int, draft_seconds: float) -> None:
+        """A round at ``gamma`` drafted a token tree: ``rows`` verified (its nodes + 1), drafting took
+        ``draft_seconds``. From then on that γ is priced as the trees it produces (moving averages)."""
+        if self.fixed:
+            return
+        old = self.tree_rounds.get(gamma)
+        self.tree_rounds[gamma] = (
+            (float(rows), draft_seconds)
+            if old is None
+            else (self._ema(old[0], float(rows)), self._ema(old[1], draft_seconds))
+        )
+
+    def round_cost(self, gamma: int) -> float:
+        """A round at γ in 1-token steps: v(γ+1) + γc for a chain; v(rows) + drafting for γ's measured trees."""
+        tree = self.tree_rounds.get(gamma)
+        if tree is None:
+            return self.verify_cost(gamma + 1) + gamma * self.draft_cost()
+        rows, draft_seconds = tree
+        return self.verify_cost(max(1, round(rows))) + (draft_seconds / self.step_seconds if self.step_seconds else 0.0)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
@@ -80,6 +105,7 @@ class AdaptiveGamma:
     reached: list[float] = field(default_factory=list)
     _plain_rounds: int = 0
     _probe_interval: int = 0
+    _chosen: int = 0
 
     def __post_init__(self) -> None:
         if self.max_gamma < 1:
@@ -100,10 +126,16 @@ class AdaptiveGamma:
         if gamma == 0:
             return 1.0
         tokens = expected_tokens_per_position(self.acceptance()[:gamma])
-        return tokens / (self.costs.verify_cost(gamma + 1) + gamma * self.costs.draft_cost())
+        return tokens / self.costs.round_cost(gamma)
 
     def choose(self) -> int:
         """This round's γ: the best predicted, or a γ = 1 probe when plain decoding has won for a while."""
+        self._chosen = self._choose()
+        return self._chosen
+
+    def _choose(self) -> int:
+        if self.costs.step_seconds is None:  # calibrate: a plain round measures the 1-token step all costs use
+            return 0
         best = max(range(self.max_gamma + 1), key=self.predicted_speedup)
         if best > 0:
             self._plain_rounds = 0
@@ -115,6 +147,10 @@ class AdaptiveGamma:
             self._probe_interval *= 2
             return 1
         return 0
+
+    def observe_tree(self, rows: int, draft_seconds: float) -> None:
+        """The round at the last chosen γ drafted a tree of ``rows - 1`` nodes in ``draft_seconds``."""
+        self.costs.observe_tree(self._chosen, rows, draft_seconds)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Fold in one round: positions 1..accepted accepted, position accepted+1 rejected if < drafted."""

@@ -319,6 +319,7 @@ class SpeculativeDecoder:
         stats.record_tree_round(nodes_per_depth, len(accepted), rejected)
         if controller is not None:
             controller.observe(len(accepted) + rejected, len(accepted))
+            controller.observe_tree(len(draft) + 1, pending.draft_seconds)
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), pending.draft_seconds)
         start = len(context)  # node i sits at slot start + i
         request.keep_hidden(runner, [0] + [node + 1 for node in accepted])
