@@ -46,6 +46,15 @@ class _Branch:
 Visible = int | _Branch | torch.Tensor
 
 
+def _write(
+    keys: torch.Tensor, values: torch.Tensor, start: int, new_keys: torch.Tensor, new_values: torch.Tensor
+) -> None:
+    """Store rows' keys/values ``[k, kv_heads, head_dim]`` at slots ``start..`` of a layer's cache."""
+    end = start + new_keys.shape[0]
+    keys[0, :, start:end] = new_keys.transpose(0, 1)
+    values[0, :, start:end] = new_values.transpose(0, 1)
+
+
 def supports_native(model: nn.Module) -> bool:
     """True iff ``NativeLlamaRunner`` reproduces ``model``'s forward pass exactly (else use the transformers runner)."""
     config = getattr(model, "config", None)
@@ -364,9 +373,7 @@ class NativeLlamaRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[k, kv_heads, head_dim]`` keys/values at slots ``start..``; return the layer's cache."""
         keys, values = self._keys[layer], self._values[layer]
-        end = start + new_keys.shape[0]
-        keys[0, :, start:end] = new_keys.transpose(0, 1)
-        values[0, :, start:end] = new_values.transpose(0, 1)
+        _write(keys, values, start, new_keys, new_values)
         return keys, values
 
     def _decoder_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -448,8 +455,7 @@ class NativeLlamaRunner:
             values[0, :, prefix:end] = new_values[rows].transpose(0, 1)
             out[j] = F.scaled_dot_product_attention(q[j], keys[:, :, :end], values[:, :, :end], scale=self._scaling)
         if branches:  # the new rows' own entries back at their slots
-            end = start + new_keys.shape[0]
-            keys[0, :, start:end], values[0, :, start:end] = new_keys.transpose(0, 1), new_values.transpose(0, 1)
+            _write(keys, values, start, new_keys, new_values)
         return torch.cat(out)
 
 
