@@ -252,13 +252,18 @@ def test_rms_norm_is_bitwise_transformers(dtype):
 
 # Row invariance: the contract that makes greedy speculative output identical to plain decoding.
 # Layer sizes are multiples of 64 so that every quantized format (int4 packs rows in blocks of 64) applies.
+# (dtype, quantization, group size, kernels): quantized weights run the compiled kernels ("kernels") or, as where
+# they cannot be built, PyTorch's weight-only kernels ("torch"); both must keep every promise.
 SETTINGS = [
-    ("float32", None, 32),
-    ("bfloat16", None, 32),
-    ("float32", "int8", 32),
-    ("float32", "int4", 32),
-    ("float32", "int4", 64),
+    ("float32", None, 32, "torch"),
+    ("bfloat16", None, 32, "torch"),
+    ("float32", "int8", 32, "kernels"),
+    ("float32", "int4", 32, "kernels"),
+    ("float32", "int4", 64, "kernels"),
+    ("float32", "int8", 32, "torch"),
+    ("float32", "int4", 32, "torch"),
 ]
+SETTING_NAMES = ("dtype", "quantization", "group_size", "kernels")
 
 
 def _wide(model_cls=LlamaForCausalLM, config_cls=LlamaConfig, **overrides):
@@ -267,11 +272,17 @@ def _wide(model_cls=LlamaForCausalLM, config_cls=LlamaConfig, **overrides):
     return _build(model_cls, _small(config_cls, **fields))
 
 
-def _loaded(model, dtype: str, quantization: str | None, group_size: int):
+def _loaded(model, dtype: str, quantization: str | None, group_size: int, kernels: str = "kernels"):
     import specdecode as sd
+    from specdecode.models.kernels import ops
 
-    loaded = sd.load_model(copy.deepcopy(model), dtype=dtype, quantization=quantization, group_size=group_size)
+    with pytest.MonkeyPatch.context() as patch:
+        if kernels == "torch":
+            patch.setenv("SPECDECODE_KERNELS", "0")
+        loaded = sd.load_model(copy.deepcopy(model), dtype=dtype, quantization=quantization, group_size=group_size)
     assert loaded.backend == "native" and loaded.quantization == quantization
+    expected = quantization is not None and kernels == "kernels" and ops() is not None
+    assert loaded.new_runner().uses_kernels == expected
     return loaded
 
 
@@ -286,27 +297,27 @@ def _assert_rows_equal_single_steps(runner, context: list[int], tokens: list[int
         assert torch.equal(together[row], single), f"row {row} of {len(tokens)} after {len(context)} tokens"
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS)
-def test_k_token_pass_is_bitwise_k_single_steps(dtype, quantization, group_size):
-    runner = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
+def test_k_token_pass_is_bitwise_k_single_steps(dtype, quantization, group_size, kernels):
+    runner = _loaded(_wide(), dtype, quantization, group_size, kernels).new_runner()
     ids = _ids(232, seed=5)
     for context in (1, 9, 200):
         for k in range(1, 33):
             _assert_rows_equal_single_steps(runner, ids[:context], ids[context : context + k])
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS[::2])
-def test_row_invariance_with_biases_and_tied_head(dtype, quantization, group_size):
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS[::2])
+def test_row_invariance_with_biases_and_tied_head(dtype, quantization, group_size, kernels):
     qwen = _wide(Qwen2ForCausalLM, Qwen2Config, use_sliding_window=False, tie_word_embeddings=True)
-    runner = _loaded(qwen, dtype, quantization, group_size).new_runner()
+    runner = _loaded(qwen, dtype, quantization, group_size, kernels).new_runner()
     ids = _ids(60, seed=6)
     for k in (2, 7, 16):
         _assert_rows_equal_single_steps(runner, ids[:40], ids[40 : 40 + k])
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS)
-def test_tree_rows_are_bitwise_the_chain_of_their_branch(dtype, quantization, group_size):
-    runner = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
+def test_tree_rows_are_bitwise_the_chain_of_their_branch(dtype, quantization, group_size, kernels):
+    runner = _loaded(_wide(), dtype, quantization, group_size, kernels).new_runner()
     prefix, branch_a, branch_b = _ids(9), [3, 17], [5, 11, 40]
     n = len(prefix)
     runner.prefill(torch.tensor(prefix))
@@ -323,13 +334,15 @@ def test_tree_rows_are_bitwise_the_chain_of_their_branch(dtype, quantization, gr
         runner.rollback_to(n)
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS[:3])
-def test_every_row_of_a_deep_wide_tree_is_bitwise_its_branch_then_the_cache_is_intact(dtype, quantization, group_size):
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS[:3] + SETTINGS[-1:])
+def test_every_row_of_a_deep_wide_tree_is_bitwise_its_branch_then_the_cache_is_intact(
+    dtype, quantization, group_size, kernels
+):
     """Branches of different depths and prefixes in one pass (the runner moves each branch's entries next to
     its prefix in turn): every row equals the chain along its branch, and the cache keeps every row's entry."""
     from specdecode.tree import attention_mask, depths
 
-    runner = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+    runner = _loaded(_wide(), dtype, quantization, group_size, kernels).new_runner()
     prefix = _ids(12, seed=8)
     parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, 7, -1])
     tokens = _ids(len(parents) + 1, seed=9)  # the root (newest context token), then one per node
@@ -343,13 +356,13 @@ def test_every_row_of_a_deep_wide_tree_is_bitwise_its_branch_then_the_cache_is_i
             path.insert(0, at + 1)
             at = int(parents[at])
         branch = [0, *path]  # rows of the tree along the branch
-        chain = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+        chain = _loaded(_wide(), dtype, quantization, group_size, kernels).new_runner()
         chain.prefill(torch.tensor(prefix))
         expected = chain.forward(torch.tensor([tokens[r] for r in branch]))
         assert torch.equal(tree[node + 1], expected[-1]), f"node {node}"
     runner.retain(cached, [cached + r for r in (0, 2, 5, 8)])  # keep root -> 1 -> 4 -> 7
     after = runner.forward(torch.tensor([3]))
-    chain = _loaded(_wide(), dtype, quantization, group_size).new_runner()
+    chain = _loaded(_wide(), dtype, quantization, group_size, kernels).new_runner()
     chain.prefill(torch.tensor(prefix))
     expected = chain.forward(torch.tensor([tokens[r] for r in (0, 2, 5, 8)] + [3]))
     assert torch.equal(after[0], expected[-1])
@@ -421,11 +434,11 @@ def test_load_model_quantization_errors():
     assert sd.load_model(model).quantization is None  # a model object: dense unless asked
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "group_size"), SETTINGS)
-def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(dtype, quantization, group_size):
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
+def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(dtype, quantization, group_size, kernels):
     from specdecode.models.batch import forward_batch
 
-    target = _loaded(_wide(), dtype, quantization, group_size)
+    target = _loaded(_wide(), dtype, quantization, group_size, kernels)
     ids = _ids(300, seed=7)
     contexts = [ids[:1], ids[5:14], ids[20:220], ids[40:43]]  # mixed cache lengths
     chunks = [[ids[1]], ids[14:18], [ids[220]], ids[43:50]]  # plain steps and verify chunks

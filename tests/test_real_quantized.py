@@ -10,7 +10,7 @@ import torch
 import specdecode as sd
 from specdecode.models.bundled import BUNDLED
 from specdecode.models.gguf_blocks import read_gguf_tensors
-from specdecode.models.weights import GroupQuant, Int8Groups
+from specdecode.models.weights import Int8Groups, IntBlocks
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,13 +33,14 @@ def test_stored_blocks_are_the_dense_models_weights(dense):
     q/k row permutation included), and the Q8_0 embedding is exact."""
     stored = read_gguf_tensors(BUNDLED["smollm2"].gguf_path(), dense.model)
     params = dict(dense.model.named_parameters())
-    blocks = {name: t for name, t in stored.items() if isinstance(t, GroupQuant)}
+    blocks = {name: t for name, t in stored.items() if isinstance(t, IntBlocks) and t.bits == 4}
     assert len(blocks) == 210
     for name, weights in blocks.items():
         torch.testing.assert_close(weights.dequantize(), params[name].detach(), rtol=1e-6, atol=1e-6, msg=name)
     embedding = stored["model.embed_tokens.weight"]
-    assert isinstance(embedding, Int8Groups)
+    assert isinstance(embedding, IntBlocks) and embedding.bits == 8
     assert torch.equal(embedding.dequantize(), params["model.embed_tokens.weight"].detach())
+    assert torch.equal(Int8Groups.from_blocks(embedding).dequantize(), params["model.embed_tokens.weight"].detach())
 
 
 @pytest.mark.parametrize(("quantization", "dtype"), [("gguf", "float32"), (None, "bfloat16"), ("int8", "float32")])

@@ -7,7 +7,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from specdecode.models.gguf_blocks import decode_q4_0, decode_q4_1, decode_q4_k, decode_q8_0
+from specdecode.models.gguf_blocks import (
+    decode_q4_0,
+    decode_q4_1,
+    decode_q4_k,
+    decode_q5_0,
+    decode_q5_1,
+    decode_q5_k,
+    decode_q6_k,
+    decode_q8_0,
+)
 from specdecode.models.weights import ACTIVATION_DTYPE, DenseLinear, GroupQuant, Int4Linear, Int8Linear
 
 ROWS, COLS = 128, 256
@@ -28,6 +37,10 @@ def _blocks(rows: int, blocks: int, size: int, halves_at: tuple[int, ...], seed:
         (decode_q4_0, GGMLQuantizationType.Q4_0, 18, (0,), 32),
         (decode_q4_1, GGMLQuantizationType.Q4_1, 20, (0, 2), 32),
         (decode_q4_k, GGMLQuantizationType.Q4_K, 144, (0, 2), 256),
+        (decode_q5_0, GGMLQuantizationType.Q5_0, 22, (0,), 32),
+        (decode_q5_1, GGMLQuantizationType.Q5_1, 24, (0, 2), 32),
+        (decode_q5_k, GGMLQuantizationType.Q5_K, 176, (0, 2), 256),
+        (decode_q6_k, GGMLQuantizationType.Q6_K, 210, (208,), 256),
         (decode_q8_0, GGMLQuantizationType.Q8_0, 34, (0,), 32),
     ],
 )
@@ -36,8 +49,7 @@ def test_gguf_blocks_decode_as_gguf_does(decode, kind, size, halves, per_row):
     expected = torch.from_numpy(np.asarray(dequantize(raw, kind), dtype=np.float32))
     decoded = decode(raw).dequantize()
     assert decoded.shape == expected.shape == (16, COLS)
-    # (q − 8)·d + (m + 8d) rounds once more than d·q + m: float32 rounding, nothing else.
-    torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=1e-6)  # float32 rounding, nothing else
 
 
 def test_q4_k_is_not_decodable_with_the_wrong_nibble_order():

@@ -1,9 +1,10 @@
 """Read a GGUF file's quantized blocks without dequantizing them, in the form our kernels take.
 
-4-bit types become ``GroupQuant`` (w = (q − 8)·scale + zero per group of 32, q in 0..15), exactly as stored:
-Q4_0 (w = d·(q − 8)), Q4_1 (w = d·q + m) and Q4_K (w = d·sc_j·q − dmin·m_j per 32-wide sub-block).
-Q8_0 (w = d·q, q int8 per group of 32) becomes ``Int8Groups``. Every other type is dequantized to float32.
-Tensors are keyed by the transformers parameter name; Llama's q/k rows are un-permuted as transformers does.
+Every integer block type becomes ``IntBlocks``, the file's integers and scales exactly: w = s·(u − o) for the
+symmetric types (Q4_0, Q5_0: o = 8, 16 per block of 32; Q6_K: o = 32 per 16; Q8_0: u = q + 128, o = 128) and
+w = s·u + m for the others (Q4_1, Q5_1: s = d per 32; Q4_K, Q5_K: s = d·sc_j, m = −dmin·m_j per 32-wide
+sub-block). Other types (F32 norms, F16, ...) are dequantized to float32. Tensors are keyed by the transformers
+parameter name; Llama's q/k rows are un-permuted as transformers does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .weights import GroupQuant, Int8Groups
+from .weights import IntBlocks
 
 GROUP = 32
 
@@ -27,32 +28,53 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _group_quant(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> GroupQuant:
-    n = q.shape[0]
-    return GroupQuant(
-        torch.from_numpy(np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8)),
-        torch.from_numpy(np.ascontiguousarray(scale.reshape(n, -1), dtype=np.float32)),
-        torch.from_numpy(np.ascontiguousarray(zero.reshape(n, -1), dtype=np.float32)),
-        GROUP,
-    )
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """The 32 fifth bits of a Q5_0/Q5_1 block (a little-endian uint32), element j at bit j, as 0/16."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 32]: byte b's bit i is element 8b + i
+    return bits.astype(np.uint8) << 4
 
 
-def decode_q4_0(raw: np.ndarray) -> GroupQuant:
-    """Q4_0 blocks (f16 d, 16 bytes of nibbles) → scale d, zero 0."""
+def _blocks(u: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, sym: int, bits: int, group: int = GROUP,
+            half: bool = False) -> IntBlocks:  # fmt: skip
+    n = u.shape[0]
+
+    def tensor(values: np.ndarray, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values.reshape(n, -1), dtype=dtype))
+
+    return IntBlocks(
+        tensor(u, np.uint8), tensor(scale, np.float32), None if offset is None else tensor(offset, np.float32),
+        sym if offset is None else -1, group, bits, half,
+    )  # fmt: skip
+
+
+def decode_q4_0(raw: np.ndarray) -> IntBlocks:
+    """Q4_0 blocks (f16 d, 16 bytes of nibbles): w = d·(q − 8)."""
     blocks = raw.reshape(raw.shape[0], -1, 18)
-    d = _f16(blocks, 0)
-    return _group_quant(_nibbles(blocks[..., 2:]), d, np.zeros_like(d))
+    return _blocks(_nibbles(blocks[..., 2:]), _f16(blocks, 0), None, 8, 4, half=True)
 
 
-def decode_q4_1(raw: np.ndarray) -> GroupQuant:
-    """Q4_1 blocks (f16 d, f16 m, 16 bytes of nibbles): w = d·q + m = (q − 8)·d + (m + 8d)."""
+def decode_q4_1(raw: np.ndarray) -> IntBlocks:
+    """Q4_1 blocks (f16 d, f16 m, 16 bytes of nibbles): w = d·q + m."""
     blocks = raw.reshape(raw.shape[0], -1, 20)
-    d, m = _f16(blocks, 0), _f16(blocks, 2)
-    return _group_quant(_nibbles(blocks[..., 4:]), d, m + 8 * d)
+    return _blocks(_nibbles(blocks[..., 4:]), _f16(blocks, 0), _f16(blocks, 2), -1, 4, half=True)
+
+
+def decode_q5_0(raw: np.ndarray) -> IntBlocks:
+    """Q5_0 blocks (f16 d, 4 bytes of fifth bits, 16 bytes of nibbles): w = d·(q − 16)."""
+    blocks = raw.reshape(raw.shape[0], -1, 22)
+    u = _nibbles(blocks[..., 6:]) | _high_bits(blocks[..., 2:6])
+    return _blocks(u, _f16(blocks, 0), None, 16, 5, half=True)
+
+
+def decode_q5_1(raw: np.ndarray) -> IntBlocks:
+    """Q5_1 blocks (f16 d, f16 m, 4 bytes of fifth bits, 16 bytes of nibbles): w = d·q + m."""
+    blocks = raw.reshape(raw.shape[0], -1, 24)
+    u = _nibbles(blocks[..., 8:]) | _high_bits(blocks[..., 4:8])
+    return _blocks(u, _f16(blocks, 0), _f16(blocks, 2), -1, 5, half=True)
 
 
 def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The eight 6-bit (scale, min) pairs of a Q4_K super-block, as ggml's get_scale_min_k4."""
+    """The eight 6-bit (scale, min) pairs of a Q4_K/Q5_K super-block, as ggml's get_scale_min_k4."""
     lo, hi = packed[..., 0:4].astype(np.int32), packed[..., 4:8].astype(np.int32)
     tail = packed[..., 8:12].astype(np.int32)
     sc = np.concatenate([lo & 63, (tail & 0x0F) | ((lo >> 6) << 4)], axis=-1)
@@ -60,41 +82,80 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def decode_q4_k(raw: np.ndarray) -> GroupQuant:
+def decode_q4_k(raw: np.ndarray) -> IntBlocks:
     """Q4_K super-blocks of 256 (f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles).
 
-    Sub-block j: w = d·sc_j·q − dmin·m_j, so scale = d·sc_j and zero = 8·scale − dmin·m_j. Each 64-wide chunk
-    stores sub-block 2i in the low nibbles and 2i+1 in the high nibbles of the same 32 bytes.
+    Sub-block j: w = d·sc_j·q − dmin·m_j. Each 64-wide chunk stores sub-block 2i in the low nibbles and 2i+1
+    in the high nibbles of the same 32 bytes.
     """
     blocks = raw.reshape(raw.shape[0], -1, 144)
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _q4_k_scales(blocks[..., 4:16])
     qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)
-    q = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # [N, blocks, 4 chunks, 2 halves, 32]
-    scale = d[..., None] * sc
-    zero = 8 * scale - dmin[..., None] * mn
-    return _group_quant(q, scale, zero)
+    u = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # [N, blocks, 4 chunks, 2 halves, 32]
+    return _blocks(u, d[..., None] * sc, -dmin[..., None] * mn, -1, 4)
 
 
-def decode_q8_0(raw: np.ndarray) -> Int8Groups:
-    """Q8_0 blocks (f16 d, 32 int8)."""
+def decode_q5_k(raw: np.ndarray) -> IntBlocks:
+    """Q5_K super-blocks of 256 (f16 d, f16 dmin, 12 bytes of scales/mins, 32 bytes of fifth bits, 128 of nibbles).
+
+    As Q4_K, with q = nibble + 16·bit: chunk i's sub-block 2i takes bit 2i and 2i+1 bit 2i+1 of qh[l].
+    """
+    blocks = raw.reshape(raw.shape[0], -1, 176)
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _q4_k_scales(blocks[..., 4:16])
+    qh = blocks[..., 16:48][..., None, None, :]  # [N, blocks, 1, 1, 32]
+    qs = blocks[..., 48:].reshape(*blocks.shape[:2], 4, 1, 32)
+    shift = (2 * np.arange(4)[:, None] + np.arange(2)[None, :])[..., None].astype(np.uint8)  # [4, 2, 1]
+    nibble = np.concatenate([qs & 0x0F, qs >> 4], axis=-2)  # [N, blocks, 4, 2, 32]
+    u = nibble | (((qh >> shift) & 1) << 4)
+    return _blocks(u, d[..., None] * sc, -dmin[..., None] * mn, -1, 5)
+
+
+def decode_q6_k(raw: np.ndarray) -> IntBlocks:
+    """Q6_K super-blocks of 256 (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d):
+    w = d·sc_j·(q − 32) per 16-wide sub-block j. Each half of 128 takes 64 bytes of ql and 32 of qh: elements
+    l, l+32, l+64, l+96 are ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high, with qh[l] bits 0-1, 2-3, 4-5, 6-7.
+    """
+    blocks = raw.reshape(raw.shape[0], -1, 210)
+    d = _f16(blocks, 208)
+    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    halves = []
+    for half in range(2):
+        ql = blocks[..., 64 * half : 64 * half + 64]
+        qh = blocks[..., 128 + 32 * half : 128 + 32 * half + 32]
+        parts = [
+            (ql[..., :32] & 0x0F) | ((qh & 3) << 4),
+            (ql[..., 32:] & 0x0F) | (((qh >> 2) & 3) << 4),
+            (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4),
+            (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4),
+        ]
+        halves.append(np.concatenate(parts, axis=-1))
+    u = np.concatenate(halves, axis=-1)
+    return _blocks(u, d[..., None] * scales, None, 32, 6, group=16)
+
+
+def decode_q8_0(raw: np.ndarray) -> IntBlocks:
+    """Q8_0 blocks (f16 d, 32 int8): w = d·q, stored as u = q + 128."""
     blocks = raw.reshape(raw.shape[0], -1, 34)
-    n = blocks.shape[0]
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, -1)
-    return Int8Groups(torch.from_numpy(q.copy()), torch.from_numpy(np.ascontiguousarray(_f16(blocks, 0))))
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).astype(np.int16)
+    return _blocks((q + 128).astype(np.uint8), _f16(blocks, 0), None, 128, 8, half=True)
 
 
-_DECODERS = {"Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q4_K": decode_q4_k, "Q8_0": decode_q8_0}
+_DECODERS = {
+    "Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q5_0": decode_q5_0, "Q5_1": decode_q5_1,
+    "Q4_K": decode_q4_k, "Q5_K": decode_q5_k, "Q6_K": decode_q6_k, "Q8_0": decode_q8_0,
+}  # fmt: skip
 BLOCK_TYPES = tuple(_DECODERS)
 
-StoredTensor = GroupQuant | Int8Groups | torch.Tensor
+StoredTensor = IntBlocks | torch.Tensor
 
 
 def read_gguf_tensors(path: str | Path, model: torch.nn.Module) -> dict[str, StoredTensor]:
     """Every tensor of the GGUF file at ``path``, keyed by ``model``'s parameter name, in its stored format.
 
-    Block types in ``BLOCK_TYPES`` keep their blocks; other types are dequantized to float32 (e.g. F32 norms,
-    Q6_K, Q5_K). Rows of Llama's q/k projections are permuted as transformers' loader permutes them.
+    Block types in ``BLOCK_TYPES`` keep their blocks; other types are dequantized to float32 (e.g. F32 norms).
+    Rows of Llama's q/k projections are permuted as transformers' loader permutes them.
     """
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
@@ -120,7 +181,7 @@ def read_gguf_tensors(path: str | Path, model: torch.nn.Module) -> dict[str, Sto
 
 
 def _rows(stored: StoredTensor) -> int:
-    return stored.q.shape[0] if isinstance(stored, GroupQuant | Int8Groups) else stored.shape[0]
+    return stored.u.shape[0] if isinstance(stored, IntBlocks) else stored.shape[0]
 
 
 def _rows_order(architecture: str, name: str, config, rows: int) -> torch.Tensor | None:
@@ -137,8 +198,4 @@ def _rows_order(architecture: str, name: str, config, rows: int) -> torch.Tensor
 
 
 def _take_rows(stored: StoredTensor, order: torch.Tensor) -> StoredTensor:
-    if isinstance(stored, GroupQuant):
-        return GroupQuant(stored.q[order], stored.scale[order], stored.zero[order], stored.group_size)
-    if isinstance(stored, Int8Groups):
-        return Int8Groups(stored.q[order], stored.scale[order])
-    return stored[order]
+    return stored.take_rows(order) if isinstance(stored, IntBlocks) else stored[order]

@@ -14,6 +14,7 @@ row-invariant; attention is made so by one call per row over exactly that row's 
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,8 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .base import check_retained_slots
-from .weights import Embedding, Linear, QuantizedEmbedding, QuantizedLinear, embedding_of, fuse_linears, linear_of
+from .weights import (
+    Embedding,
+    Int8Groups,
+    KernelHandle,
+    KernelLinear,
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    embedding_of,
+    fuse_linears,
+    kernel_parts,
+    linear_of,
+)
 
 _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # RoPE types whose inverse frequencies are fixed at load time (no per-call update in transformers).
@@ -108,6 +122,7 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: Linear  # [2 * intermediate] outputs
     down: Linear
+    kernel: KernelHandle | None = None  # the layer registered with the compiled kernels, when all its matrices are
 
 
 @dataclass(frozen=True)
@@ -141,8 +156,34 @@ def _fused_layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
         gate_up=fuse_linears([mlp.gate_proj, mlp.up_proj]),
         down=linear_of(mlp.down_proj),
     )
+    parts = [kernel_parts(linear) for linear in (fused.qkv, fused.o, fused.gate_up, fused.down)]
+    if all(p is not None for p in parts):
+        layer_id = kernels.library().register_layer(fused.input_norm, parts[0], parts[1], fused.post_norm, *parts[2:])
+        fused = dataclasses.replace(fused, kernel=KernelHandle(layer=layer_id))
     _LAYERS[layer] = (attn.o_proj, fused)
     return fused
+
+
+def _kernel_layers(layers: Sequence[_Layer], lm_head: Linear, config, head_dim: int) -> list[int] | None:
+    """The kernel ids of ``layers`` when the compiled decoder can run them all (and the head), else None."""
+    if not isinstance(lm_head, KernelLinear) or any(layer.kernel is None for layer in layers):
+        return None
+    if config.hidden_size % 16 or config.intermediate_size % 16 or head_dim % 16 or head_dim > 256:
+        return None
+    return [layer.kernel.id for layer in layers]
+
+
+def _visible_slots(start: int, k: int, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each of ``k`` new rows at slots ``start..`` attends to, for the kernels: (prefix, extra slots, extras
+    per row). Row i sees slots ``0..prefix[i]-1``, then its extras in ascending order (a tree row: its ancestors
+    and itself); without a mask, the causal chain (prefix ``start + i + 1``, no extras)."""
+    if mask is None:
+        none = torch.zeros(k, dtype=torch.int64)
+        return torch.arange(start + 1, start + k + 1), none[:0], none
+    prefix = mask.to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int64)
+    rest = mask & (torch.arange(mask.shape[1]) >= prefix[:, None])
+    rows, slots = rest.nonzero(as_tuple=True)
+    return prefix, slots, torch.bincount(rows, minlength=k)
 
 
 def _same_weights(linear: Linear, module: nn.Module) -> bool:
@@ -212,11 +253,17 @@ class NativeLlamaRunner:
         self._intermediate = config.intermediate_size
         self._inv_freq = rotary.inv_freq.detach().float()
         self._attention_scaling = rotary.attention_scaling
+        self._kernel_layers = _kernel_layers(self._layers, self._lm_head, config, self._head_dim)
         self._length = 0
         self._capacity = 0
         self._allocate(max_length)
         self.capture_hidden = False
         self.hidden: torch.Tensor | None = None
+
+    @property
+    def uses_kernels(self) -> bool:
+        """True when forwards run the compiled kernels (``kernels.cpp``), False on the pure-torch path."""
+        return self._kernel_layers is not None
 
     @property
     def length(self) -> int:
@@ -238,7 +285,12 @@ class NativeLlamaRunner:
         slots = check_retained_slots(start, slots, self._length)
         m = len(slots)
         if m and int(slots[-1]) != start + m - 1:  # not already in place
-            self._keys[..., start : start + m, :] = self._keys[..., slots, :]
+            if self.uses_kernels:  # keys in tiles of 16 slots: slot s is (tile s // 16, lane s % 16)
+                for to, at in enumerate(slots.tolist(), start):
+                    if to != at:
+                        self._keys[:, :, to // 16, :, to % 16] = self._keys[:, :, at // 16, :, at % 16]
+            else:
+                self._keys[..., start : start + m, :] = self._keys[..., slots, :]
             self._values[..., start : start + m, :] = self._values[..., slots, :]
         self._length = start + m
 
@@ -249,12 +301,23 @@ class NativeLlamaRunner:
     @torch.inference_mode()
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate the KV cache and RoPE tables for ``capacity`` slots, keeping the cached entries."""
-        shape = (len(self._layers), 1, self._kv_heads, capacity, self._head_dim)
-        keys = torch.empty(shape, dtype=self._dtype, device=self._device)
-        values = torch.empty(shape, dtype=self._dtype, device=self._device)
-        if self._length:
-            keys[..., : self._length, :] = self._keys[..., : self._length, :]
-            values[..., : self._length, :] = self._values[..., : self._length, :]
+        n = self._length
+        if self.uses_kernels:  # the kernels' layout: keys in tiles of 16 slots [layers, kv_heads, tiles, head_dim, 16]
+            capacity = -(-capacity // 16) * 16
+            layers, kv_heads, d = len(self._layers), self._kv_heads, self._head_dim
+            keys = torch.zeros((layers, kv_heads, capacity // 16, d, 16), dtype=self._dtype)
+            values = torch.zeros((layers, kv_heads, capacity, d), dtype=self._dtype)
+            if n:
+                tiles = -(-n // 16)
+                keys[:, :, :tiles] = self._keys[:, :, :tiles]
+                values[..., :n, :] = self._values[..., :n, :]
+        else:
+            shape = (len(self._layers), 1, self._kv_heads, capacity, self._head_dim)
+            keys = torch.empty(shape, dtype=self._dtype, device=self._device)
+            values = torch.empty(shape, dtype=self._dtype, device=self._device)
+            if n:
+                keys[..., :n, :] = self._keys[..., :n, :]
+                values[..., :n, :] = self._values[..., :n, :]
         self._keys, self._values = keys, values
         # As transformers' rotary embedding: float32 angles, cos/sin scaled, then cast to the model dtype.
         self._slots = torch.arange(capacity, device=self._device)
@@ -320,13 +383,15 @@ class NativeLlamaRunner:
         k = tokens.shape[0]
         start = self._length
         end = start + k
+        if attn_mask is not None and attn_mask.shape != (k, end):
+            raise ValueError(f"attn_mask must have shape ({k}, {end}), got {tuple(attn_mask.shape)}")
         self._reserve(end)
+        if self.uses_kernels:
+            return self._run_kernels([self], [tokens], [positions], [attn_mask], logits)[0]
         if positions is None:
             cos, sin = self._cos[start:end], self._signed_sin[start:end]
         else:
             cos, sin = self._cos[positions], self._signed_sin[positions]
-        if attn_mask is not None and attn_mask.shape != (k, end):
-            raise ValueError(f"attn_mask must have shape ({k}, {end}), got {tuple(attn_mask.shape)}")
         batched_mask = None
         causal_prefill = not logits and k > 1 and start == 0 and attn_mask is None
         if not logits and k > 1 and not causal_prefill:  # prefill: one attention call, causal (or given) mask
@@ -362,6 +427,53 @@ class NativeLlamaRunner:
         if self.capture_hidden:
             self.hidden = x.float()
         return self._head(x) if logits else None
+
+    def _run_kernels(
+        self,
+        runners: Sequence[NativeLlamaRunner],
+        tokens: Sequence[torch.Tensor],
+        positions: Sequence[torch.Tensor | None],
+        masks: Sequence[torch.Tensor | None],
+        logits: bool,
+    ) -> list[torch.Tensor | None]:
+        """One pass of the compiled decoder over every runner's new rows (their caches reserved already), then
+        the head; each runner's rows and cache exactly as its own ``forward`` gives them (row invariance)."""
+        meta, offsets, extras, cos, sin, counts = [], [0], [], [], [], []
+        for index, (runner, chunk, pos, mask) in enumerate(zip(runners, tokens, positions, masks, strict=True)):
+            start, k = runner.length, int(chunk.shape[0])
+            pos = torch.arange(start, start + k) if pos is None else pos.to(torch.int64)
+            prefix, slots, counts_per_row = _visible_slots(start, k, mask)
+            meta.append(torch.stack([torch.full((k,), index), torch.arange(start, start + k), pos, prefix], 1))
+            extras.append(slots)
+            offsets.extend((offsets[-1] + counts_per_row.cumsum(0)).tolist())
+            cos.append(runner._cos[pos])
+            sin.append(runner._signed_sin[pos])
+            counts.append(k)
+        x = self._embed(torch.cat(list(tokens))).to(torch.float32).contiguous()
+        kernels.library().decoder(
+            x, self._kernel_layers, [r._keys for r in runners], [r._values for r in runners],
+            torch.cat(meta).to(torch.int32).contiguous(), torch.tensor(offsets, dtype=torch.int64), torch.cat(extras),
+            torch.cat(cos).contiguous(), torch.cat(sin).contiguous(), self._heads, self._kv_heads, self._head_dim,
+            self._eps, self._scaling,
+        )  # fmt: skip
+        head = self._kernel_head(x) if logits else None
+        out: list[torch.Tensor | None] = []
+        row = 0
+        for runner, k in zip(runners, counts, strict=True):
+            runner._length += k
+            if runner.capture_hidden:
+                runner.hidden = x[row : row + k]
+            out.append(None if head is None else head[row : row + k])
+            row += k
+        return out
+
+    def _kernel_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head through the kernels: float32 logits, the top rows refined exactly."""
+        exact = self._exact_head_rows
+        q, scale = (exact.q, exact.scale) if isinstance(exact, Int8Groups) else (None, None)
+        return kernels.library().lm_head(
+            x, self._norm, self._eps, [self._lm_head.handle.id], self.vocab_size, q, scale, REFINED_LOGITS
+        )
 
     def _reserve(self, end: int) -> None:
         """Grow the cache (doubling) so that slots up to ``end`` exist."""
@@ -479,6 +591,8 @@ def forward_batch(runners: Sequence[NativeLlamaRunner], tokens: Sequence[torch.T
     counts = [int(t.shape[0]) for t in tokens]
     for runner, start, k in zip(runners, starts, counts, strict=True):
         runner._reserve(start + k)
+    if lead.uses_kernels:
+        return lead._run_kernels(runners, tokens, [None] * len(runners), [None] * len(runners), logits=True)
     cos = torch.cat([r._cos[s : s + k] for r, s, k in zip(runners, starts, counts, strict=True)])
     sin = torch.cat([r._signed_sin[s : s + k] for r, s, k in zip(runners, starts, counts, strict=True)])
     offsets = [sum(counts[:i]) for i in range(len(counts))]

@@ -1,10 +1,11 @@
 """Put a loaded transformers model's linear layers into a quantized format, in place.
 
-``gguf`` keeps a GGUF file's own 4-bit blocks (Q4_0, Q4_1, Q4_K: the file's integers and scales, scales rounded
-to bfloat16 for the kernel); ``int4`` rounds dense weights groupwise to 4 bits; ``int8`` per output row to 8 bits.
-In every mode the LM head is int8 per row (the head is sensitive and too large to keep dense), and a tied input
-embedding reads its rows (``gguf``: the file's Q8_0 embedding, exact). Matrices the file stores in another type
-(F32, F16, Q6_K, …) stay dense float32.
+``gguf`` keeps a GGUF file's own integer blocks; ``int4`` rounds dense weights groupwise to 4 bits; ``int8`` per
+output row to 8 bits. With the compiled kernels (``kernels/``) every block type runs as stored (Q4_0, Q4_1, Q4_K,
+Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) and a tied LM head reads the embedding's own blocks. Without them PyTorch's
+weight-only kernels run the 4-bit types (scales rounded to bfloat16) and int8 rows (Q8_0 re-quantized per row);
+other types stay dense float32, and the LM head is int8 per row. A tied input embedding reads the file's table
+(exact) or the head's int8 rows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import kernels
 from .gguf_blocks import read_gguf_tensors
 from .weights import (
     GROUP_SIZES,
@@ -23,6 +25,8 @@ from .weights import (
     Int4Linear,
     Int8Groups,
     Int8Linear,
+    IntBlocks,
+    KernelLinear,
     QuantizedEmbedding,
     QuantizedLinear,
     RowSlice,
@@ -50,10 +54,15 @@ class Quantization:
 
 
 def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path | None = None) -> None:
-    """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules, in place."""
+    """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules, in place.
+
+    With the compiled kernels every integer format runs as ``KernelLinear`` (GGUF blocks of every type kept as
+    stored); without them, as PyTorch's int4/int8 weight-only kernels (other GGUF types stay dense float32).
+    """
     if quantization.kind == "gguf" and gguf_path is None:
         raise ValueError("quantization='gguf' needs a GGUF file: load a .gguf path or a bundled model")
     stored = read_gguf_tensors(gguf_path, model) if quantization.kind == "gguf" else {}
+    native = kernels.ops() is not None
     llama = getattr(model.config, "model_type", None) in ("llama", "mistral", "qwen2")
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}."
@@ -61,48 +70,59 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
         for group in groups:
             modules = [layer.get_submodule(name) for name in group]
             stored_weights = [stored.get(f"{prefix}{name}.weight") for name in group]
-            sources = [_source(m, w, quantization) for m, w in zip(modules, stored_weights, strict=True)]
+            sources = [_source(m, w, quantization, native) for m, w in zip(modules, stored_weights, strict=True)]
             _quantize_group(layer, group, modules, sources)
-    _quantize_head(model, stored.get("model.embed_tokens.weight"))
+    _quantize_head(model, stored.get("model.embed_tokens.weight"), native)
 
 
 def _is_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-def _source(module: nn.Module, stored, quantization: Quantization) -> GroupQuant | Int8Linear | None:
-    """What ``module`` becomes: 4-bit groups, int8 rows, or None (stays dense)."""
+Source = IntBlocks | GroupQuant | Int8Linear | None
+
+
+def _source(module: nn.Module, stored, quantization: Quantization, native: bool) -> Source:
+    """What ``module`` becomes: integer blocks for the kernels (``native``), else 4-bit groups or int8 rows for
+    PyTorch's kernels, or None (stays dense)."""
     bias = module.bias
     if quantization.kind == "int4":
-        return GroupQuant.quantize(module.weight, quantization.group_size)
+        groups = GroupQuant.quantize(module.weight, quantization.group_size)
+        return IntBlocks.from_group_quant(groups) if native else groups
     if quantization.kind == "int8":
-        return Int8Linear.quantize(module.weight, bias)
-    if isinstance(stored, GroupQuant):
+        rows = Int8Linear.quantize(module.weight, bias)
+        return IntBlocks.from_int8(rows) if native else rows
+    if not isinstance(stored, IntBlocks):
+        return None
+    if native:
         return stored
-    if isinstance(stored, Int8Groups):
+    if stored.bits <= 4:
+        return stored.to_group_quant()
+    if stored.bits == 8 and stored.sym == 128:  # Q8_0: re-quantized per row for the int8 kernel
         return Int8Linear.quantize(stored.dequantize(), bias)
     return None
 
 
 def _quantize_group(layer: nn.Module, names, modules, sources) -> None:
     """Swap the modules of one fusable group; register their fused format for the native runner."""
-    fused: Int4Linear | Int8Linear | None = None
-    if all(isinstance(s, GroupQuant) for s in sources):
+    fused: KernelLinear | Int4Linear | Int8Linear | None = None
+    if all(isinstance(s, IntBlocks) for s in sources):
+        fused = KernelLinear.cat(sources, concat_biases(modules))  # None when the parts' layouts differ
+    elif all(isinstance(s, GroupQuant) for s in sources):
         fused = Int4Linear.from_groups(GroupQuant.cat(sources), concat_biases(modules))
     elif all(isinstance(s, Int8Linear) for s in sources):
         q, scale = torch.cat([s.q for s in sources]), torch.cat([s.scale for s in sources])
         fused = Int8Linear(q, scale, concat_biases(modules))
     if fused is not None:
         if len(modules) == 1:
-            kernels = [fused]
+            kernels_ = [fused]
         else:
             bounds = torch.tensor([0] + [m.out_features for m in modules]).cumsum(0).tolist()
-            kernels = [RowSlice(fused, a, b) for a, b in itertools.pairwise(bounds)]
+            kernels_ = [RowSlice(fused, a, b) for a, b in itertools.pairwise(bounds)]
     else:  # mixed or dense: each part on its own (the native runner concatenates their outputs)
-        kernels = [s if isinstance(s, Int8Linear) else None if s is None else Int4Linear.from_groups(s, m.bias)
-                   for s, m in zip(sources, modules, strict=True)]  # fmt: skip
+        kernels_ = [_format(s, m) for s, m in zip(sources, modules, strict=True)]
     swapped = []
-    for name, module, kernel in zip(names, modules, kernels, strict=True):
+    for name, module, kernel in zip(names, modules, kernels_, strict=True):
         if kernel is None:
             swapped.append(module)
             continue
@@ -113,19 +133,38 @@ def _quantize_group(layer: nn.Module, names, modules, sources) -> None:
         register_fused(swapped, fused)
 
 
-def _quantize_head(model: nn.Module, stored_embedding) -> None:
-    """LM head → int8 per row, carrying its exact rows (the file's Q8_0 table when the head is tied to it);
-    the input embedding → that table, or the tied head's int8 rows."""
+def _format(source: Source, module: nn.Module) -> KernelLinear | Int4Linear | Int8Linear | None:
+    if isinstance(source, IntBlocks):
+        return KernelLinear.from_blocks(source, module.bias)
+    if isinstance(source, GroupQuant):
+        return Int4Linear.from_groups(source, module.bias)
+    return source
+
+
+def _quantize_head(model: nn.Module, stored_embedding, native: bool) -> None:
+    """LM head → the tied embedding's own blocks when the kernels run (exact, for types whose weights are int8
+    times a scale: Q8_0, Q6_K, ...), else int8 per row. It carries exact int8 rows (the file's, else the int8
+    head's), from which the runner recomputes each row's top logits; the input embedding reads the file's
+    table when it has one (exact), else the tied head's int8 rows."""
     head = model.lm_head
     embed = model.model.embed_tokens
     tied = embed.weight.data_ptr() == head.weight.data_ptr()
-    kernel = Int8Linear.quantize(head.weight, head.bias)
-    exact = stored_embedding if tied and isinstance(stored_embedding, Int8Groups) else kernel.rows
-    model.lm_head = QuantizedLinear(kernel, head.in_features, head.out_features, exact_rows=exact)
-    if isinstance(stored_embedding, Int8Groups):
-        table = stored_embedding
-    elif tied:
-        table = kernel.rows  # the int8 head's own rows
+    blocks = stored_embedding if isinstance(stored_embedding, IntBlocks) else None
+    table = Int8Groups.from_blocks(blocks) if blocks is not None and _int8_rows(blocks) else None
+    if tied and table is not None and (native or blocks.bits == 8):
+        exact = table
+        kernel = KernelLinear.from_blocks(blocks, head.bias) if native else Int8Linear.quantize(head.weight, head.bias)
     else:
-        return
-    model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim)
+        rows = Int8Linear.quantize(head.weight, head.bias)
+        exact = rows.exact_rows()
+        kernel = KernelLinear.from_blocks(IntBlocks.from_int8(rows), head.bias) if native else rows
+    model.lm_head = QuantizedLinear(kernel, head.in_features, head.out_features, exact_rows=exact)
+    if table is None and tied:
+        table = exact
+    if table is not None:
+        model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim)
+
+
+def _int8_rows(blocks: IntBlocks) -> bool:
+    """Blocks whose weights are exactly int8 values times a scale (symmetric types of up to 8 bits)."""
+    return blocks.offset is None and blocks.bits <= 8 and 0 <= blocks.sym <= 128

@@ -8,6 +8,7 @@ both are row-invariant (each row of a k-row product is bitwise the one-row produ
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,53 @@ class GroupQuant:
             torch.cat([p.zero for p in parts]),
             parts[0].group_size,
         )
+
+
+@dataclass(frozen=True)
+class IntBlocks:
+    """Integer weights exactly as a GGUF file stores them, per group g = j // group_size of each row:
+    w[n, j] = scale[n, g]·(u[n, j] − sym) for symmetric types (Q4_0, Q5_0, Q6_K, Q8_0: ``offset`` None), else
+    scale[n, g]·u[n, j] + offset[n, g] (Q4_1, Q5_1, Q4_K, Q5_K). u is unsigned, below 2**bits."""
+
+    u: torch.Tensor  # uint8 [N, K]
+    scale: torch.Tensor  # float32 [N, K / group_size]
+    offset: torch.Tensor | None  # float32 [N, K / group_size]
+    sym: int  # the zero point of a symmetric type; −1 when ``offset`` is given
+    group_size: int
+    bits: int
+    half_scales: bool = False  # every scale and offset is exactly a float16 value (the file's own fields)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights in float32 (computed in float64, rounded once)."""
+        n, k = self.u.shape
+        u = self.u.double().view(n, k // self.group_size, self.group_size)
+        scale = self.scale.double()[..., None]
+        w = scale * (u - self.sym) if self.offset is None else scale * u + self.offset.double()[..., None]
+        return w.view(n, k).float()
+
+    def to_group_quant(self) -> GroupQuant:
+        """4-bit blocks as ``GroupQuant`` (w = (q − 8)·scale + zero) for the pure-torch kernels."""
+        if self.bits > 4:
+            raise ValueError(f"{self.bits}-bit blocks do not fit GroupQuant's 4 bits")
+        zero = self.offset + 8 * self.scale if self.offset is not None else (8 - self.sym) * self.scale
+        return GroupQuant(self.u, self.scale, zero, self.group_size)
+
+    def take_rows(self, order: torch.Tensor) -> IntBlocks:
+        offset = None if self.offset is None else self.offset[order]
+        return dataclasses.replace(self, u=self.u[order], scale=self.scale[order], offset=offset)
+
+    @staticmethod
+    def from_group_quant(weights: GroupQuant) -> IntBlocks:
+        return IntBlocks(weights.q, weights.scale, weights.zero - 8 * weights.scale, -1, weights.group_size, 4)
+
+    @staticmethod
+    def from_int8(weights: Int8Linear) -> IntBlocks:
+        """Int8 rows with one scale per row, as 8-bit blocks of 32 sharing their row's scale."""
+        n, k = weights.q.shape
+        group = 32 if k % 32 == 0 else 16
+        scale = weights.scale.float()[:, None].expand(n, k // group).contiguous()
+        half = bool(torch.equal(scale.half().float(), scale))
+        return IntBlocks((weights.q.to(torch.int16) + 128).to(torch.uint8), scale, None, 128, group, 8, half)
 
 
 @dataclass(frozen=True)
@@ -135,6 +183,10 @@ class Int8Linear:
         """The weights of output rows ``index`` as the kernel sees them, in float32."""
         return self.q[index].float() * self.scale[index].float()[..., None]
 
+    def exact_rows(self) -> Int8Groups:
+        """The same weights as an int8 table (one scale per row), sharing ``q``."""
+        return Int8Groups(self.q, self.scale.float()[:, None])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), self.q, self.scale)
         return y if self.bias is None else y + self.bias
@@ -155,7 +207,7 @@ class RowSlice:
     """Output rows ``start:stop`` of a fused matrix, computed through it: a module's view of a fused format that
     costs no memory (the native runner calls the fused matrix itself; transformers' forward calls this)."""
 
-    fused: Int4Linear | Int8Linear
+    fused: Int4Linear | Int8Linear | KernelLinear
     start: int
     stop: int
 
@@ -163,25 +215,139 @@ class RowSlice:
         return self.fused(x)[:, self.start : self.stop]
 
 
-Linear = DenseLinear | Int4Linear | Int8Linear | ConcatLinear | RowSlice
+@dataclass(frozen=True)
+class KernelLinear:
+    """Integer blocks in the compiled kernels' tile layout (``kernels/kernels.cpp``): float32 in and out, each
+    input row quantized to int16 per group, integer dot products, float32 sums in a fixed order (row-invariant)."""
+
+    packed: torch.Tensor  # uint8: 4-bit blocks as nibbles, 5- to 8-bit ones as bytes, tiles of 16 outputs
+    scales: torch.Tensor  # float16 or float32 [tiles, groups, 16]
+    offsets: torch.Tensor | None  # as scales, for asymmetric blocks
+    bias: torch.Tensor | None  # float32 [N]
+    in_features: int
+    out_features: int
+    group_size: int
+    nibbles: bool
+    sym: int
+    handle: KernelHandle = dataclasses.field(compare=False, repr=False)
+
+    @staticmethod
+    def from_blocks(blocks: IntBlocks, bias: torch.Tensor | None = None) -> KernelLinear:
+        """Pack ``blocks`` (groups of 16 or 32, or larger ones split into 32s) and register them with the kernels."""
+        from .kernels import ops
+
+        kernels = ops()
+        if kernels is None:
+            raise RuntimeError("the CPU kernels are not available")
+        n, k = blocks.u.shape
+        group = blocks.group_size
+        scale, offset = blocks.scale, blocks.offset
+        if group > 32:  # the kernels sum integers per group of ≤ 32: repeat each scale over its 32-wide parts
+            repeat = group // 32
+            scale = scale.repeat_interleave(repeat, dim=1)
+            offset = None if offset is None else offset.repeat_interleave(repeat, dim=1)
+            group = 32
+        nibbles = blocks.bits <= 4
+        packed, scales, offsets = _tile_layout(blocks.u, scale, offset, group, nibbles, blocks.half_scales)
+        bias = _float(bias)
+        handle = KernelHandle(kernels.register_matrix(packed, scales, offsets, bias, n, k, group, nibbles, blocks.sym))
+        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, blocks.sym, handle)
+
+    @staticmethod
+    def cat(parts: Sequence[IntBlocks], bias: torch.Tensor | None = None) -> KernelLinear | None:
+        """One matrix of ``parts`` stacked by output rows, if they share one layout (else None)."""
+        first = parts[0]
+        layout = {(p.group_size, p.bits <= 4, p.sym, p.half_scales, p.offset is None) for p in parts}
+        if len(layout) != 1:
+            return None
+        offset = None if first.offset is None else torch.cat([p.offset for p in parts])
+        blocks = IntBlocks(
+            torch.cat([p.u for p in parts]), torch.cat([p.scale for p in parts]), offset, first.sym,
+            first.group_size, max(p.bits for p in parts), first.half_scales,
+        )  # fmt: skip
+        return KernelLinear.from_blocks(blocks, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from .kernels import library
+
+        return library().linear(x.reshape(-1, self.in_features).float(), [self.handle.id])
+
+
+class KernelHandle:
+    """A matrix (or a decoder layer) registered with the compiled kernels; released when its holder goes."""
+
+    def __init__(self, matrix: int = -1, layer: int = -1) -> None:
+        self.id = matrix if layer < 0 else layer
+        self._matrix, self._layer = matrix, layer
+
+    def __del__(self) -> None:
+        try:
+            from .kernels import library
+
+            library().release(self._matrix, self._layer)
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass
+
+
+def kernel_parts(linear: Linear) -> list[int] | None:
+    """The kernel matrices computing ``linear`` side by side, or None if any part is another format."""
+    if isinstance(linear, KernelLinear):
+        return [linear.handle.id]
+    if isinstance(linear, ConcatLinear) and all(isinstance(p, KernelLinear) for p in linear.parts):
+        return [p.handle.id for p in linear.parts]
+    return None
+
+
+def _tile_layout(u, scale, offset, group: int, nibbles: bool, half: bool):
+    """``kernels.cpp``'s layout: outputs in tiles of 16 (zero rows pad the last), per tile each group's integers
+    as pairs (2p, 2p+1) per output (nibbles: pair q low, pair q + group/4 high), scales [tile, group, 16]."""
+    n, k = u.shape
+    tiles = -(-n // 16)
+    pad = tiles * 16 - n
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+    groups = k // group
+    pairs = u.view(tiles, 16, groups, group // 2, 2).permute(0, 2, 3, 1, 4)  # [tile, group, pair, output, 2]
+    if nibbles:
+        quarter = group // 4
+        pairs = pairs[:, :, :quarter] | (pairs[:, :, quarter:] << 4)
+    dtype = torch.float16 if half else torch.float32
+
+    def per_tile(values):
+        return None if values is None else values.view(tiles, 16, groups).permute(0, 2, 1).to(dtype).contiguous()
+
+    return pairs.contiguous().view(-1), per_tile(scale), per_tile(offset)
+
+
+Linear = DenseLinear | Int4Linear | Int8Linear | KernelLinear | ConcatLinear | RowSlice
 
 
 @dataclass(frozen=True)
 class Int8Groups:
-    """Int8 rows with one scale per group of 32 (GGUF's Q8_0): w[n, j] = scale[n, j // 32]·q[n, j], exact in float32.
+    """Int8 rows with one scale per block (GGUF's Q8_0: blocks of 32; a per-row format: one block per row):
+    w[n, j] = scale[n, j // block]·q[n, j], exact in float32.
 
     Called with token ids it is an embedding table that dequantizes only the rows it reads.
     """
 
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K / 32]
+    scale: torch.Tensor  # float32 [N, K / block]
 
     def dequantize(self) -> torch.Tensor:
         return self(torch.arange(self.q.shape[0]))
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         q = self.q[tokens].float()
-        return (q.view(*q.shape[:-1], -1, 32) * self.scale[tokens][..., None]).view(q.shape)
+        return (q.view(*q.shape[:-1], self.scale.shape[-1], -1) * self.scale[tokens][..., None]).view(q.shape)
+
+    @staticmethod
+    def from_blocks(blocks: IntBlocks) -> Int8Groups:
+        """Symmetric blocks of up to 8 bits (Q8_0: u = q + 128; Q6_K: u = q + 32, ...) as int8 q = u − sym."""
+        if blocks.offset is not None or blocks.bits > 8 or not 0 <= blocks.sym <= 128:
+            raise ValueError("only symmetric blocks of up to 8 bits are int8 rows")
+        return Int8Groups((blocks.u.to(torch.int16) - blocks.sym).to(torch.int8), blocks.scale)
 
 
 @dataclass(frozen=True)
@@ -229,7 +395,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(
         self,
-        kernel: Int4Linear | Int8Linear | RowSlice,
+        kernel: Int4Linear | Int8Linear | KernelLinear | RowSlice,
         in_features: int,
         out_features: int,
         exact_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,

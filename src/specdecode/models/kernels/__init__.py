@@ -1,0 +1,142 @@
+"""Our CPU kernels (``kernels.cpp``), compiled on this machine on first use and cached; or None where they can't be.
+
+``ops()`` returns the loaded operator namespace (``torch.ops.specdecode_kernels``) or None. The first call compiles
+the C++ source with this machine's g++ for its own CPU (``-march=native``: AVX-512 with VNNI, AVX2, or plain C, the
+same numerics in each), with one line on stderr while it does, and caches the library under
+``cache_root()/kernels/<key>`` where the key names the source, the compiler, torch and the CPU's flags, so each
+CPU/compiler builds once. It links torch's own OpenMP runtime, so the kernels run on torch's thread pool.
+``SPECDECODE_KERNELS=0`` turns them off (the pure-torch formats of ``weights.py`` run instead, as they do when
+the build fails: one warning line says why).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+NAMESPACE = "specdecode_kernels"
+# Build variants: the native one the runner uses, and portable ones the tests compare it with bitwise.
+VARIANTS = {
+    "native": ["-march=native"],
+    "avx2": ["-march=haswell"],
+    "portable": ["-march=x86-64", "-DSD_PORTABLE"] if platform.machine() == "x86_64" else ["-DSD_PORTABLE"],
+}
+_lock = threading.Lock()
+_loaded: dict[str, SimpleNamespace | None] = {}
+
+
+def enabled() -> bool:
+    """False when ``SPECDECODE_KERNELS=0`` asks for the pure-torch path."""
+    return os.environ.get("SPECDECODE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def ops(variant: str = "native") -> SimpleNamespace | None:
+    """The kernels' operators for ``variant`` (built and loaded once per process), or None if unavailable or
+    turned off: what a model being loaded now should run on."""
+    if variant == "native" and not enabled():
+        return None
+    with _lock:
+        if variant not in _loaded:
+            _loaded[variant] = _load(variant)
+        return _loaded[variant]
+
+
+def library() -> SimpleNamespace:
+    """The loaded kernels that existing kernel formats run on (whatever ``SPECDECODE_KERNELS`` says now)."""
+    loaded = _loaded.get("native")
+    if loaded is None:
+        raise RuntimeError("the CPU kernels are not loaded")
+    return loaded
+
+
+def _load(variant: str) -> SimpleNamespace | None:
+    try:
+        library = build(variant)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        if variant == "native":
+            warnings.warn(
+                f"specdecode: CPU kernels unavailable ({error}); running the slower pure-torch path",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+    torch.ops.load_library(str(library))
+    return getattr(torch.ops, _namespace(variant))
+
+
+def _namespace(variant: str) -> str:
+    return NAMESPACE if variant == "native" else f"{NAMESPACE}_{variant}"
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "g++"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _command(variant: str, output: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    include = torch_dir / "include"
+    lib = torch_dir / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        _compiler(), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden",
+        *VARIANTS[variant], f"-DSD_NS={_namespace(variant)}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{sysconfig.get_paths()['include']}",
+        str(SOURCE), "-o", str(output),
+        f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+    ]  # fmt: skip
+
+
+def _key(variant: str) -> str:
+    compiler = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    flags = " ".join(VARIANTS[variant])
+    parts = [SOURCE.read_bytes().decode(), variant, compiler, torch.__version__, _cpu_flags(), flags]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def build(variant: str = "native") -> Path:
+    """The compiled library for ``variant``, built now unless the cache holds it (one build at a time per key)."""
+    from ..loader import cache_root
+
+    folder = cache_root() / "kernels" / f"{variant}-{_key(variant)}"
+    library = folder / f"{_namespace(variant)}.so"
+    if library.is_file():
+        return library
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.is_file():  # another process built it while we waited
+            return library
+        print(f"specdecode: compiling the CPU kernels for this machine ({variant}, once, ~30 s) ...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        with tempfile.TemporaryDirectory(dir=folder) as staging:
+            out = Path(staging) / library.name
+            result = subprocess.run(_command(variant, out), capture_output=True, text=True)
+            if result.returncode != 0:
+                lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
+                raise RuntimeError(f"g++ failed: {(lines or ['no output'])[0].strip()}")
+            out.rename(library)
+    return library

@@ -1,0 +1,1250 @@
+// specdecode's CPU kernels: a row-invariant quantized linear layer, attention over k rows, and the whole
+// Llama decoder stack in one call.
+//
+// The contract (what the tests check): every output row is computed by the same sequence of operations
+// whatever else shares the call — how many rows, which requests, which tree — so a k-row pass gives each row
+// bitwise the one-row result. How:
+//   * activations are quantized per row, per group of the weights (16 or 32 values), to int16 with one float
+//     scale: x ≈ d·xq, d = max|x| / 32767;
+//   * weights stay in the GGUF file's integers: w = s·(u − o) (symmetric types) or w = s·u + m (Q4_1, K-quants),
+//     u unsigned, one (s, m) per group; integer dot products per group are exact in any order;
+//   * each output's float accumulation over groups runs in one fixed order (group 0, 1, ...), lanes = outputs;
+//   * threads split output columns (linear) or (row, key/value head, key chunk) tasks (attention), never a
+//     reduction; attention reduces each row over fixed chunks of ATT_CHUNK logical key positions counted from 0,
+//     merged in order, so a row's result depends only on the keys it sees, in order.
+// The vector backends (AVX-512, AVX2, portable C) run the same IEEE operations lane by lane (fused multiply-adds
+// only where written, -ffp-contract=off), so they give bitwise the same results as each other.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#ifndef SD_NS
+#define SD_NS specdecode_kernels
+#endif
+
+#if !defined(SD_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define SD_AVX512 1
+#include <immintrin.h>
+#elif !defined(SD_PORTABLE) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SD_AVX2 1
+#include <immintrin.h>
+#else
+#define SD_SCALAR 1
+#endif
+
+namespace sd {
+
+constexpr int kLanes = 16;
+constexpr int64_t kAttChunk = 128;  // keys per attention partial (part of the numerics: do not change lightly)
+constexpr int kMaxRefine = 64;
+
+// ------------------------------------------------------------------------------------------------ 16 lanes
+
+#if SD_AVX512
+constexpr int kRowBlock = 8;  // rows sharing one unpacked weight tile
+struct VF { __m512 v; };
+struct VI { __m512i v; };
+struct VW { __m512i v; };  // 32 int16: lane l holds the pair (2l, 2l+1)
+static inline VF vf_zero() { return {_mm512_setzero_ps()}; }
+static inline VF vf_set(float x) { return {_mm512_set1_ps(x)}; }
+static inline VF vf_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vf_store(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
+static inline VF vf_add(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline VF vf_sub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline VF vf_mul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline VF vf_max(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline VF vf_min(VF a, VF b) { return {_mm512_min_ps(a.v, b.v)}; }
+static inline VF vf_fma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline VF vf_round(VF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+static inline VF vf_abs(VF a) { return {_mm512_abs_ps(a.v)}; }
+static inline VF vf_from_half(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+static inline VF vf_from_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+static inline VF vf_cvt(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+static inline VI vf_to_int(VF a) { return {_mm512_cvtps_epi32(a.v)}; }  // a holds integers already
+static inline VF vf_from_bits(VI a) { return {_mm512_castsi512_ps(a.v)}; }
+static inline VI vi_zero() { return {_mm512_setzero_si512()}; }
+static inline VI vi_add(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
+static inline VI vi_sub_const(VI a, int32_t c) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(c))}; }
+static inline VI vi_shl23(VI a) { return {_mm512_slli_epi32(a.v, 23)}; }
+static inline VI vi_add_const(VI a, int32_t c) { return {_mm512_add_epi32(a.v, _mm512_set1_epi32(c))}; }
+static inline VI vi_dot(VI acc, VW w, int32_t pair) {
+#ifdef __AVX512VNNI__
+  return {_mm512_dpwssd_epi32(acc.v, w.v, _mm512_set1_epi32(pair))};
+#else
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, _mm512_set1_epi32(pair)))};
+#endif
+}
+static inline void vw_nibbles(const uint8_t* p, VW& lo, VW& hi) {
+  __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  lo.v = _mm512_and_si512(b, _mm512_set1_epi16(0x0F));
+  hi.v = _mm512_srli_epi16(b, 4);
+}
+static inline VW vw_bytes(const uint8_t* p) {
+  return {_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+static inline void vf_lanes(VF a, float* out) { _mm512_storeu_ps(out, a.v); }
+static inline VI vi_quantize(VF a) { return {_mm512_cvtps_epi32(a.v)}; }
+static inline void vi_store16(int16_t* p, VI a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a.v));
+}
+static inline int32_t vi_hsum(VI a) { return _mm512_reduce_add_epi32(a.v); }  // integers: exact in any order
+static inline float vf_hmax(VF a) { return _mm512_reduce_max_ps(a.v); }       // max: exact in any order
+
+#elif SD_AVX2
+constexpr int kRowBlock = 3;
+struct VF { __m256 a, b; };
+struct VI { __m256i a, b; };
+struct VW { __m256i a, b; };
+static inline VF vf_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline VF vf_set(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline VF vf_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vf_store(float* p, VF x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+#define SD_BIN(name, op) \
+  static inline VF name(VF x, VF y) { return {op(x.a, y.a), op(x.b, y.b)}; }
+SD_BIN(vf_add, _mm256_add_ps)
+SD_BIN(vf_sub, _mm256_sub_ps)
+SD_BIN(vf_mul, _mm256_mul_ps)
+SD_BIN(vf_max, _mm256_max_ps)
+SD_BIN(vf_min, _mm256_min_ps)
+#undef SD_BIN
+static inline VF vf_fma(VF x, VF y, VF z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+static inline VF vf_round(VF x) {
+  const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(x.a, mode), _mm256_round_ps(x.b, mode)};
+}
+static inline VF vf_abs(VF x) {
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(x.a, mask), _mm256_and_ps(x.b, mask)};
+}
+static inline VF vf_from_half(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+static inline VF vf_from_i8(const int8_t* p) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+static inline VF vf_cvt(VI x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+static inline VI vf_to_int(VF x) { return {_mm256_cvtps_epi32(x.a), _mm256_cvtps_epi32(x.b)}; }
+static inline VF vf_from_bits(VI x) { return {_mm256_castsi256_ps(x.a), _mm256_castsi256_ps(x.b)}; }
+static inline VI vi_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline VI vi_add(VI x, VI y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+static inline VI vi_sub_const(VI x, int32_t c) {
+  const __m256i v = _mm256_set1_epi32(c);
+  return {_mm256_sub_epi32(x.a, v), _mm256_sub_epi32(x.b, v)};
+}
+static inline VI vi_shl23(VI x) { return {_mm256_slli_epi32(x.a, 23), _mm256_slli_epi32(x.b, 23)}; }
+static inline VI vi_add_const(VI x, int32_t c) {
+  const __m256i v = _mm256_set1_epi32(c);
+  return {_mm256_add_epi32(x.a, v), _mm256_add_epi32(x.b, v)};
+}
+static inline VI vi_dot(VI acc, VW w, int32_t pair) {
+  const __m256i x = _mm256_set1_epi32(pair);
+  return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(w.a, x)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(w.b, x))};
+}
+static inline void vw_nibbles(const uint8_t* p, VW& lo, VW& hi) {
+  const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  lo = {_mm256_and_si256(b0, mask), _mm256_and_si256(b1, mask)};
+  hi = {_mm256_srli_epi16(b0, 4), _mm256_srli_epi16(b1, 4)};
+}
+static inline VW vw_bytes(const uint8_t* p) {
+  return {_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+static inline void vf_lanes(VF x, float* out) { vf_store(out, x); }
+static inline VI vi_quantize(VF x) { return vf_to_int(x); }
+static inline void vi_store16(int16_t* p, VI x) {
+  alignas(32) int32_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), x.a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), x.b);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<int16_t>(lanes[i]);
+}
+static inline int32_t vi_hsum(VI x) {
+  alignas(32) int32_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), x.a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), x.b);
+  int32_t s = 0;
+  for (int i = 0; i < 16; ++i) s += lanes[i];
+  return s;
+}
+static inline float vf_hmax(VF x) {
+  alignas(32) float lanes[16];
+  vf_store(lanes, x);
+  float m = lanes[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, lanes[i]);
+  return m;
+}
+
+#else  // portable C: the same operations lane by lane
+constexpr int kRowBlock = 4;
+struct VF { float v[16]; };
+struct VI { int32_t v[16]; };
+struct VW { int16_t v[32]; };
+#define SD_LOOP for (int i = 0; i < 16; ++i)
+static inline VF vf_zero() { VF r; SD_LOOP r.v[i] = 0.0f; return r; }
+static inline VF vf_set(float x) { VF r; SD_LOOP r.v[i] = x; return r; }
+static inline VF vf_load(const float* p) { VF r; SD_LOOP r.v[i] = p[i]; return r; }
+static inline void vf_store(float* p, VF a) { SD_LOOP p[i] = a.v[i]; }
+static inline VF vf_add(VF a, VF b) { VF r; SD_LOOP r.v[i] = a.v[i] + b.v[i]; return r; }
+static inline VF vf_sub(VF a, VF b) { VF r; SD_LOOP r.v[i] = a.v[i] - b.v[i]; return r; }
+static inline VF vf_mul(VF a, VF b) { VF r; SD_LOOP r.v[i] = a.v[i] * b.v[i]; return r; }
+// max/min as x86 defines them (the second operand when either is NaN or both are zeros)
+static inline VF vf_max(VF a, VF b) { VF r; SD_LOOP r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+static inline VF vf_min(VF a, VF b) { VF r; SD_LOOP r.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i]; return r; }
+static inline VF vf_fma(VF a, VF b, VF c) { VF r; SD_LOOP r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+static inline VF vf_round(VF a) { VF r; SD_LOOP r.v[i] = std::nearbyint(a.v[i]); return r; }
+static inline VF vf_abs(VF a) { VF r; SD_LOOP r.v[i] = std::fabs(a.v[i]); return r; }
+static inline VF vf_from_half(const uint16_t* p) {
+  VF r;
+  SD_LOOP r.v[i] = static_cast<float>(c10::Half(p[i], c10::Half::from_bits()));
+  return r;
+}
+static inline VF vf_from_i8(const int8_t* p) { VF r; SD_LOOP r.v[i] = static_cast<float>(p[i]); return r; }
+static inline VF vf_cvt(VI a) { VF r; SD_LOOP r.v[i] = static_cast<float>(a.v[i]); return r; }
+static inline VI vf_to_int(VF a) { VI r; SD_LOOP r.v[i] = static_cast<int32_t>(std::nearbyint(a.v[i])); return r; }
+static inline VF vf_from_bits(VI a) { VF r; std::memcpy(r.v, a.v, sizeof r.v); return r; }
+static inline VI vi_zero() { VI r; SD_LOOP r.v[i] = 0; return r; }
+static inline VI vi_add(VI a, VI b) { VI r; SD_LOOP r.v[i] = a.v[i] + b.v[i]; return r; }
+static inline VI vi_sub_const(VI a, int32_t c) { VI r; SD_LOOP r.v[i] = a.v[i] - c; return r; }
+static inline VI vi_shl23(VI a) {
+  VI r;
+  SD_LOOP r.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) << 23);
+  return r;
+}
+static inline VI vi_add_const(VI a, int32_t c) { VI r; SD_LOOP r.v[i] = a.v[i] + c; return r; }
+static inline VI vi_dot(VI acc, VW w, int32_t pair) {
+  const int32_t x0 = static_cast<int16_t>(pair & 0xFFFF), x1 = static_cast<int16_t>(pair >> 16);
+  SD_LOOP acc.v[i] += w.v[2 * i] * x0 + w.v[2 * i + 1] * x1;
+  return acc;
+}
+static inline void vw_nibbles(const uint8_t* p, VW& lo, VW& hi) {
+  for (int i = 0; i < 32; ++i) { lo.v[i] = p[i] & 0x0F; hi.v[i] = p[i] >> 4; }
+}
+static inline VW vw_bytes(const uint8_t* p) { VW r; for (int i = 0; i < 32; ++i) r.v[i] = p[i]; return r; }
+static inline void vf_lanes(VF a, float* out) { vf_store(out, a); }
+static inline VI vi_quantize(VF a) { return vf_to_int(a); }
+static inline void vi_store16(int16_t* p, VI a) { SD_LOOP p[i] = static_cast<int16_t>(a.v[i]); }
+static inline int32_t vi_hsum(VI a) { int32_t s = 0; SD_LOOP s += a.v[i]; return s; }
+static inline float vf_hmax(VF a) { float m = a.v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, a.v[i]); return m; }
+#undef SD_LOOP
+#endif
+
+// Sum of 16 lanes in one fixed tree (lane i + lane i+8, then +4, +2, +1), the same in every backend.
+static inline float vf_hsum(VF a) {
+  alignas(64) float l[16];
+  vf_lanes(a, l);
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = l[i] + l[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
+  return s2a + s2b;
+}
+
+static inline int32_t load_pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// exp(x) for x in any range (clamped to [-87, 88]): 2^n · p(r), n = round(x·log2 e), |r| ≤ ln2/2, with Cephes'
+// polynomial; the same fused multiply-adds in every backend.
+static inline VF vf_exp(VF x) {
+  x = vf_min(vf_max(x, vf_set(-87.0f)), vf_set(88.0f));
+  const VF n = vf_round(vf_mul(x, vf_set(1.44269504088896341f)));
+  VF r = vf_fma(n, vf_set(-0.693359375f), x);
+  r = vf_fma(n, vf_set(2.12194440e-4f), r);
+  VF p = vf_set(1.9875691500e-4f);
+  p = vf_fma(p, r, vf_set(1.3981999507e-3f));
+  p = vf_fma(p, r, vf_set(8.3334519073e-3f));
+  p = vf_fma(p, r, vf_set(4.1665795894e-2f));
+  p = vf_fma(p, r, vf_set(1.6666665459e-1f));
+  p = vf_fma(p, r, vf_set(5.0000001201e-1f));
+  const VF r2 = vf_mul(r, r);
+  p = vf_fma(p, r2, r);
+  p = vf_add(p, vf_set(1.0f));
+  const VF scale = vf_from_bits(vi_shl23(vi_add_const(vf_to_int(n), 127)));
+  return vf_mul(p, scale);
+}
+
+static inline float exp_scalar(float x) {
+  alignas(64) float l[16];
+  vf_lanes(vf_exp(vf_set(x)), l);
+  return l[0];
+}
+
+// ------------------------------------------------------------------------------------------------ weights
+
+// One matrix [n outputs, k inputs] in tiles of 16 outputs; per tile, group after group of g inputs:
+//   nibbles: g/4 chunks of 32 bytes; byte 2c+j of chunk q holds u[c][2q+j] (low) and u[c][2(q+g/4)+j] (high);
+//   bytes:   g/2 chunks of 32 bytes; byte 2c+j of chunk p holds u[c][2p+j].
+// scales and offsets (asymmetric types only), both f16 or both f32: [tile][group][16].
+struct Matrix {
+  int64_t n = 0, k = 0, g = 0, tiles = 0, groups = 0;
+  bool nibbles = false, half = false;
+  int32_t sym = -1;  // >= 0: w = s·(u − sym); < 0: w = s·u + offset
+  at::Tensor packed, scales, offsets, bias;  // owners of the data below
+  const uint8_t* wp = nullptr;
+  const void* sp = nullptr;
+  const void* op = nullptr;
+  const float* bp = nullptr;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  std::vector<std::shared_ptr<const Matrix>> qkv, o, gate_up, down;  // parts, outputs side by side
+};
+
+struct Registry {
+  std::mutex mu;
+  std::vector<std::shared_ptr<const Matrix>> matrices;
+  std::vector<std::shared_ptr<const Layer>> layers;
+};
+
+static Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+static std::shared_ptr<const Matrix> matrix_at(int64_t id) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(r.matrices.size()) && r.matrices[id], "no kernel matrix ", id);
+  return r.matrices[id];
+}
+
+static std::shared_ptr<const Layer> layer_at(int64_t id) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(r.layers.size()) && r.layers[id], "no kernel layer ", id);
+  return r.layers[id];
+}
+
+int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
+                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t g, bool nibbles,
+                        int64_t sym) {
+  TORCH_CHECK(g == 16 || g == 32, "group size must be 16 or 32");
+  TORCH_CHECK(k % g == 0 && n > 0, "bad matrix shape");
+  auto m = std::make_shared<Matrix>();
+  m->n = n;
+  m->k = k;
+  m->g = g;
+  m->tiles = (n + kLanes - 1) / kLanes;
+  m->groups = k / g;
+  m->nibbles = nibbles;
+  m->sym = static_cast<int32_t>(sym);
+  m->packed = packed.contiguous();
+  TORCH_CHECK(m->packed.scalar_type() == at::kByte, "packed weights must be uint8");
+  TORCH_CHECK(m->packed.numel() == m->tiles * kLanes * k / (nibbles ? 2 : 1), "packed weights have the wrong size");
+  m->scales = scales.contiguous();
+  TORCH_CHECK(m->scales.scalar_type() == at::kHalf || m->scales.scalar_type() == at::kFloat, "scales: f16 or f32");
+  TORCH_CHECK(m->scales.numel() == m->tiles * m->groups * kLanes, "scales have the wrong size");
+  m->half = m->scales.scalar_type() == at::kHalf;
+  if (sym < 0) {
+    TORCH_CHECK(offsets.has_value(), "an asymmetric matrix needs offsets");
+    m->offsets = offsets->contiguous();
+    TORCH_CHECK(m->offsets.scalar_type() == m->scales.scalar_type() && m->offsets.numel() == m->scales.numel(),
+                "offsets: the scales' dtype and size");
+  }
+  if (bias.has_value()) {
+    m->bias = bias->contiguous();
+    TORCH_CHECK(m->bias.scalar_type() == at::kFloat && m->bias.numel() == n, "bias: float32 [n]");
+  }
+  m->wp = m->packed.data_ptr<uint8_t>();
+  m->sp = m->scales.data_ptr();
+  m->op = m->offsets.defined() ? m->offsets.data_ptr() : nullptr;
+  m->bp = m->bias.defined() ? m->bias.data_ptr<float>() : nullptr;
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.matrices.push_back(std::move(m));
+  return static_cast<int64_t>(r.matrices.size()) - 1;
+}
+
+static std::vector<std::shared_ptr<const Matrix>> parts_of(at::IntArrayRef ids) {
+  std::vector<std::shared_ptr<const Matrix>> parts;
+  for (int64_t id : ids) parts.push_back(matrix_at(id));
+  TORCH_CHECK(!parts.empty(), "a layer linear needs at least one matrix");
+  for (const auto& p : parts) TORCH_CHECK(p->k == parts[0]->k, "parts of a linear must share their input size");
+  return parts;
+}
+
+int64_t register_layer(const at::Tensor& input_norm, at::IntArrayRef qkv, at::IntArrayRef o, const at::Tensor& post_norm,
+                       at::IntArrayRef gate_up, at::IntArrayRef down) {
+  auto layer = std::make_shared<Layer>();
+  layer->input_norm = input_norm.to(at::kFloat).contiguous();
+  layer->post_norm = post_norm.to(at::kFloat).contiguous();
+  layer->qkv = parts_of(qkv);
+  layer->o = parts_of(o);
+  layer->gate_up = parts_of(gate_up);
+  layer->down = parts_of(down);
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.layers.push_back(std::move(layer));
+  return static_cast<int64_t>(r.layers.size()) - 1;
+}
+
+void release(int64_t matrix, int64_t layer) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (matrix >= 0 && matrix < static_cast<int64_t>(r.matrices.size())) r.matrices[matrix].reset();
+  if (layer >= 0 && layer < static_cast<int64_t>(r.layers.size())) r.layers[layer].reset();
+}
+
+// ------------------------------------------------------------------------------------------------ activations
+
+// Rows quantized to int16 per group of g: x ≈ d·q, d = max|x| / 32767; sum = Σq per group (exact integers).
+struct QuantRows {
+  int64_t rows = 0, k = 0, g = 0, groups = 0;
+  std::vector<int16_t> q;
+  std::vector<float> d, dsum;  // dsum = d · float(sum)
+  std::vector<int32_t> sum;
+};
+
+static void quantize_group(const float* x, int64_t g, int16_t* q, float& d, int32_t& sum) {
+  VF amax = vf_zero();
+  for (int64_t i = 0; i < g; i += kLanes) amax = vf_max(amax, vf_abs(vf_load(x + i)));
+  const float m = vf_hmax(amax);
+  if (!(m > 0.0f) || !std::isfinite(m)) {  // all zeros (or non-finite input: poisoned, as the float path would be)
+    std::fill(q, q + g, 0);
+    d = m > 0.0f ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    sum = 0;
+    return;
+  }
+  const float inv = 32767.0f / m;
+  d = m / 32767.0f;
+  VI s = vi_zero();
+  for (int64_t i = 0; i < g; i += kLanes) {
+    VF v = vf_mul(vf_load(x + i), vf_set(inv));
+    v = vf_min(vf_max(vf_round(v), vf_set(-32767.0f)), vf_set(32767.0f));
+    const VI iv = vi_quantize(v);
+    vi_store16(q + i, iv);
+    s = vi_add(s, iv);
+  }
+  sum = vi_hsum(s);
+}
+
+static void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, int64_t g, QuantRows& out) {
+  out.rows = rows;
+  out.k = k;
+  out.g = g;
+  out.groups = k / g;
+  out.q.resize(rows * k);
+  out.d.resize(rows * out.groups);
+  out.dsum.resize(rows * out.groups);
+  out.sum.resize(rows * out.groups);
+  const int64_t groups = out.groups;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < groups; ++j) {
+        const int64_t at = r * groups + j;
+        quantize_group(x + r * ldx + j * g, g, out.q.data() + r * k + j * g, out.d[at], out.sum[at]);
+        out.dsum[at] = out.d[at] * static_cast<float>(out.sum[at]);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------ linear
+
+template <bool HALF>
+static inline VF load_scales(const void* p, int64_t at) {
+  if constexpr (HALF) {
+    return vf_from_half(static_cast<const uint16_t*>(p) + at);
+  } else {
+    return vf_load(static_cast<const float*>(p) + at);
+  }
+}
+
+// y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs.
+template <int R, bool NIB, bool HALF, bool SYM>
+static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
+                      int64_t ncols, const float* add, int64_t ldadd) {
+  VF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vf_zero();
+  const int64_t g = w.g, groups = w.groups;
+  const int64_t group_bytes = NIB ? g * 8 : g * 16;
+  const uint8_t* wp = w.wp + t * groups * group_bytes;
+  const int64_t sbase = t * groups * kLanes;
+  const int16_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = x.q.data() + (r0 + r) * x.k;
+  // Few rows: two integer accumulators per row (exact, so the split changes nothing but latency).
+  constexpr int kSplit = R <= 4 ? 2 : 1;
+  for (int64_t j = 0; j < groups; ++j) {
+    VI ia[R], ib[R];
+    for (int r = 0; r < R; ++r) ia[r] = ib[r] = vi_zero();
+    const int64_t k0 = j * g;
+    if (NIB) {
+      const int64_t quarter = g / 4;
+      for (int64_t c = 0; c < quarter; ++c) {
+        VW lo, hi;
+        vw_nibbles(wp + c * 32, lo, hi);
+        for (int r = 0; r < R; ++r) ia[r] = vi_dot(ia[r], lo, load_pair(xrow[r] + k0 + 2 * c));
+        for (int r = 0; r < R; ++r) {
+          VI& acc = kSplit == 2 ? ib[r] : ia[r];
+          acc = vi_dot(acc, hi, load_pair(xrow[r] + k0 + 2 * (c + quarter)));
+        }
+      }
+    } else {
+      for (int64_t p = 0; p < g / 2; p += 2) {
+        const VW b0 = vw_bytes(wp + p * 32), b1 = vw_bytes(wp + (p + 1) * 32);
+        for (int r = 0; r < R; ++r) ia[r] = vi_dot(ia[r], b0, load_pair(xrow[r] + k0 + 2 * p));
+        for (int r = 0; r < R; ++r) {
+          VI& acc = kSplit == 2 ? ib[r] : ia[r];
+          acc = vi_dot(acc, b1, load_pair(xrow[r] + k0 + 2 * (p + 1)));
+        }
+      }
+    }
+    if (kSplit == 2)
+      for (int r = 0; r < R; ++r) ia[r] = vi_add(ia[r], ib[r]);
+    wp += group_bytes;
+    const int64_t si = sbase + j * kLanes;
+    const VF s = load_scales<HALF>(w.sp, si);
+    if (SYM) {
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * x.groups + j;
+        const VI centred = vi_sub_const(ia[r], w.sym * x.sum[at]);
+        acc[r] = vf_fma(vf_mul(vf_cvt(centred), vf_set(x.d[at])), s, acc[r]);
+      }
+    } else {
+      const VF off = load_scales<HALF>(w.op, si);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * x.groups + j;
+        acc[r] = vf_fma(vf_mul(vf_cvt(ia[r]), vf_set(x.d[at])), s, acc[r]);
+        acc[r] = vf_fma(off, vf_set(x.dsum[at]), acc[r]);
+      }
+    }
+  }
+  const int64_t col0 = t * kLanes;
+  const int64_t width = std::min<int64_t>(kLanes, ncols - col0);
+  alignas(64) float lanes[kLanes];
+  for (int r = 0; r < R; ++r) {
+    VF out = acc[r];
+    if (w.bp != nullptr) {
+      alignas(64) float b[kLanes] = {0};
+      for (int64_t c = 0; c < width; ++c) b[c] = w.bp[col0 + c];
+      out = vf_add(out, vf_load(b));
+    }
+    float* dst = y + (r0 + r) * ldy + col0;
+    if (add != nullptr) {
+      const float* src = add + (r0 + r) * ldadd + col0;
+      if (width == kLanes) {
+        out = vf_add(vf_load(src), out);
+      } else {
+        alignas(64) float a[kLanes] = {0};
+        for (int64_t c = 0; c < width; ++c) a[c] = src[c];
+        out = vf_add(vf_load(a), out);
+      }
+    }
+    if (width == kLanes) {
+      vf_store(dst, out);
+    } else {
+      vf_lanes(out, lanes);
+      for (int64_t c = 0; c < width; ++c) dst[c] = lanes[c];
+    }
+  }
+}
+
+template <bool NIB, bool HALF, bool SYM>
+static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
+                     int64_t ncols, const float* add, int64_t ldadd) {
+  switch (rows) {
+#define SD_CASE(n) \
+  case n:          \
+    return tile_rows<n, NIB, HALF, SYM>(w, t, x, r0, y, ldy, ncols, add, ldadd);
+    SD_CASE(1)
+    SD_CASE(2)
+    SD_CASE(3)
+#if SD_AVX512 || SD_SCALAR
+    SD_CASE(4)
+#endif
+#if SD_AVX512
+    SD_CASE(5)
+    SD_CASE(6)
+    SD_CASE(7)
+    SD_CASE(8)
+#endif
+#undef SD_CASE
+    default:
+      TORCH_CHECK(false, "row block out of range");
+  }
+}
+
+using TileFn = void (*)(int, const Matrix&, int64_t, const QuantRows&, int64_t, float*, int64_t, int64_t, const float*,
+                        int64_t);
+
+static TileFn tile_fn(const Matrix& w) {
+  const int key = (w.nibbles ? 4 : 0) + (w.half ? 2 : 0) + (w.sym >= 0 ? 1 : 0);
+  static const TileFn table[8] = {
+      tile_any<false, false, false>, tile_any<false, false, true>, tile_any<false, true, false>,
+      tile_any<false, true, true>,   tile_any<true, false, false>, tile_any<true, false, true>,
+      tile_any<true, true, false>,   tile_any<true, true, true>,
+  };
+  return table[key];
+}
+
+// y[:, :ncols] (+ add) = x̂ @ W.T for the quantized rows x̂ (ncols ≤ w.n: a head may stop at the vocabulary).
+static void linear_rows(const Matrix& w, const QuantRows& x, float* y, int64_t ldy, int64_t ncols, const float* add,
+                        int64_t ldadd) {
+  const TileFn fn = tile_fn(w);
+  const int64_t tiles = (ncols + kLanes - 1) / kLanes;
+  const int64_t rows = x.rows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        const int block = static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0));
+        fn(block, w, t, x, r0, y, ldy, ncols, add, ldadd);
+      }
+    }
+  });
+}
+
+// A layer's linear: its parts side by side, each fed the input quantized per its own group size.
+struct Inputs {
+  QuantRows by16, by32;
+  bool have16 = false, have32 = false;
+};
+
+static const QuantRows& quantized(Inputs& in, const float* x, int64_t ldx, int64_t rows, int64_t k, int64_t g) {
+  QuantRows& q = g == 16 ? in.by16 : in.by32;
+  bool& have = g == 16 ? in.have16 : in.have32;
+  if (!have) {
+    quantize_rows(x, ldx, rows, k, g, q);
+    have = true;
+  }
+  return q;
+}
+
+static void apply_parts(const std::vector<std::shared_ptr<const Matrix>>& parts, const float* x, int64_t ldx,
+                        int64_t rows, float* y, int64_t ldy, const float* add, int64_t ldadd) {
+  Inputs in;
+  int64_t col = 0;
+  for (const auto& part : parts) {
+    const QuantRows& q = quantized(in, x, ldx, rows, part->k, part->g);
+    linear_rows(*part, q, y + col, ldy, part->n, add == nullptr ? nullptr : add + col, ldadd);
+    col += part->n;
+  }
+}
+
+static int64_t width_of(const std::vector<std::shared_ptr<const Matrix>>& parts) {
+  int64_t n = 0;
+  for (const auto& p : parts) n += p->n;
+  return n;
+}
+
+at::Tensor linear(const at::Tensor& x, at::IntArrayRef ids) {
+  const auto parts = parts_of(ids);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == parts[0]->k, "linear: x must be [rows, ", parts[0]->k, "]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), width_of(parts)}, xf.options());
+  apply_parts(parts, xf.data_ptr<float>(), xf.size(1), xf.size(0), y.data_ptr<float>(), y.size(1), nullptr, 0);
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------------ small ops
+
+// y = (x · 1/sqrt(mean(x²) + eps)) · w, the sum of squares in 16 lanes then the fixed tree.
+static void rms_norm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    VF ss = vf_zero();
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const VF v = vf_load(xr + i);
+      ss = vf_fma(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(vf_hsum(ss) / static_cast<float>(n) + eps);
+    float* yr = y + r * n;
+    for (int64_t i = 0; i < n; i += kLanes) vf_store(yr + i, vf_mul(vf_mul(vf_load(xr + i), vf_set(inv)), vf_load(w + i)));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), wf = w.to(at::kFloat).contiguous();
+  TORCH_CHECK(xf.dim() == 2 && xf.size(1) % kLanes == 0 && wf.numel() == xf.size(1), "rms_norm: bad shapes");
+  at::Tensor y = at::empty_like(xf);
+  rms_norm_rows(xf.data_ptr<float>(), xf.size(0), xf.size(1), wf.data_ptr<float>(), static_cast<float>(eps),
+                y.data_ptr<float>());
+  return y;
+}
+
+// x·cos + swap_halves(x)·signed_sin per head (transformers' rotate_half, its sign folded into the table).
+static void rope_rows(float* x, int64_t rows, int64_t heads, int64_t ld, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  std::vector<float> tmp(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * ld + h * d;
+      const float* c = cos + r * d;
+      const float* s = sin + r * d;
+      for (int64_t i = 0; i < d; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % d] * s[i];
+      std::copy(tmp.begin(), tmp.end(), v);
+    }
+  }
+}
+
+// a = silu(gate) · up = gate / (1 + exp(−gate)) · up
+static void silu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* a) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gu + r * 2 * inter;
+    const float* up = gate + inter;
+    float* out = a + r * inter;
+    for (int64_t i = 0; i < inter; i += kLanes) {
+      const VF gv = vf_load(gate + i);
+      const VF e = vf_exp(vf_sub(vf_zero(), gv));
+      alignas(64) float num[kLanes], den[kLanes], upl[kLanes];
+      vf_lanes(gv, num);
+      vf_lanes(vf_add(vf_set(1.0f), e), den);
+      vf_lanes(vf_load(up + i), upl);
+      for (int l = 0; l < kLanes; ++l) out[i + l] = (num[l] / den[l]) * upl[l];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ attention
+
+// Rows of one call: which cache they use, the slot their key/value goes to, and what they see: logical key
+// positions 0..prefix-1 are slots 0..prefix-1, then extra slots (a tree row's ancestors and itself).
+struct RowsView {
+  const int32_t* meta;  // [rows][4]: cache, write slot, (position: used by RoPE tables), prefix
+  const int64_t* extra_offsets;  // [rows + 1]
+  const int64_t* extra_slots;
+  int64_t rows;
+  int64_t cache(int64_t r) const { return meta[4 * r]; }
+  int64_t slot(int64_t r) const { return meta[4 * r + 1]; }
+  int64_t prefix(int64_t r) const { return meta[4 * r + 3]; }
+  int64_t visible(int64_t r) const { return prefix(r) + extra_offsets[r + 1] - extra_offsets[r]; }
+  int64_t slot_of(int64_t r, int64_t i) const {
+    const int64_t p = prefix(r);
+    return i < p ? i : extra_slots[extra_offsets[r] + (i - p)];
+  }
+};
+
+struct CacheView {
+  float* keys;    // [layers][kv_heads][capacity / 16][head_dim][16]: tiles of 16 keys, so 16 keys are one load
+  float* values;  // [layers][kv_heads][capacity][head_dim]
+  int64_t capacity;
+};
+
+struct AttnShape {
+  int64_t heads, kv_heads, head_dim;
+  float scaling;
+};
+
+// One task: the rows `rows_in` (of one cache) that see keys [c·kAttChunk, ...), one key/value head h. Each key
+// tile and value row is loaded once for all those rows and the group's query heads. Per (row, query head): the
+// chunk's max score m, sum l of exp(score − m), and o = Σ exp(score − m)·v, each lane and sum in a fixed order
+// that depends only on that row's keys.
+struct Partial {
+  float* base;  // [rows][chunks][heads][d + 2]: m, l, o
+  int64_t chunks, heads, d;
+  float* at(int64_t r, int64_t c, int64_t head) const { return base + ((r * chunks + c) * heads + head) * (d + 2); }
+};
+
+struct Scratch {
+  std::vector<float> scores, gathered, acc;
+  std::vector<const float*> tiles;
+};
+
+// Scores of NG query heads (q rows d apart) against B ≤ 4 key tiles: out[g·kAttChunk + 16·b + lane] =
+// scaling · Σ_e q[g][e]·tile_b[e][lane], each lane one chain of fused multiply-adds over e in order. The tiles'
+// loads are shared by the heads.
+template <int NG, int B>
+static inline void scores_block(const float* q, int64_t d, const float* const* tiles, float scaling, float* out) {
+  VF acc[NG][B];
+  for (int g = 0; g < NG; ++g)
+    for (int b = 0; b < B; ++b) acc[g][b] = vf_zero();
+  for (int64_t e = 0; e < d; ++e) {
+    VF k[B];
+    for (int b = 0; b < B; ++b) k[b] = vf_load(tiles[b] + e * kLanes);
+    for (int g = 0; g < NG; ++g) {
+      const VF qe = vf_set(q[g * d + e]);
+      for (int b = 0; b < B; ++b) acc[g][b] = vf_fma(qe, k[b], acc[g][b]);
+    }
+  }
+  const VF scale = vf_set(scaling);
+  for (int g = 0; g < NG; ++g)
+    for (int b = 0; b < B; ++b) vf_store(out + g * kAttChunk + b * kLanes, vf_mul(acc[g][b], scale));
+}
+
+static void scores_tiles(int heads, int blocks, const float* q, int64_t d, const float* const* tiles, float scaling,
+                         float* out) {
+#define SD_SCORES(NG)                                                        \
+  switch (blocks) {                                                          \
+    case 1: return scores_block<NG, 1>(q, d, tiles, scaling, out);           \
+    case 2: return scores_block<NG, 2>(q, d, tiles, scaling, out);           \
+    case 3: return scores_block<NG, 3>(q, d, tiles, scaling, out);           \
+    default: return scores_block<NG, 4>(q, d, tiles, scaling, out);          \
+  }
+  switch (heads) {
+    case 1: SD_SCORES(1)
+    case 2: SD_SCORES(2)
+    case 3: SD_SCORES(3)
+    default: SD_SCORES(4)
+  }
+#undef SD_SCORES
+}
+
+// For NG query heads: acc_g[0 .. 16·V) += Σ_j p_g[j]·rows[j][offset ...], j in order (the value rows' loads
+// shared by the heads; acc_g = acc + g·stride, p_g = p + g·kAttChunk).
+template <int NG, int V>
+static inline void accumulate_values(float* acc, int64_t stride, const float* p, const float* const* rows, int64_t n,
+                                     int64_t offset) {
+  VF o[NG][V];
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < V; ++v) o[g][v] = vf_load(acc + g * stride + v * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = rows[j] + offset;
+    VF x[V];
+    for (int v = 0; v < V; ++v) x[v] = vf_load(row + v * kLanes);
+    for (int g = 0; g < NG; ++g) {
+      const VF pj = vf_set(p[g * kAttChunk + j]);
+      for (int v = 0; v < V; ++v) o[g][v] = vf_fma(pj, x[v], o[g][v]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int v = 0; v < V; ++v) vf_store(acc + g * stride + v * kLanes, o[g][v]);
+}
+
+// The value accumulation of `heads` query heads over n keys, register-blocked for the usual head sizes.
+static void accumulate_heads(int64_t heads, int64_t vectors, float* acc, int64_t stride, const float* p,
+                             const float* const* rows, int64_t n) {
+  int64_t g = 0;
+  if (vectors == 4) {
+    for (; g + 3 <= heads; g += 3) accumulate_values<3, 4>(acc + g * stride, stride, p + g * kAttChunk, rows, n, 0);
+    for (; g < heads; ++g) accumulate_values<1, 4>(acc + g * stride, stride, p + g * kAttChunk, rows, n, 0);
+  } else if (vectors == 8) {
+    for (; g + 2 <= heads; g += 2) accumulate_values<2, 8>(acc + g * stride, stride, p + g * kAttChunk, rows, n, 0);
+    for (; g < heads; ++g) accumulate_values<1, 8>(acc + g * stride, stride, p + g * kAttChunk, rows, n, 0);
+  } else {
+    for (; g < heads; ++g)
+      for (int64_t v = 0; v < vectors; v += 4)
+        if (v + 4 <= vectors)
+          accumulate_values<1, 4>(acc + g * stride + v * kLanes, stride, p + g * kAttChunk, rows, n, v * kLanes);
+        else
+          for (int64_t u = v; u < vectors; ++u)
+            accumulate_values<1, 1>(acc + g * stride + u * kLanes, stride, p + g * kAttChunk, rows, n, u * kLanes);
+  }
+}
+
+static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t layer, const AttnShape& shape,
+                         const float* q, const std::vector<int64_t>& rows_in, int64_t h, int64_t c,
+                         const Partial& partial, Scratch& scratch) {
+  const int64_t d = shape.head_dim, group = shape.heads / shape.kv_heads, tile = d * kLanes;
+  const int64_t cap = cache.capacity, nrows = static_cast<int64_t>(rows_in.size());
+  const int64_t per_chunk = kAttChunk / kLanes;
+  const float* kbase = cache.keys + (layer * shape.kv_heads + h) * d * cap;
+  const float* vbase = cache.values + (layer * shape.kv_heads + h) * cap * d;
+  const int64_t i0 = c * kAttChunk;
+  scratch.scores.resize(nrows * group * kAttChunk);
+  scratch.tiles.resize(nrows * per_chunk);
+  scratch.acc.resize(nrows * group * d);
+  int64_t gathers = 0, most = 0;
+  std::vector<int64_t> count(nrows);
+  for (int64_t i = 0; i < nrows; ++i) {
+    const int64_t r = rows_in[i];
+    count[i] = std::min(rows.visible(r), i0 + kAttChunk) - i0;
+    most = std::max(most, count[i]);
+    const int64_t prefix = rows.prefix(r);
+    for (int64_t b = 0; b * kLanes < count[i]; ++b) {
+      const int64_t first = i0 + b * kLanes, valid = std::min<int64_t>(kLanes, count[i] - b * kLanes);
+      if (first + valid > prefix) ++gathers;
+    }
+  }
+  scratch.gathered.resize(gathers * tile);
+  gathers = 0;
+  for (int64_t i = 0; i < nrows; ++i) {  // each block of 16 positions: its cache tile, or the row's keys gathered
+    const int64_t r = rows_in[i], prefix = rows.prefix(r);
+    for (int64_t b = 0; b * kLanes < count[i]; ++b) {
+      const int64_t first = i0 + b * kLanes, valid = std::min<int64_t>(kLanes, count[i] - b * kLanes);
+      if (first + valid <= prefix) {
+        scratch.tiles[i * per_chunk + b] = kbase + (first / kLanes) * tile;  // lanes past `valid`: masked below
+        continue;
+      }
+      float* dst = scratch.gathered.data() + (gathers++) * tile;
+      std::fill(dst, dst + tile, 0.0f);
+      for (int64_t j = 0; j < valid; ++j) {
+        const int64_t slot = rows.slot_of(r, first + j);
+        const float* src = kbase + (slot / kLanes) * tile + slot % kLanes;
+        for (int64_t e = 0; e < d; ++e) dst[e * kLanes + j] = src[e * kLanes];
+      }
+      scratch.tiles[i * per_chunk + b] = dst;
+    }
+  }
+  const int64_t most_blocks = (most + kLanes - 1) / kLanes;
+  for (int64_t b0 = 0; b0 < most_blocks; b0 += 4) {  // four tiles stay in L1 for every row and query head
+    for (int64_t i = 0; i < nrows; ++i) {
+      const int64_t blocks = std::min<int64_t>(4, (count[i] + kLanes - 1) / kLanes - b0);
+      if (blocks <= 0) continue;
+      const float* const* tp = scratch.tiles.data() + i * per_chunk + b0;
+      const float* qrow = q + rows_in[i] * shape.heads * d + h * group * d;
+      float* sg = scratch.scores.data() + i * group * kAttChunk + b0 * kLanes;
+      for (int64_t g = 0; g < group; g += 4) {
+        const int heads = static_cast<int>(std::min<int64_t>(4, group - g));
+        scores_tiles(heads, static_cast<int>(blocks), qrow + g * d, d, tp, shape.scaling, sg + g * kAttChunk);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nrows; ++i) {  // softmax weights per (row, query head)
+    const int64_t n = count[i], blocks = (n + kLanes - 1) / kLanes;
+    for (int64_t g = 0; g < group; ++g) {
+      float* sc = scratch.scores.data() + (i * group + g) * kAttChunk;
+      for (int64_t j = n; j < blocks * kLanes; ++j) sc[j] = sc[0];  // padding lanes: masked to zero below
+      VF mv = vf_load(sc);
+      for (int64_t b = 1; b < blocks; ++b) mv = vf_max(mv, vf_load(sc + b * kLanes));
+      const float m = vf_hmax(mv);  // a max: exact in any order
+      VF l = vf_zero();
+      for (int64_t b = 0; b < blocks; ++b) {
+        VF p = vf_exp(vf_sub(vf_load(sc + b * kLanes), vf_set(m)));
+        if ((b + 1) * kLanes > n) {
+          alignas(64) float mask[kLanes];
+          for (int j = 0; j < kLanes; ++j) mask[j] = b * kLanes + j < n ? 1.0f : 0.0f;
+          p = vf_mul(p, vf_load(mask));
+        }
+        vf_store(sc + b * kLanes, p);
+        l = vf_add(l, p);
+      }
+      float* out = partial.at(rows_in[i], c, h * group + g);
+      out[0] = m;
+      out[1] = vf_hsum(l);
+    }
+  }
+  const int64_t vectors = d / kLanes;
+  std::fill(scratch.acc.begin(), scratch.acc.end(), 0.0f);
+  for (int64_t j0 = 0; j0 < most; j0 += kLanes) {  // 16 value rows stay in L1 for every row and query head
+    for (int64_t i = 0; i < nrows; ++i) {
+      const int64_t r = rows_in[i], j1 = std::min(count[i], j0 + kLanes);
+      if (j0 >= j1) continue;
+      const float* vrows[kLanes];
+      for (int64_t j = j0; j < j1; ++j) vrows[j - j0] = vbase + rows.slot_of(r, i0 + j) * d;
+      accumulate_heads(group, vectors, scratch.acc.data() + i * group * d, d,
+                       scratch.scores.data() + i * group * kAttChunk + j0, vrows, j1 - j0);
+    }
+  }
+  for (int64_t i = 0; i < nrows; ++i)
+    for (int64_t g = 0; g < group; ++g)
+      std::memcpy(partial.at(rows_in[i], c, h * group + g) + 2, scratch.acc.data() + (i * group + g) * d,
+                  d * sizeof(float));
+}
+
+// out[r, head·d ...] = softmax(q·K^T · scaling) V over each row's visible keys: the chunks of each row reduced
+// as above, then merged in chunk order.
+static void attention_rows(const RowsView& rows, const std::vector<CacheView>& caches, int64_t layer,
+                           const AttnShape& shape, const float* q, float* out) {
+  constexpr int64_t kRowsPerTask = 32;
+  const int64_t d = shape.head_dim;
+  int64_t chunks = 0;
+  for (int64_t r = 0; r < rows.rows; ++r) chunks = std::max(chunks, (rows.visible(r) + kAttChunk - 1) / kAttChunk);
+  struct Task {
+    int64_t cache, h, c;
+    std::vector<int64_t> rows;
+  };
+  std::vector<Task> tasks;
+  for (int64_t ci = 0; ci < static_cast<int64_t>(caches.size()); ++ci) {
+    for (int64_t h = 0; h < shape.kv_heads; ++h) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        Task task{ci, h, c, {}};
+        for (int64_t r = 0; r < rows.rows; ++r) {
+          if (rows.cache(r) != ci || rows.visible(r) <= c * kAttChunk) continue;
+          task.rows.push_back(r);
+          if (static_cast<int64_t>(task.rows.size()) == kRowsPerTask) {
+            tasks.push_back(task);
+            task.rows.clear();
+          }
+        }
+        if (!task.rows.empty()) tasks.push_back(std::move(task));
+      }
+    }
+  }
+  std::vector<float> partials(rows.rows * chunks * shape.heads * (d + 2));
+  const Partial partial{partials.data(), chunks, shape.heads, d};
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    Scratch scratch;
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      attend_chunk(rows, caches[task.cache], layer, shape, q, task.rows, task.h, task.c, partial, scratch);
+    }
+  });
+  at::parallel_for(0, rows.rows * shape.heads, 8, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(d);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / shape.heads, head = i % shape.heads;
+      const int64_t mine = (rows.visible(r) + kAttChunk - 1) / kAttChunk;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < mine; ++c) m = std::max(m, partial.at(r, c, head)[0]);
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < mine; ++c) {
+        const float* p = partial.at(r, c, head);
+        const float w = exp_scalar(p[0] - m);
+        l = l + p[1] * w;
+        for (int64_t e = 0; e < d; ++e) acc[e] = acc[e] + p[2 + e] * w;
+      }
+      float* dst = out + r * shape.heads * d + head * d;
+      for (int64_t e = 0; e < d; ++e) dst[e] = acc[e] / l;
+    }
+  });
+}
+
+static std::vector<CacheView> cache_views(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                          const AttnShape& shape) {
+  TORCH_CHECK(keys.size() == values.size() && !keys.empty(), "keys and values: one tensor per cache");
+  std::vector<CacheView> views;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const at::Tensor& k = keys[i];
+    const at::Tensor& v = values[i];
+    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.is_contiguous() &&
+                    v.is_contiguous() && k.dim() == 5 && v.dim() == 4,
+                "caches: contiguous float32 keys [layers, kv_heads, capacity / 16, head_dim, 16] and values "
+                "[layers, kv_heads, capacity, head_dim]");
+    TORCH_CHECK(k.size(1) == shape.kv_heads && k.size(3) == shape.head_dim && k.size(4) == kLanes &&
+                    v.size(3) == shape.head_dim && v.size(2) == k.size(2) * kLanes && v.size(0) == k.size(0),
+                "caches do not match the attention shape");
+    views.push_back({k.data_ptr<float>(), v.data_ptr<float>(), v.size(2)});
+  }
+  return views;
+}
+
+static RowsView rows_view(const at::Tensor& meta, const at::Tensor& extra_offsets, const at::Tensor& extra_slots) {
+  TORCH_CHECK(meta.scalar_type() == at::kInt && meta.is_contiguous() && meta.dim() == 2 && meta.size(1) == 4,
+              "rows: contiguous int32 [rows, 4]");
+  TORCH_CHECK(extra_offsets.scalar_type() == at::kLong && extra_offsets.is_contiguous() &&
+                  extra_offsets.numel() == meta.size(0) + 1 && extra_slots.scalar_type() == at::kLong &&
+                  extra_slots.is_contiguous(),
+              "extras: int64 offsets [rows + 1] and slots");
+  return {meta.data_ptr<int32_t>(), extra_offsets.data_ptr<int64_t>(), extra_slots.data_ptr<int64_t>(), meta.size(0)};
+}
+
+static void check_rows(const RowsView& rows, const std::vector<CacheView>& caches) {
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    TORCH_CHECK(rows.cache(r) >= 0 && rows.cache(r) < static_cast<int64_t>(caches.size()), "row ", r, ": bad cache");
+    const int64_t cap = caches[rows.cache(r)].capacity;
+    TORCH_CHECK(rows.slot(r) >= 0 && rows.slot(r) < cap, "row ", r, ": write slot outside the cache");
+    TORCH_CHECK(rows.prefix(r) >= 0 && rows.prefix(r) <= cap && rows.visible(r) >= 1, "row ", r, ": bad prefix");
+    for (int64_t i = rows.extra_offsets[r]; i < rows.extra_offsets[r + 1]; ++i)
+      TORCH_CHECK(rows.extra_slots[i] >= 0 && rows.extra_slots[i] < cap, "row ", r, ": extra slot outside the cache");
+  }
+}
+
+// Store rows' keys (transposed) and values at their slots of layer `layer`.
+static void store_kv(const RowsView& rows, const std::vector<CacheView>& caches, int64_t layer, const AttnShape& shape,
+                     const float* k, const float* v, int64_t ld) {
+  const int64_t d = shape.head_dim;
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    const CacheView& cache = caches[rows.cache(r)];
+    const int64_t slot = rows.slot(r);
+    for (int64_t h = 0; h < shape.kv_heads; ++h) {
+      const float* kr = k + r * ld + h * d;
+      const float* vr = v + r * ld + h * d;
+      float* kd = cache.keys + ((layer * shape.kv_heads + h) * cache.capacity + (slot / kLanes) * kLanes) * d +
+                  slot % kLanes;
+      for (int64_t e = 0; e < d; ++e) kd[e * kLanes] = kr[e];
+      std::memcpy(cache.values + ((layer * shape.kv_heads + h) * cache.capacity + slot) * d, vr, d * sizeof(float));
+    }
+  }
+}
+
+at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                     const at::Tensor& meta, const at::Tensor& extra_offsets, const at::Tensor& extra_slots,
+                     int64_t layer, int64_t heads, int64_t kv_heads, double scaling) {
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  TORCH_CHECK(qf.dim() == 3 && qf.size(1) == heads && heads % kv_heads == 0, "attention: q must be [rows, heads, d]");
+  const AttnShape shape{heads, kv_heads, qf.size(2), static_cast<float>(scaling)};
+  TORCH_CHECK(shape.head_dim % kLanes == 0 && shape.head_dim <= 256, "head_dim must be a multiple of 16, <= 256");
+  const auto caches = cache_views(keys, values, shape);
+  const RowsView rows = rows_view(meta, extra_offsets, extra_slots);
+  check_rows(rows, caches);
+  TORCH_CHECK(rows.rows == qf.size(0), "attention: one meta row per query row");
+  at::Tensor out = at::empty_like(qf);
+  attention_rows(rows, caches, layer, shape, qf.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ decoder
+
+// x [rows, hidden] (float32, in place): the decoder layers `layer_ids`, keys/values stored at each row's slot.
+void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+             const at::Tensor& meta, const at::Tensor& extra_offsets, const at::Tensor& extra_slots, const at::Tensor& cos,
+             const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 [rows, hidden]");
+  const AttnShape shape{heads, kv_heads, head_dim, static_cast<float>(scaling)};
+  TORCH_CHECK(head_dim % kLanes == 0 && head_dim <= 256 && heads % kv_heads == 0, "unsupported attention shape");
+  const auto caches = cache_views(keys, values, shape);
+  const RowsView rows = rows_view(meta, extra_offsets, extra_slots);
+  TORCH_CHECK(rows.rows == x.size(0), "one meta row per token");
+  check_rows(rows, caches);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+              "cos/sin: float32 [rows, head_dim]");
+  std::vector<std::shared_ptr<const Layer>> layers;
+  for (int64_t id : layer_ids) layers.push_back(layer_at(id));
+  for (const auto& cache : keys) TORCH_CHECK(cache.size(0) >= static_cast<int64_t>(layers.size()), "cache has too few layers");
+  const int64_t m = x.size(0), hidden = x.size(1);
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  float* xp = x.data_ptr<float>();
+  std::vector<float> h(m * hidden), q(m * q_width), attn(m * q_width), qkv, gu, act;
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const Layer& layer = *layers[li];
+    const int64_t qkv_width = width_of(layer.qkv), inter = width_of(layer.gate_up) / 2;
+    TORCH_CHECK(qkv_width == q_width + 2 * kv_width && layer.qkv[0]->k == hidden, "layer ", li, ": q/k/v shape");
+    qkv.resize(m * qkv_width);
+    gu.resize(m * 2 * inter);
+    act.resize(m * inter);
+    rms_norm_rows(xp, m, hidden, layer.input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+    apply_parts(layer.qkv, h.data(), hidden, m, qkv.data(), qkv_width, nullptr, 0);
+    rope_rows(qkv.data(), m, heads + kv_heads, qkv_width, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+    store_kv(rows, caches, static_cast<int64_t>(li), shape, qkv.data() + q_width, qkv.data() + q_width + kv_width,
+             qkv_width);
+    // attention reads q rows from the fused q/k/v buffer: gather them contiguous first
+    for (int64_t r = 0; r < m; ++r) std::memcpy(q.data() + r * q_width, qkv.data() + r * qkv_width, q_width * sizeof(float));
+    attention_rows(rows, caches, static_cast<int64_t>(li), shape, q.data(), attn.data());
+    apply_parts(layer.o, attn.data(), q_width, m, xp, hidden, xp, hidden);
+    rms_norm_rows(xp, m, hidden, layer.post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+    apply_parts(layer.gate_up, h.data(), hidden, m, gu.data(), 2 * inter, nullptr, 0);
+    silu_mul_rows(gu.data(), m, inter, act.data());
+    apply_parts(layer.down, act.data(), inter, m, xp, hidden, xp, hidden);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ LM head
+
+// The `count` highest of v[0..n) by (value descending, index ascending), as a fixed function of v.
+static void top_indices(const float* v, int64_t n, int count, int64_t* out) {
+  float best[kMaxRefine];
+  int64_t index[kMaxRefine];
+  int have = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = v[i];
+    if (have == count && !(x > best[count - 1])) continue;
+    int at = have < count ? have++ : count - 1;
+    while (at > 0 && x > best[at - 1]) {
+      best[at] = best[at - 1];
+      index[at] = index[at - 1];
+      --at;
+    }
+    best[at] = x;
+    index[at] = i;
+  }
+  std::copy(index, index + have, out);
+}
+
+// Σ_k w[k]·h[k] in float32 with w = q·scale exact (int8 rows, one scale per block of k / blocks), 16 lanes, fixed tree.
+static float exact_dot(const int8_t* q, const float* scale, int64_t k, int64_t block, const float* h) {
+  VF acc = vf_zero();
+  for (int64_t i = 0; i < k; i += kLanes) {
+    const VF w = vf_mul(vf_from_i8(q + i), vf_set(scale[i / block]));
+    acc = vf_fma(w, vf_load(h + i), acc);
+  }
+  return vf_hsum(acc);
+}
+
+// logits [rows, vocab] = head(norm(x)); then each row's `refine` highest logits recomputed in float32 from the
+// exact int8 rows (int8 [V, hidden] with float32 scales [V, blocks]), when given.
+at::Tensor lm_head(const at::Tensor& x, const at::Tensor& norm, double eps, at::IntArrayRef head, int64_t vocab,
+                   const c10::optional<at::Tensor>& exact_q, const c10::optional<at::Tensor>& exact_scale,
+                   int64_t refine) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), wf = norm.to(at::kFloat).contiguous();
+  const auto parts = parts_of(head);
+  TORCH_CHECK(parts.size() == 1, "the LM head is one matrix");
+  const Matrix& w = *parts[0];
+  TORCH_CHECK(xf.dim() == 2 && xf.size(1) == w.k && vocab >= 1 && vocab <= w.n, "lm_head: bad shapes");
+  TORCH_CHECK(refine >= 0 && refine <= kMaxRefine, "refine must be in 0..", kMaxRefine);
+  const int64_t m = xf.size(0), hidden = xf.size(1);
+  std::vector<float> h(m * hidden);
+  rms_norm_rows(xf.data_ptr<float>(), m, hidden, wf.data_ptr<float>(), static_cast<float>(eps), h.data());
+  QuantRows q;
+  quantize_rows(h.data(), hidden, m, hidden, w.g, q);
+  at::Tensor logits = at::empty({m, vocab}, xf.options());
+  float* out = logits.data_ptr<float>();
+  linear_rows(w, q, out, vocab, vocab, nullptr, 0);
+  if (refine > 0 && exact_q.has_value()) {
+    const at::Tensor eq = exact_q->contiguous(), es = exact_scale.value().to(at::kFloat).contiguous();
+    TORCH_CHECK(eq.scalar_type() == at::kChar && eq.size(1) == hidden && eq.size(0) >= vocab && es.size(0) == eq.size(0),
+                "exact rows: int8 [V, hidden] and float32 scales [V, blocks]");
+    const int64_t block = hidden / es.size(1);
+    TORCH_CHECK(block * es.size(1) == hidden && block % kLanes == 0, "exact rows: blocks must divide hidden by 16s");
+    const int count = static_cast<int>(std::min<int64_t>(refine, vocab));
+    const int8_t* qp = eq.data_ptr<int8_t>();
+    const float* sp = es.data_ptr<float>();
+    at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+      int64_t top[kMaxRefine];
+      for (int64_t r = r0; r < r1; ++r) {
+        float* row = out + r * vocab;
+        top_indices(row, vocab, count, top);
+        for (int i = 0; i < count; ++i)
+          row[top[i]] = exact_dot(qp + top[i] * hidden, sp + top[i] * es.size(1), hidden, block, h.data() + r * hidden);
+      }
+    });
+  }
+  return logits;
+}
+
+// ------------------------------------------------------------------------------------------------ tests' probes
+
+std::vector<at::Tensor> quantize(const at::Tensor& x, int64_t g) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  TORCH_CHECK(xf.dim() == 2 && (g == 16 || g == 32) && xf.size(1) % g == 0, "quantize: x [rows, k], g 16 or 32");
+  QuantRows q;
+  quantize_rows(xf.data_ptr<float>(), xf.size(1), xf.size(0), xf.size(1), g, q);
+  auto qt = at::from_blob(q.q.data(), {xf.size(0), xf.size(1)}, at::kShort).clone();
+  auto dt = at::from_blob(q.d.data(), {xf.size(0), q.groups}, at::kFloat).clone();
+  return {qt, dt};
+}
+
+at::Tensor exp_lanes(const at::Tensor& x) {
+  at::Tensor xf = x.to(at::kFloat).contiguous().view(-1);
+  TORCH_CHECK(xf.numel() % kLanes == 0, "exp_lanes: a multiple of 16 values");
+  at::Tensor y = at::empty_like(xf);
+  for (int64_t i = 0; i < xf.numel(); i += kLanes) vf_store(y.data_ptr<float>() + i, vf_exp(vf_load(xf.data_ptr<float>() + i)));
+  return y.view(x.sizes());
+}
+
+std::string isa() {
+#if SD_AVX512
+#ifdef __AVX512VNNI__
+  return "avx512-vnni";
+#else
+  return "avx512";
+#endif
+#elif SD_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace sd
+
+TORCH_LIBRARY(SD_NS, m) {
+  m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym) -> int",
+        &sd::register_matrix);
+  m.def("register_layer(Tensor input_norm, int[] qkv, int[] o, Tensor post_norm, int[] gate_up, int[] down) -> int",
+        &sd::register_layer);
+  m.def("release(int matrix, int layer) -> ()", &sd::release);
+  m.def("linear(Tensor x, int[] parts) -> Tensor", &sd::linear);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &sd::rms_norm);
+  m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int layer, int heads, int kv_heads, float scaling) -> Tensor",
+        &sd::attention);
+  m.def("decoder(Tensor x, int[] layers, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, Tensor cos, Tensor sin, int heads, int kv_heads, int head_dim, float eps, float scaling) -> ()",
+        &sd::decoder);
+  m.def("lm_head(Tensor x, Tensor norm, float eps, int[] head, int vocab, Tensor? exact_q, Tensor? exact_scale, int refine) -> Tensor",
+        &sd::lm_head);
+  m.def("quantize(Tensor x, int g) -> Tensor[]", &sd::quantize);
+  m.def("exp_lanes(Tensor x) -> Tensor", &sd::exp_lanes);
+  m.def("isa() -> str", &sd::isa);
+}

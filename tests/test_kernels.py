@@ -1,0 +1,282 @@
+"""The compiled CPU kernels (models/kernels): built here, exact to their maths, row-invariant, the same bits on
+every instruction set, and one OpenMP runtime (torch's)."""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode.models import kernels
+from specdecode.models.gguf_blocks import (
+    decode_q4_0,
+    decode_q4_1,
+    decode_q4_k,
+    decode_q5_0,
+    decode_q5_1,
+    decode_q5_k,
+    decode_q6_k,
+    decode_q8_0,
+)
+from specdecode.models.weights import GroupQuant, Int8Linear, IntBlocks, KernelLinear
+
+pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="the CPU kernels did not build here")
+
+# decoder, bytes per block, offsets of the f16 fields, weights per block
+BLOCK_TYPES = {
+    "Q4_0": (decode_q4_0, 18, (0,), 32),
+    "Q4_1": (decode_q4_1, 20, (0, 2), 32),
+    "Q5_0": (decode_q5_0, 22, (0,), 32),
+    "Q5_1": (decode_q5_1, 24, (0, 2), 32),
+    "Q4_K": (decode_q4_k, 144, (0, 2), 256),
+    "Q5_K": (decode_q5_k, 176, (0, 2), 256),
+    "Q6_K": (decode_q6_k, 210, (208,), 256),
+    "Q8_0": (decode_q8_0, 34, (0,), 32),
+}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> IntBlocks:
+    """Random GGUF blocks of ``kind`` for a [rows, cols] matrix (f16 fields small and finite)."""
+    decode, size, halves, per_block = BLOCK_TYPES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // per_block, size), dtype=np.uint8)
+    for at in halves:
+        raw[..., at : at + 2] = (
+            rng.uniform(-0.05, 0.05, size=(rows, cols // per_block, 1)).astype(np.float16).view(np.uint8)
+        )
+    return decode(raw.reshape(rows, -1))
+
+
+def quantized_reference(x: torch.Tensor, blocks: IntBlocks) -> torch.Tensor:
+    """x̂ @ W.T in float64: each row quantized to int16 per group (d = max|x| / 32767) as the kernels do it."""
+    g = 32 if blocks.group_size > 32 else blocks.group_size
+    groups = x.float().view(x.shape[0], -1, g)
+    top = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * (32767.0 / top)).clamp(-32767, 32767)
+    xhat = (q.double() * (top / 32767.0).double()).view(x.shape)
+    return xhat @ blocks.dequantize().double().T
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+def test_linear_computes_the_quantized_product_of_the_files_blocks(kind):
+    blocks = random_blocks(kind, 72, 512)
+    linear = KernelLinear.from_blocks(blocks)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
+    expected = quantized_reference(x, blocks)
+    got = linear(x).double()
+    assert (got - expected).norm() / expected.norm() < 1e-5  # float32 sums, nothing else
+    # the control: float32 activations without the int16 rounding are measurably another product
+    exact = x.double() @ blocks.dequantize().double().T
+    assert (exact - expected).norm() / expected.norm() > 1e-6
+
+
+@pytest.mark.parametrize(("kind", "bias"), [("Q4_1", False), ("Q8_0", True), ("Q6_K", False), ("Q5_K", True)])
+def test_every_row_is_bitwise_the_one_row_product(kind, bias):
+    blocks = random_blocks(kind, 40, 256, seed=2)  # 40 outputs: a partial last tile
+    b = torch.randn(40) if bias else None
+    linear = KernelLinear.from_blocks(blocks, b)
+    x = torch.randn(41, 256, generator=torch.Generator().manual_seed(3))
+    together = linear(x)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 41):
+        assert torch.equal(linear(x[:m]), together[:m]), m
+    for row in range(41):
+        assert torch.equal(linear(x[row : row + 1])[0], together[row]), row
+
+
+def test_dense_formats_map_onto_the_kernels():
+    """int4 groups (64 wide: split into 32s) and int8 rows compute their own dequantized weights."""
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
+    for blocks in (
+        IntBlocks.from_group_quant(GroupQuant.quantize(weight, 64)),
+        IntBlocks.from_int8(Int8Linear.quantize(weight)),
+    ):
+        expected = quantized_reference(x, blocks)
+        got = KernelLinear.from_blocks(blocks)(x).double()
+        assert (got - expected).norm() / expected.norm() < 1e-5
+
+
+def _variant(name: str):
+    if name == "avx2" and (platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text()):
+        pytest.skip("this CPU has no AVX2")
+    ops = kernels.ops(name)
+    if ops is None:
+        pytest.skip(f"the {name} build failed here")
+    return ops
+
+
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
+def test_every_instruction_set_gives_the_same_bits(variant):
+    """The AVX2 and plain-C builds compute bitwise what this machine's build computes (so a result checked on one
+    CPU holds on the others): the linear layer, attention and exp."""
+    other, native = _variant(variant), kernels.ops()
+    for kind in ("Q4_1", "Q4_K", "Q6_K", "Q8_0"):
+        blocks = random_blocks(kind, 48, 512, seed=6)
+        linear = KernelLinear.from_blocks(blocks)
+        registered = other.register_matrix(
+            linear.packed, linear.scales, linear.offsets, linear.bias, 48, 512, linear.group_size, linear.nibbles,
+            linear.sym,
+        )  # fmt: skip
+        x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
+        assert torch.equal(other.linear(x, [registered]), linear(x)), kind
+    case = _attention_case(rows=5, cached=300, seed=8)
+    assert torch.equal(_attend(other, *case), _attend(native, *case))
+    values = torch.linspace(-100, 100, 4096)
+    assert torch.equal(other.exp_lanes(values), native.exp_lanes(values))
+
+
+def test_exp_is_accurate_and_exact_at_zero():
+    values = torch.cat([torch.linspace(-87, 88, 20000), torch.zeros(16)])
+    got = kernels.ops().exp_lanes(values).double()
+    expected = torch.exp(values.double())
+    assert ((got - expected).abs() / expected).max() < 3e-7
+    assert torch.equal(got[-16:], torch.ones(16, dtype=torch.float64))
+
+
+# --- attention ---------------------------------------------------------------------------------------------
+
+HEADS, KV_HEADS, DIM = 6, 2, 32
+
+
+def _attention_case(rows: int, cached: int, seed: int, capacity: int = 2048):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, KV_HEADS, capacity // 16, DIM, 16, generator=gen)
+    values = torch.randn(1, KV_HEADS, capacity, DIM, generator=gen)
+    q = torch.randn(rows, HEADS, DIM, generator=gen)
+    return q, keys, values, cached
+
+
+def _chain_meta(rows: int, cached: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    start = torch.arange(cached, cached + rows)
+    meta = torch.stack([torch.zeros(rows, dtype=torch.int64), start, start, start + 1], 1).to(torch.int32)
+    return meta, torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+
+
+def _attend(ops, q, keys, values, cached, meta=None):
+    meta, offsets, extras = _chain_meta(q.shape[0], cached) if meta is None else meta
+    return ops.attention(q, [keys], [values], meta, offsets, extras, 0, HEADS, KV_HEADS, DIM**-0.5)
+
+
+def _reference_attention(q, keys, values, visible: list[int]) -> torch.Tensor:
+    """softmax(q·K^T/√d)V in float64 over the slots ``visible``, grouped query heads."""
+    k = keys[0].permute(0, 1, 3, 2).reshape(KV_HEADS, -1, DIM).double()[:, visible]  # [kv, T, d]
+    v = values[0].double()[:, visible]
+    qh = q.double().view(KV_HEADS, HEADS // KV_HEADS, DIM)
+    weights = torch.softmax(qh @ k.transpose(1, 2) * DIM**-0.5, dim=-1)
+    return (weights @ v).reshape(HEADS, DIM)
+
+
+@pytest.mark.parametrize("cached", [0, 15, 127, 128, 129, 500, 1500])
+def test_attention_is_softmax_attention_and_rows_are_bitwise_one_row_calls(cached):
+    q, keys, values, _ = _attention_case(rows=9, cached=cached, seed=cached)
+    together = _attend(kernels.ops(), q, keys, values, cached)
+    for row in range(9):
+        expected = _reference_attention(q[row], keys, values, list(range(cached + row + 1)))
+        torch.testing.assert_close(together[row].double(), expected, rtol=1e-5, atol=1e-6)
+        alone = _attend(kernels.ops(), q[row : row + 1], keys, values, cached + row)
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_tree_rows_see_their_branch_bitwise_as_the_compacted_chain():
+    """A tree row attends over the prefix, then its ancestors' slots (anywhere in the cache): bitwise what a
+    one-row call computes once those entries sit right after the prefix."""
+    q, keys, values, _ = _attention_case(rows=1, cached=0, seed=11)
+    prefix, branch = 140, [150, 153, 161]
+    meta = torch.tensor([[0, 161, 0, prefix]], dtype=torch.int32)
+    tree = _attend(kernels.ops(), q, keys, values, 0, (meta, torch.tensor([0, 3]), torch.tensor(branch)))
+    compact_k, compact_v = keys.clone(), values.clone()
+    for to, at in enumerate(branch, start=prefix):
+        compact_k[:, :, to // 16, :, to % 16] = keys[:, :, at // 16, :, at % 16]
+        compact_v[:, :, to] = values[:, :, at]
+    chain = _attend(kernels.ops(), q, compact_k, compact_v, prefix + len(branch) - 1)
+    assert torch.equal(tree, chain)
+    expected = _reference_attention(q[0], keys, values, list(range(prefix)) + branch)
+    torch.testing.assert_close(tree[0].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_of_different_caches_in_one_call():
+    q, keys, values, _ = _attention_case(rows=4, cached=0, seed=12)
+    other_keys, other_values = keys.flip(2).contiguous(), values.flip(2).contiguous()
+    meta = torch.tensor([[0, 100, 0, 101], [1, 30, 0, 31], [1, 31, 0, 32], [0, 101, 0, 102]], dtype=torch.int32)
+    offsets, extras = torch.zeros(5, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    together = kernels.ops().attention(
+        q, [keys, other_keys], [values, other_values], meta, offsets, extras, 0, HEADS, KV_HEADS, DIM**-0.5
+    )
+    for row, (cache_k, cache_v, cached) in enumerate(
+        [(keys, values, 100), (other_keys, other_values, 30), (other_keys, other_values, 31), (keys, values, 101)]
+    ):
+        alone = _attend(kernels.ops(), q[row : row + 1], cache_k, cache_v, cached)
+        assert torch.equal(alone[0], together[row])
+
+
+def test_bad_rows_are_refused_not_read_out_of_bounds():
+    q, keys, values, _ = _attention_case(rows=1, cached=0, seed=13, capacity=64)
+    meta = torch.tensor([[0, 70, 0, 71]], dtype=torch.int32)  # slot 70 of a 64-slot cache
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _attend(
+            kernels.ops(),
+            q,
+            keys,
+            values,
+            0,
+            (meta, torch.zeros(2, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)),
+        )
+
+
+# --- the head ----------------------------------------------------------------------------------------------
+
+
+def test_head_refines_each_rows_top_logits_exactly():
+    from specdecode.models.weights import Int8Groups
+
+    blocks = random_blocks("Q8_0", 200, 128, seed=14)
+    head = KernelLinear.from_blocks(blocks)
+    table = Int8Groups.from_blocks(blocks)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(15))
+    norm = torch.rand(128) + 0.5
+    logits = kernels.ops().lm_head(x, norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
+    plain = kernels.ops().lm_head(x, norm, 1e-5, [head.handle.id], 190, None, None, 0)
+    assert logits.shape == (6, 190)
+    h = kernels.ops().rms_norm(x, norm, 1e-5).double()
+    exact = h @ table.dequantize().double()[:190].T
+    changed = logits != plain
+    assert bool((changed.sum(1) <= 8).all()) and bool(changed.any())
+    top = plain.topk(8, dim=1).indices
+    torch.testing.assert_close(logits.gather(1, top).double(), exact.gather(1, top), rtol=1e-6, atol=1e-6)
+    for row in range(6):  # row-invariant too
+        alone = kernels.ops().lm_head(x[row : row + 1], norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
+        assert torch.equal(alone[0], logits[row])
+
+
+# --- how it ships ------------------------------------------------------------------------------------------
+
+
+def test_one_openmp_runtime_torchs():
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc here")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+    assert Path(next(iter(runtimes))).parent == Path(torch.__file__).parent / "lib"
+
+
+def test_a_failed_build_warns_once_and_leaves_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="CPU kernels unavailable"):
+        assert kernels._load("native") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels._load("portable") is None  # a test variant fails silently
+
+
+def test_the_build_is_cached_per_machine_and_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    first = kernels.build("portable")
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build("portable") == first and first.stat().st_mtime_ns == stamp  # no second build
+    assert first.parent.parent == tmp_path / "kernels"
