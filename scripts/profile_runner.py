@@ -4,9 +4,10 @@
         [--dtype float32|bfloat16] [--context 500] [--ks 1,2,4,8,16,32] [--split] [--transformers]
 
 Loads the bundled SmolLM2 through ``specdecode.load_model``. The table shows medians in ms per forward and
-v(k) = t(k) / t(1). ``--split`` profiles one-token steps and divides their time into matrices (the weight
-kernels), attention, other aten ops and Python (wall time not spent inside any aten op), next to the
-bandwidth bound: the bytes a step must read (weights + the KV cache) over a measured copy bandwidth.
+v(k) = t(k) / t(1). ``--split`` profiles forwards of ``--split-ks`` rows and divides their time into matrices
+(the weight kernels), attention, small ops and Python (on the compiled kernels, from their own phase timers; on
+the torch path, from torch.profiler), next to the bandwidth bound: the bytes a step must read (weights + the KV
+cache) over a measured read bandwidth.
 ``--transformers`` also times the dense model's own forward with a DynamicCache (alternating, same tokens).
 """
 
@@ -35,12 +36,6 @@ def median_ms(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 256 MiB float32 copy (read + write counted), median of 5."""
-    a, b = torch.empty(64 * 2**20), torch.empty(64 * 2**20)
-    return 2 * a.nbytes / median_ms(lambda: b.copy_(a), 5, 1) / 1e6
-
-
 def weight_bytes(loaded: sd.LoadedModel) -> int:
     """Bytes a step reads from the weights: every distinct storage of the runner's formats (embedding rows aside)."""
     runner = loaded.new_runner()
@@ -62,7 +57,38 @@ def weight_bytes(loaded: sd.LoadedModel) -> int:
     return sum(seen.values())
 
 
+KERNEL_PHASES = ("RMSNorm", "matrices", "RoPE and cache writes", "attention", "SiLU·mul", "LM head", "head refine")
+
+
+def split_kernels(runner, tokens: torch.Tensor, context: int, reps: int = 20) -> dict[str, float]:
+    """The compiled decoder's own phase timers over ``reps`` forwards (matrices include activation quantization)."""
+    from specdecode.models.kernels import library
+
+    for _ in range(3):
+        runner.forward(tokens)
+        runner.rollback_to(context)
+    library().profile(True)
+    start = time.perf_counter()
+    for _ in range(reps):
+        runner.forward(tokens)
+        runner.rollback_to(context)
+    wall = (time.perf_counter() - start) / reps * 1e3
+    seconds = library().profile(False)
+    parts = {name: s * 1e3 / reps for name, s in zip(KERNEL_PHASES, seconds, strict=False)}
+    parts["Python and dispatch"] = max(0.0, wall - sum(parts.values()))
+    parts["step"] = wall
+    return parts
+
+
+def read_bandwidth() -> float:
+    """GB/s of summing a 256 MiB float32 tensor (reads only), median of 5."""
+    a = torch.ones(64 * 2**20)
+    return a.nbytes / median_ms(lambda: a.sum(), 5, 1) / 1e6
+
+
 def split(runner, tokens: torch.Tensor, context: int, reps: int = 20) -> dict[str, float]:
+    if runner.uses_kernels:
+        return split_kernels(runner, tokens, context, reps)
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -96,7 +122,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=500)
     parser.add_argument("--ks", default="1,2,4,8,16,32")
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--split", action="store_true", help="profile one-token steps: where the time goes")
+    parser.add_argument("--split", action="store_true", help="profile forwards: where the time goes")
+    parser.add_argument("--split-ks", default="1", help="rows per profiled forward, e.g. 1,8")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' forward (dense)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -143,18 +170,19 @@ def main() -> None:
         print(row)
 
     if args.split:
-        parts = split(runner, context[:1], args.context)
         kv_bytes = 2 * len(runner._layers) * runner._kv_heads * args.context * runner._head_dim * 4
         weights = weight_bytes(loaded)
         read = weights + kv_bytes
-        bandwidth = copy_bandwidth()
-        print(f"\none-token step at a {args.context}-token cache, profiled (ms):")
-        for name, ms in parts.items():
-            print(f"  {name:<22} {ms:6.2f}")
+        for k in (int(k) for k in args.split_ks.split(",")):
+            parts = split(runner, context[:k], args.context)
+            print(f"\n{k}-token forward at a {args.context}-token cache, profiled (ms):")
+            for name, ms in parts.items():
+                print(f"  {name:<22} {ms:6.2f}")
+        bandwidth = read_bandwidth()
         print(
             f"  bytes read per step: {read / 1e6:.1f} MB (weights {weights / 1e6:.1f}, KV cache {kv_bytes / 1e6:.1f})"
         )
-        print(f"  copy bandwidth {bandwidth:.1f} GB/s → bandwidth bound {read / bandwidth / 1e6:.2f} ms per step")
+        print(f"  read bandwidth {bandwidth:.1f} GB/s → bandwidth bound {read / bandwidth / 1e6:.2f} ms per step")
 
 
 if __name__ == "__main__":

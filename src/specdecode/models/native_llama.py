@@ -173,13 +173,13 @@ def _kernel_layers(layers: Sequence[_Layer], lm_head: Linear, config, head_dim: 
     return [layer.kernel.id for layer in layers]
 
 
-def _visible_slots(start: int, k: int, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What each of ``k`` new rows at slots ``start..`` attends to, for the kernels: (prefix, extra slots, extras
-    per row). Row i sees slots ``0..prefix[i]-1``, then its extras in ascending order (a tree row: its ancestors
-    and itself); without a mask, the causal chain (prefix ``start + i + 1``, no extras)."""
-    if mask is None:
-        none = torch.zeros(k, dtype=torch.int64)
-        return torch.arange(start + 1, start + k + 1), none[:0], none
+_NO_SLOTS = torch.zeros(0, dtype=torch.int64)
+
+
+def _visible_slots(start: int, k: int, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each of ``k`` new rows at slots ``start..`` attends to under ``mask`` [k, start + k], for the kernels:
+    (prefix, extra slots, extras per row). Row i sees slots ``0..prefix[i]-1``, then its extras in ascending
+    order (a tree row: its ancestors and itself)."""
     prefix = mask.to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int64)
     rest = mask & (torch.arange(mask.shape[1]) >= prefix[:, None])
     rows, slots = rest.nonzero(as_tuple=True)
@@ -438,23 +438,28 @@ class NativeLlamaRunner:
     ) -> list[torch.Tensor | None]:
         """One pass of the compiled decoder over every runner's new rows (their caches reserved already), then
         the head; each runner's rows and cache exactly as its own ``forward`` gives them (row invariance)."""
-        meta, offsets, extras, cos, sin, counts = [], [0], [], [], [], []
+        meta: list[list[int]] = []
+        offsets, extras, counts = [0], [], []
         for index, (runner, chunk, pos, mask) in enumerate(zip(runners, tokens, positions, masks, strict=True)):
             start, k = runner.length, int(chunk.shape[0])
-            pos = torch.arange(start, start + k) if pos is None else pos.to(torch.int64)
-            prefix, slots, counts_per_row = _visible_slots(start, k, mask)
-            meta.append(torch.stack([torch.full((k,), index), torch.arange(start, start + k), pos, prefix], 1))
-            extras.append(slots)
-            offsets.extend((offsets[-1] + counts_per_row.cumsum(0)).tolist())
-            cos.append(runner._cos[pos])
-            sin.append(runner._signed_sin[pos])
             counts.append(k)
+            where = range(start, start + k) if pos is None else pos.tolist()
+            if mask is None:  # a chain: row i sees slots 0..start+i
+                meta.extend([index, start + i, p, start + i + 1] for i, p in enumerate(where))
+                offsets.extend([offsets[-1]] * k)
+                continue
+            prefix, slots, per_row = _visible_slots(start, k, mask)
+            meta.extend([index, start + i, p, q] for i, (p, q) in enumerate(zip(where, prefix.tolist(), strict=True)))
+            extras.append(slots)
+            offsets.extend((offsets[-1] + per_row.cumsum(0)).tolist())
+        if not extras:  # chains only: no extras
+            offsets = []
         x = self._embed(torch.cat(list(tokens))).to(torch.float32).contiguous()
         kernels.library().decoder(
             x, self._kernel_layers, [r._keys for r in runners], [r._values for r in runners],
-            torch.cat(meta).to(torch.int32).contiguous(), torch.tensor(offsets, dtype=torch.int64), torch.cat(extras),
-            torch.cat(cos).contiguous(), torch.cat(sin).contiguous(), self._heads, self._kv_heads, self._head_dim,
-            self._eps, self._scaling,
+            [r._cos for r in runners], [r._signed_sin for r in runners], torch.tensor(meta, dtype=torch.int32),
+            torch.tensor(offsets, dtype=torch.int64), torch.cat(extras) if extras else _NO_SLOTS,
+            self._heads, self._kv_heads, self._head_dim, self._eps, self._scaling,
         )  # fmt: skip
         head = self._kernel_head(x) if logits else None
         out: list[torch.Tensor | None] = []

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,7 @@ namespace sd {
 constexpr int kLanes = 16;
 constexpr int64_t kAttChunk = 128;  // keys per attention partial (part of the numerics: do not change lightly)
 constexpr int kMaxRefine = 64;
+constexpr int64_t kPrefetchGroups = 16;
 
 // ------------------------------------------------------------------------------------------------ 16 lanes
 
@@ -290,6 +292,32 @@ static inline float exp_scalar(float x) {
   return l[0];
 }
 
+// ------------------------------------------------------------------------------------------------ profiling
+
+// Wall time per phase of the decoder and head, accumulated while profiling is on (scripts/profile_runner.py).
+enum Phase { kNorm, kMatrices, kRope, kAttention, kActivation, kHead, kRefine, kPhases };
+static bool g_profiling = false;
+static double g_phase_seconds[kPhases] = {0};
+
+struct PhaseTimer {
+  Phase phase;
+  std::chrono::steady_clock::time_point start;
+  explicit PhaseTimer(Phase p) : phase(p) {
+    if (g_profiling) start = std::chrono::steady_clock::now();
+  }
+  ~PhaseTimer() {
+    if (g_profiling) g_phase_seconds[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+};
+
+// Turn phase timing on or off; return the seconds accumulated per phase since the last call (then reset).
+std::vector<double> profile(bool enable) {
+  std::vector<double> out(g_phase_seconds, g_phase_seconds + kPhases);
+  std::fill(g_phase_seconds, g_phase_seconds + kPhases, 0.0);
+  g_profiling = enable;
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------------ weights
 
 // One matrix [n outputs, k inputs] in tiles of 16 outputs; per tile, group after group of g inputs:
@@ -490,6 +518,11 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
     VI ia[R], ib[R];
     for (int r = 0; r < R; ++r) ia[r] = ib[r] = vi_zero();
     const int64_t k0 = j * g;
+    // Streaming weights from memory (one row: bandwidth-bound): fetch ~16 groups ahead of use.
+    for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(wp + kPrefetchGroups * group_bytes + at);
+    __builtin_prefetch(static_cast<const char*>(w.sp) + (sbase + (j + kPrefetchGroups) * kLanes) * (HALF ? 2 : 4));
+    if (!SYM)
+      __builtin_prefetch(static_cast<const char*>(w.op) + (sbase + (j + kPrefetchGroups) * kLanes) * (HALF ? 2 : 4));
     if (NIB) {
       const int64_t quarter = g / 4;
       for (int64_t c = 0; c < quarter; ++c) {
@@ -683,17 +716,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// x·cos + swap_halves(x)·signed_sin per head (transformers' rotate_half, its sign folded into the table).
-static void rope_rows(float* x, int64_t rows, int64_t heads, int64_t ld, int64_t d, const float* cos, const float* sin) {
+// x·cos + swap_halves(x)·signed_sin per head (transformers' rotate_half, its sign folded into the table), with
+// row r's table rows cos[r] / sin[r].
+static void rope_rows(float* x, int64_t rows, int64_t heads, int64_t ld, int64_t d, const float* const* cos,
+                      const float* const* sin) {
   const int64_t half = d / 2;
-  std::vector<float> tmp(d);
+  float tmp[256];
   for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos[r];
+    const float* s = sin[r];
     for (int64_t h = 0; h < heads; ++h) {
       float* v = x + r * ld + h * d;
-      const float* c = cos + r * d;
-      const float* s = sin + r * d;
-      for (int64_t i = 0; i < d; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % d] * s[i];
-      std::copy(tmp.begin(), tmp.end(), v);
+      for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * c[i] + v[i + half] * s[i];
+      for (int64_t i = half; i < d; ++i) tmp[i] = v[i] * c[i] + v[i - half] * s[i];
+      std::memcpy(v, tmp, d * sizeof(float));
     }
   }
 }
@@ -721,14 +757,16 @@ static void silu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* a
 // Rows of one call: which cache they use, the slot their key/value goes to, and what they see: logical key
 // positions 0..prefix-1 are slots 0..prefix-1, then extra slots (a tree row's ancestors and itself).
 struct RowsView {
-  const int32_t* meta;  // [rows][4]: cache, write slot, (position: used by RoPE tables), prefix
-  const int64_t* extra_offsets;  // [rows + 1]
+  const int32_t* meta;           // [rows][4]: cache, write slot, position (the RoPE table's row), prefix
+  const int64_t* extra_offsets;  // [rows + 1], or null: no row has extras
   const int64_t* extra_slots;
   int64_t rows;
   int64_t cache(int64_t r) const { return meta[4 * r]; }
   int64_t slot(int64_t r) const { return meta[4 * r + 1]; }
+  int64_t position(int64_t r) const { return meta[4 * r + 2]; }
   int64_t prefix(int64_t r) const { return meta[4 * r + 3]; }
-  int64_t visible(int64_t r) const { return prefix(r) + extra_offsets[r + 1] - extra_offsets[r]; }
+  int64_t extras(int64_t r) const { return extra_offsets == nullptr ? 0 : extra_offsets[r + 1] - extra_offsets[r]; }
+  int64_t visible(int64_t r) const { return prefix(r) + extras(r); }
   int64_t slot_of(int64_t r, int64_t i) const {
     const int64_t p = prefix(r);
     return i < p ? i : extra_slots[extra_offsets[r] + (i - p)];
@@ -1024,10 +1062,16 @@ static RowsView rows_view(const at::Tensor& meta, const at::Tensor& extra_offset
   TORCH_CHECK(meta.scalar_type() == at::kInt && meta.is_contiguous() && meta.dim() == 2 && meta.size(1) == 4,
               "rows: contiguous int32 [rows, 4]");
   TORCH_CHECK(extra_offsets.scalar_type() == at::kLong && extra_offsets.is_contiguous() &&
-                  extra_offsets.numel() == meta.size(0) + 1 && extra_slots.scalar_type() == at::kLong &&
-                  extra_slots.is_contiguous(),
-              "extras: int64 offsets [rows + 1] and slots");
-  return {meta.data_ptr<int32_t>(), extra_offsets.data_ptr<int64_t>(), extra_slots.data_ptr<int64_t>(), meta.size(0)};
+                  (extra_offsets.numel() == meta.size(0) + 1 || extra_offsets.numel() == 0) &&
+                  extra_slots.scalar_type() == at::kLong && extra_slots.is_contiguous(),
+              "extras: int64 offsets [rows + 1] (or none) and slots");
+  const bool none = extra_offsets.numel() == 0;
+  if (!none)
+    TORCH_CHECK(extra_offsets.data_ptr<int64_t>()[0] == 0 &&
+                    extra_offsets.data_ptr<int64_t>()[meta.size(0)] == extra_slots.numel(),
+                "extras: offsets must span the slots");
+  return {meta.data_ptr<int32_t>(), none ? nullptr : extra_offsets.data_ptr<int64_t>(), extra_slots.data_ptr<int64_t>(),
+          meta.size(0)};
 }
 
 static void check_rows(const RowsView& rows, const std::vector<CacheView>& caches) {
@@ -1036,8 +1080,11 @@ static void check_rows(const RowsView& rows, const std::vector<CacheView>& cache
     const int64_t cap = caches[rows.cache(r)].capacity;
     TORCH_CHECK(rows.slot(r) >= 0 && rows.slot(r) < cap, "row ", r, ": write slot outside the cache");
     TORCH_CHECK(rows.prefix(r) >= 0 && rows.prefix(r) <= cap && rows.visible(r) >= 1, "row ", r, ": bad prefix");
-    for (int64_t i = rows.extra_offsets[r]; i < rows.extra_offsets[r + 1]; ++i)
-      TORCH_CHECK(rows.extra_slots[i] >= 0 && rows.extra_slots[i] < cap, "row ", r, ": extra slot outside the cache");
+    TORCH_CHECK(rows.extras(r) >= 0, "row ", r, ": bad extras");
+    for (int64_t i = 0; i < rows.extras(r); ++i) {
+      const int64_t slot = rows.extra_slots[rows.extra_offsets[r] + i];
+      TORCH_CHECK(slot >= 0 && slot < cap, "row ", r, ": extra slot outside the cache");
+    }
   }
 }
 
@@ -1078,9 +1125,11 @@ at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> keys, std::vec
 // ------------------------------------------------------------------------------------------------ decoder
 
 // x [rows, hidden] (float32, in place): the decoder layers `layer_ids`, keys/values stored at each row's slot.
+// Row r's rotary tables are row position(r) of its cache's cos/sin [capacity, head_dim].
 void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-             const at::Tensor& meta, const at::Tensor& extra_offsets, const at::Tensor& extra_slots, const at::Tensor& cos,
-             const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scaling) {
+             std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, const at::Tensor& meta,
+             const at::Tensor& extra_offsets, const at::Tensor& extra_slots, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, double eps, double scaling) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 [rows, hidden]");
   const AttnShape shape{heads, kv_heads, head_dim, static_cast<float>(scaling)};
   TORCH_CHECK(head_dim % kLanes == 0 && head_dim <= 256 && heads % kv_heads == 0, "unsupported attention shape");
@@ -1088,9 +1137,19 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
   const RowsView rows = rows_view(meta, extra_offsets, extra_slots);
   TORCH_CHECK(rows.rows == x.size(0), "one meta row per token");
   check_rows(rows, caches);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
-              "cos/sin: float32 [rows, head_dim]");
+  TORCH_CHECK(cos.size() == caches.size() && sin.size() == caches.size(), "cos/sin: one table per cache");
+  std::vector<const float*> cos_rows(rows.rows), sin_rows(rows.rows);
+  for (size_t i = 0; i < cos.size(); ++i)
+    TORCH_CHECK(cos[i].scalar_type() == at::kFloat && sin[i].scalar_type() == at::kFloat && cos[i].is_contiguous() &&
+                    sin[i].is_contiguous() && cos[i].dim() == 2 && cos[i].size(1) == head_dim &&
+                    sin[i].sizes() == cos[i].sizes(),
+                "cos/sin: float32 [capacity, head_dim]");
+  for (int64_t r = 0; r < rows.rows; ++r) {
+    const int64_t c = rows.cache(r), pos = rows.position(r);
+    TORCH_CHECK(pos >= 0 && pos < cos[c].size(0), "row ", r, ": position outside the rotary table");
+    cos_rows[r] = cos[c].data_ptr<float>() + pos * head_dim;
+    sin_rows[r] = sin[c].data_ptr<float>() + pos * head_dim;
+  }
   std::vector<std::shared_ptr<const Layer>> layers;
   for (int64_t id : layer_ids) layers.push_back(layer_at(id));
   for (const auto& cache : keys) TORCH_CHECK(cache.size(0) >= static_cast<int64_t>(layers.size()), "cache has too few layers");
@@ -1105,19 +1164,47 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
     qkv.resize(m * qkv_width);
     gu.resize(m * 2 * inter);
     act.resize(m * inter);
-    rms_norm_rows(xp, m, hidden, layer.input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
-    apply_parts(layer.qkv, h.data(), hidden, m, qkv.data(), qkv_width, nullptr, 0);
-    rope_rows(qkv.data(), m, heads + kv_heads, qkv_width, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-    store_kv(rows, caches, static_cast<int64_t>(li), shape, qkv.data() + q_width, qkv.data() + q_width + kv_width,
-             qkv_width);
-    // attention reads q rows from the fused q/k/v buffer: gather them contiguous first
-    for (int64_t r = 0; r < m; ++r) std::memcpy(q.data() + r * q_width, qkv.data() + r * qkv_width, q_width * sizeof(float));
-    attention_rows(rows, caches, static_cast<int64_t>(li), shape, q.data(), attn.data());
-    apply_parts(layer.o, attn.data(), q_width, m, xp, hidden, xp, hidden);
-    rms_norm_rows(xp, m, hidden, layer.post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
-    apply_parts(layer.gate_up, h.data(), hidden, m, gu.data(), 2 * inter, nullptr, 0);
-    silu_mul_rows(gu.data(), m, inter, act.data());
-    apply_parts(layer.down, act.data(), inter, m, xp, hidden, xp, hidden);
+    {
+      PhaseTimer timer(kNorm);
+      rms_norm_rows(xp, m, hidden, layer.input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+    }
+    {
+      PhaseTimer timer(kMatrices);
+      apply_parts(layer.qkv, h.data(), hidden, m, qkv.data(), qkv_width, nullptr, 0);
+    }
+    {
+      PhaseTimer timer(kRope);
+      rope_rows(qkv.data(), m, heads + kv_heads, qkv_width, head_dim, cos_rows.data(), sin_rows.data());
+      store_kv(rows, caches, static_cast<int64_t>(li), shape, qkv.data() + q_width, qkv.data() + q_width + kv_width,
+               qkv_width);
+      // attention reads q rows from the fused q/k/v buffer: gather them contiguous first
+      for (int64_t r = 0; r < m; ++r)
+        std::memcpy(q.data() + r * q_width, qkv.data() + r * qkv_width, q_width * sizeof(float));
+    }
+    {
+      PhaseTimer timer(kAttention);
+      attention_rows(rows, caches, static_cast<int64_t>(li), shape, q.data(), attn.data());
+    }
+    {
+      PhaseTimer timer(kMatrices);
+      apply_parts(layer.o, attn.data(), q_width, m, xp, hidden, xp, hidden);
+    }
+    {
+      PhaseTimer timer(kNorm);
+      rms_norm_rows(xp, m, hidden, layer.post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+    }
+    {
+      PhaseTimer timer(kMatrices);
+      apply_parts(layer.gate_up, h.data(), hidden, m, gu.data(), 2 * inter, nullptr, 0);
+    }
+    {
+      PhaseTimer timer(kActivation);
+      silu_mul_rows(gu.data(), m, inter, act.data());
+    }
+    {
+      PhaseTimer timer(kMatrices);
+      apply_parts(layer.down, act.data(), inter, m, xp, hidden, xp, hidden);
+    }
   }
 }
 
@@ -1166,13 +1253,17 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& norm, double eps, at::
   TORCH_CHECK(refine >= 0 && refine <= kMaxRefine, "refine must be in 0..", kMaxRefine);
   const int64_t m = xf.size(0), hidden = xf.size(1);
   std::vector<float> h(m * hidden);
-  rms_norm_rows(xf.data_ptr<float>(), m, hidden, wf.data_ptr<float>(), static_cast<float>(eps), h.data());
-  QuantRows q;
-  quantize_rows(h.data(), hidden, m, hidden, w.g, q);
   at::Tensor logits = at::empty({m, vocab}, xf.options());
   float* out = logits.data_ptr<float>();
-  linear_rows(w, q, out, vocab, vocab, nullptr, 0);
+  {
+    PhaseTimer timer(kHead);
+    rms_norm_rows(xf.data_ptr<float>(), m, hidden, wf.data_ptr<float>(), static_cast<float>(eps), h.data());
+    QuantRows q;
+    quantize_rows(h.data(), hidden, m, hidden, w.g, q);
+    linear_rows(w, q, out, vocab, vocab, nullptr, 0);
+  }
   if (refine > 0 && exact_q.has_value()) {
+    PhaseTimer timer(kRefine);
     const at::Tensor eq = exact_q->contiguous(), es = exact_scale.value().to(at::kFloat).contiguous();
     TORCH_CHECK(eq.scalar_type() == at::kChar && eq.size(1) == hidden && eq.size(0) >= vocab && es.size(0) == eq.size(0),
                 "exact rows: int8 [V, hidden] and float32 scales [V, blocks]");
@@ -1240,11 +1331,12 @@ TORCH_LIBRARY(SD_NS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &sd::rms_norm);
   m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int layer, int heads, int kv_heads, float scaling) -> Tensor",
         &sd::attention);
-  m.def("decoder(Tensor x, int[] layers, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, Tensor cos, Tensor sin, int heads, int kv_heads, int head_dim, float eps, float scaling) -> ()",
+  m.def("decoder(Tensor x, int[] layers, Tensor[] keys, Tensor[] values, Tensor[] cos, Tensor[] sin, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int heads, int kv_heads, int head_dim, float eps, float scaling) -> ()",
         &sd::decoder);
   m.def("lm_head(Tensor x, Tensor norm, float eps, int[] head, int vocab, Tensor? exact_q, Tensor? exact_scale, int refine) -> Tensor",
         &sd::lm_head);
   m.def("quantize(Tensor x, int g) -> Tensor[]", &sd::quantize);
   m.def("exp_lanes(Tensor x) -> Tensor", &sd::exp_lanes);
   m.def("isa() -> str", &sd::isa);
+  m.def("profile(bool enable) -> float[]", &sd::profile);
 }
