@@ -3,6 +3,7 @@ every instruction set, and one OpenMP runtime (torch's)."""
 
 from __future__ import annotations
 
+import itertools
 import platform
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ from specdecode.models.gguf_blocks import (
     decode_q6_k,
     decode_q8_0,
 )
-from specdecode.models.weights import GroupQuant, Int8Linear, IntBlocks, KernelLinear
+from specdecode.models.weights import GroupQuant, Int8Linear, IntBlocks, KernelLinear, _tile_layout
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="the CPU kernels did not build here")
 
@@ -51,34 +52,41 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> IntBlocks:
     return decode(raw.reshape(rows, -1))
 
 
-def quantized_reference(x: torch.Tensor, blocks: IntBlocks) -> torch.Tensor:
-    """x̂ @ W.T in float64: each row quantized to int16 per group (d = max|x| / 32767) as the kernels do it."""
+def quantized_reference(x: torch.Tensor, blocks: IntBlocks, bits: int = 16) -> torch.Tensor:
+    """x̂ @ W.T in float64: each row quantized per group to ``bits`` (d = max|x| / (2^(bits−1) − 1)) as the
+    kernels do it."""
     g = 32 if blocks.group_size > 32 else blocks.group_size
+    top = 2 ** (bits - 1) - 1.0
     groups = x.float().view(x.shape[0], -1, g)
-    top = groups.abs().amax(-1, keepdim=True)
-    q = torch.round(groups * (32767.0 / top)).clamp(-32767, 32767)
-    xhat = (q.double() * (top / 32767.0).double()).view(x.shape)
+    largest = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * (top / largest)).clamp(-top, top)
+    xhat = (q.double() * (largest / top).double()).view(x.shape)
     return xhat @ blocks.dequantize().double().T
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
-def test_linear_computes_the_quantized_product_of_the_files_blocks(kind):
+def test_linear_computes_the_quantized_product_of_the_files_blocks(kind, bits):
     blocks = random_blocks(kind, 72, 512)
-    linear = KernelLinear.from_blocks(blocks)
+    linear = KernelLinear.from_blocks(blocks, activation_bits=bits)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
-    expected = quantized_reference(x, blocks)
+    expected = quantized_reference(x, blocks, bits)
     got = linear(x).double()
     assert (got - expected).norm() / expected.norm() < 1e-5  # float32 sums, nothing else
-    # the control: float32 activations without the int16 rounding are measurably another product
-    exact = x.double() @ blocks.dequantize().double().T
-    assert (exact - expected).norm() / expected.norm() > 1e-6
+    # the control: the other activation precision is measurably another product
+    other = quantized_reference(x, blocks, 24 - bits)
+    assert (other - expected).norm() / expected.norm() > 1e-4 if bits == 8 else 1e-6
 
 
-@pytest.mark.parametrize(("kind", "bias"), [("Q4_1", False), ("Q8_0", True), ("Q6_K", False), ("Q5_K", True)])
-def test_every_row_is_bitwise_the_one_row_product(kind, bias):
+@pytest.mark.parametrize(
+    ("kind", "bias", "bits"),
+    [("Q4_1", False, 16), ("Q8_0", True, 16), ("Q6_K", False, 16), ("Q5_K", True, 16), ("Q4_1", False, 8),
+     ("Q6_K", True, 8), ("Q8_0", False, 8)],
+)  # fmt: skip
+def test_every_row_is_bitwise_the_one_row_product(kind, bias, bits):
     blocks = random_blocks(kind, 40, 256, seed=2)  # 40 outputs: a partial last tile
     b = torch.randn(40) if bias else None
-    linear = KernelLinear.from_blocks(blocks, b)
+    linear = KernelLinear.from_blocks(blocks, b, bits)
     x = torch.randn(41, 256, generator=torch.Generator().manual_seed(3))
     together = linear(x)
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 41):
@@ -114,15 +122,17 @@ def test_every_instruction_set_gives_the_same_bits(variant):
     """The AVX2 and plain-C builds compute bitwise what this machine's build computes (so a result checked on one
     CPU holds on the others): the linear layer, attention and exp."""
     other, native = _variant(variant), kernels.ops()
-    for kind in ("Q4_1", "Q4_K", "Q6_K", "Q8_0"):
+    for kind, bits in itertools.product(("Q4_1", "Q4_K", "Q6_K", "Q8_0"), (16, 8)):
         blocks = random_blocks(kind, 48, 512, seed=6)
-        linear = KernelLinear.from_blocks(blocks)
+        linear = KernelLinear.from_blocks(blocks, activation_bits=bits)
+        quads = bits == 8 and other.quad_layout()  # int8 activations: each build's own layout, the same sums
+        packed, scales, offsets = _tile_layout(blocks.u, blocks.scale, blocks.offset, blocks.group_size,
+                                               linear.nibbles, blocks.half_scales, quads)  # fmt: skip
         registered = other.register_matrix(
-            linear.packed, linear.scales, linear.offsets, linear.bias, 48, 512, linear.group_size, linear.nibbles,
-            linear.sym,
-        )  # fmt: skip
+            packed, scales, offsets, None, 48, 512, linear.group_size, linear.nibbles, linear.sym, bits
+        )
         x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
-        assert torch.equal(other.linear(x, [registered]), linear(x)), kind
+        assert torch.equal(other.linear(x, [registered]), linear(x)), (kind, bits)
     case = _attention_case(rows=5, cached=300, seed=8)
     assert torch.equal(_attend(other, *case), _attend(native, *case))
     values = torch.linspace(-100, 100, 4096)

@@ -68,8 +68,9 @@ DtypeOption = Annotated[str, typer.Option(help="Dense weights' dtype: float32 or
 QuantizationOption = Annotated[
     str,
     typer.Option(
-        help="Weights: auto (a GGUF file's own 4-bit blocks where the native runner runs it, else dense), "
-        "gguf, int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference)."
+        help="Weights: auto (a GGUF file's own blocks where the native runner runs it, else dense), gguf, "
+        "gguf-a8 (the same blocks with int8 activations: llama.cpp's numerics, flatter verify cost, a little less "
+        "exact), int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference)."
     ),
 ]
 GroupSizeOption = Annotated[int, typer.Option(help="int4: weights per quantization group (32, 64, 128 or 256).")]

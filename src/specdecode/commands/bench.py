@@ -13,7 +13,7 @@ from specdecode.commands import quiet_transformers, usage_errors
 
 QUIRK_MAX_K = 32
 QUIRK_CONTEXT = 500
-QUANTIZATIONS = ("auto", "gguf", "int8", "int4", "none")
+QUANTIZATIONS = ("auto", "gguf", "gguf-a8", "int8", "int4", "none")
 
 
 def _split(text: str | None, what: str) -> list[str]:
@@ -109,7 +109,7 @@ def bench(
         str,
         typer.Option(
             help="Comma list of target weight formats, each run with all our methods: auto (a GGUF target's own "
-            "4-bit blocks, else dense), gguf, int8, int4, none (dense). With several, method names end in "
+            "blocks, else dense), gguf, gguf-a8, int8, int4, none (dense). With several, method names end in "
             "@setting (ours:plain@gguf) and each is checked against its own plain decode."
         ),
     ] = "auto",

@@ -56,8 +56,8 @@ def plan(
         str,
         typer.Option(
             help="--memory/--measure: how the weights are stored: auto (a GGUF's own blocks, else dense), gguf, "
-            "int8, int4 or none (dense); --memory applies it to the draft too. Quantized weights keep a float32 "
-            "KV cache."
+            "gguf-a8, int8, int4 or none (dense); --memory applies it to the draft too. Quantized weights keep a "
+            "float32 KV cache."
         ),
     ] = "auto",
     group_size: Annotated[int, typer.Option(help="--memory/--measure: int4 group size (32, 64, 128, 256).")] = 32,

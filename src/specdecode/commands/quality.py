@@ -20,9 +20,10 @@ def quality(
     quantization: Annotated[
         str,
         typer.Option(
-            help="Comma list of weight settings to compare with dense float32: gguf, int8, int4 (or auto, none)."
+            help="Comma list of weight settings to compare with dense float32: gguf, gguf-a8, int8, int4 (or "
+            "auto, none)."
         ),
-    ] = "gguf,int8,int4",
+    ] = "gguf,gguf-a8,int8,int4",
     group_size: Annotated[int, typer.Option(help="int4: weights per quantization group (32, 64, 128, 256).")] = 32,
     text: Annotated[
         Path | None, typer.Option(help="UTF-8 text file to read raw (default: the shipped held-out prose).")

@@ -35,7 +35,7 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: frozenset[int]
     backend: str = "transformers"
-    quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "int8", "int4"
+    quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "gguf-a8", "int8", "int4"
 
     def new_runner(self) -> ModelRunner:
         """A fresh runner with its own empty KV cache over this model's weights (native or transformers)."""
@@ -99,7 +99,8 @@ def load_model(
 
     ``backend``: ``native`` (our Llama-family runner: static cache, fused weights), ``transformers`` (any
     causal LM), or ``auto`` = native where it reproduces the model exactly, else transformers.
-    ``quantization``: ``None`` = dense weights in ``dtype``; ``"gguf"`` = the GGUF file's own 4-bit blocks;
+    ``quantization``: ``None`` = dense weights in ``dtype``; ``"gguf"`` = the GGUF file's own blocks (``"gguf-a8"``:
+    with int8 activations, llama.cpp's numerics);
     ``"int8"`` / ``"int4"`` (groups of ``group_size``) = dense weights rounded; ``"auto"`` (default) = ``"gguf"``
     for a GGUF file the native runner supports (unless ``dtype`` asks for dense bfloat16), else dense.
     Quantized weights run with bfloat16 activations and a float32 residual stream: they need ``dtype`` float32.
@@ -138,8 +139,10 @@ def load_model(
                 f"quantization={quantization!r} runs bfloat16 activations over a float32 residual stream: "
                 "leave dtype at float32 (or pass quantization=None for dense bfloat16 weights)"
             )
-        if quantization == "gguf" and gguf_path is None:
-            raise ValueError("quantization='gguf' keeps a GGUF file's blocks: load a .gguf file or a bundled model")
+        if spec.reads_gguf and gguf_path is None:
+            raise ValueError(
+                f"quantization={quantization!r} keeps a GGUF file's blocks: load a .gguf file or a bundled model"
+            )
         quantize_model(model, spec, gguf_path)
     loaded = _wrap(model, tokenizer, name, backend)
     loaded.quantization = quantization

@@ -1,11 +1,11 @@
 """Put a loaded transformers model's linear layers into a quantized format, in place.
 
-``gguf`` keeps a GGUF file's own integer blocks; ``int4`` rounds dense weights groupwise to 4 bits; ``int8`` per
-output row to 8 bits. With the compiled kernels (``kernels/``) every block type runs as stored (Q4_0, Q4_1, Q4_K,
-Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) and a tied LM head reads the embedding's own blocks. Without them PyTorch's
-weight-only kernels run the 4-bit types (scales rounded to bfloat16) and int8 rows (Q8_0 re-quantized per row);
-other types stay dense float32, and the LM head is int8 per row. A tied input embedding reads the file's table
-(exact) or the head's int8 rows.
+``gguf`` keeps a GGUF file's own integer blocks (``gguf-a8``: the same, with int8 activations); ``int4`` rounds
+dense weights groupwise to 4 bits; ``int8`` per output row to 8 bits. With the compiled kernels (``kernels/``)
+every block type runs as stored (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) and a tied LM head reads the
+embedding's own blocks. Without them PyTorch's weight-only kernels run the 4-bit types (scales rounded to
+bfloat16) and int8 rows (Q8_0 re-quantized per row); other types stay dense float32, and the LM head is int8
+per row. A tied input embedding reads the file's table (exact) or the head's int8 rows.
 """
 
 from __future__ import annotations
@@ -34,14 +34,17 @@ from .weights import (
     register_fused,
 )
 
-QUANTIZATIONS = ("gguf", "int8", "int4")
+QUANTIZATIONS = ("gguf", "gguf-a8", "int8", "int4")
 _LLAMA_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
                  ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Quantization:
-    """How to store the weights: ``kind`` in QUANTIZATIONS; ``group_size`` for ``int4`` (GGUF blocks fix their own)."""
+    """How to store the weights: ``kind`` in QUANTIZATIONS; ``group_size`` for ``int4`` (GGUF blocks fix their own).
+
+    ``gguf-a8`` keeps the file's blocks as ``gguf`` does and quantizes the activations to int8 instead of int16
+    (llama.cpp's numerics: the kernels multiply twice as fast, top-1 agreement with float32 drops a little)."""
 
     kind: str
     group_size: int = 32
@@ -52,6 +55,15 @@ class Quantization:
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
 
+    @property
+    def reads_gguf(self) -> bool:
+        return self.kind.startswith("gguf")
+
+    @property
+    def activation_bits(self) -> int:
+        """The compiled kernels' activation precision."""
+        return 8 if self.kind == "gguf-a8" else 16
+
 
 def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path | None = None) -> None:
     """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules, in place.
@@ -59,9 +71,10 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
     With the compiled kernels every integer format runs as ``KernelLinear`` (GGUF blocks of every type kept as
     stored); without them, as PyTorch's int4/int8 weight-only kernels (other GGUF types stay dense float32).
     """
-    if quantization.kind == "gguf" and gguf_path is None:
-        raise ValueError("quantization='gguf' needs a GGUF file: load a .gguf path or a bundled model")
-    stored = read_gguf_tensors(gguf_path, model) if quantization.kind == "gguf" else {}
+    if quantization.reads_gguf and gguf_path is None:
+        raise ValueError(f"quantization={quantization.kind!r} needs a GGUF file: load a .gguf path or a bundled model")
+    stored = read_gguf_tensors(gguf_path, model) if quantization.reads_gguf else {}
+    bits = quantization.activation_bits
     native = kernels.ops() is not None
     llama = getattr(model.config, "model_type", None) in ("llama", "mistral", "qwen2")
     for index, layer in enumerate(model.model.layers):
@@ -71,8 +84,8 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
             modules = [layer.get_submodule(name) for name in group]
             stored_weights = [stored.get(f"{prefix}{name}.weight") for name in group]
             sources = [_source(m, w, quantization, native) for m, w in zip(modules, stored_weights, strict=True)]
-            _quantize_group(layer, group, modules, sources)
-    _quantize_head(model, stored.get("model.embed_tokens.weight"), native)
+            _quantize_group(layer, group, modules, sources, bits)
+    _quantize_head(model, stored.get("model.embed_tokens.weight"), native, bits)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -103,11 +116,11 @@ def _source(module: nn.Module, stored, quantization: Quantization, native: bool)
     return None
 
 
-def _quantize_group(layer: nn.Module, names, modules, sources) -> None:
+def _quantize_group(layer: nn.Module, names, modules, sources, activation_bits: int = 16) -> None:
     """Swap the modules of one fusable group; register their fused format for the native runner."""
     fused: KernelLinear | Int4Linear | Int8Linear | None = None
     if all(isinstance(s, IntBlocks) for s in sources):
-        fused = KernelLinear.cat(sources, concat_biases(modules))  # None when the parts' layouts differ
+        fused = KernelLinear.cat(sources, concat_biases(modules), activation_bits)  # None when layouts differ
     elif all(isinstance(s, GroupQuant) for s in sources):
         fused = Int4Linear.from_groups(GroupQuant.cat(sources), concat_biases(modules))
     elif all(isinstance(s, Int8Linear) for s in sources):
@@ -120,7 +133,7 @@ def _quantize_group(layer: nn.Module, names, modules, sources) -> None:
             bounds = torch.tensor([0] + [m.out_features for m in modules]).cumsum(0).tolist()
             kernels_ = [RowSlice(fused, a, b) for a, b in itertools.pairwise(bounds)]
     else:  # mixed or dense: each part on its own (the native runner concatenates their outputs)
-        kernels_ = [_format(s, m) for s, m in zip(sources, modules, strict=True)]
+        kernels_ = [_format(s, m, activation_bits) for s, m in zip(sources, modules, strict=True)]
     swapped = []
     for name, module, kernel in zip(names, modules, kernels_, strict=True):
         if kernel is None:
@@ -133,15 +146,15 @@ def _quantize_group(layer: nn.Module, names, modules, sources) -> None:
         register_fused(swapped, fused)
 
 
-def _format(source: Source, module: nn.Module) -> KernelLinear | Int4Linear | Int8Linear | None:
+def _format(source: Source, module: nn.Module, activation_bits: int) -> KernelLinear | Int4Linear | Int8Linear | None:
     if isinstance(source, IntBlocks):
-        return KernelLinear.from_blocks(source, module.bias)
+        return KernelLinear.from_blocks(source, module.bias, activation_bits)
     if isinstance(source, GroupQuant):
         return Int4Linear.from_groups(source, module.bias)
     return source
 
 
-def _quantize_head(model: nn.Module, stored_embedding, native: bool) -> None:
+def _quantize_head(model: nn.Module, stored_embedding, native: bool, activation_bits: int = 16) -> None:
     """LM head → the tied embedding's own blocks when the kernels run (exact, for types whose weights are int8
     times a scale: Q8_0, Q6_K, ...), else int8 per row. It carries exact int8 rows (the file's, else the int8
     head's), from which the runner recomputes each row's top logits; the input embedding reads the file's
@@ -153,11 +166,12 @@ def _quantize_head(model: nn.Module, stored_embedding, native: bool) -> None:
     table = Int8Groups.from_blocks(blocks) if blocks is not None and _int8_rows(blocks) else None
     if tied and table is not None and (native or blocks.bits == 8):
         exact = table
-        kernel = KernelLinear.from_blocks(blocks, head.bias) if native else Int8Linear.quantize(head.weight, head.bias)
+        kernel = (KernelLinear.from_blocks(blocks, head.bias, activation_bits) if native
+                  else Int8Linear.quantize(head.weight, head.bias))  # fmt: skip
     else:
         rows = Int8Linear.quantize(head.weight, head.bias)
         exact = rows.exact_rows()
-        kernel = KernelLinear.from_blocks(IntBlocks.from_int8(rows), head.bias) if native else rows
+        kernel = KernelLinear.from_blocks(IntBlocks.from_int8(rows), head.bias, activation_bits) if native else rows
     model.lm_head = QuantizedLinear(kernel, head.in_features, head.out_features, exact_rows=exact)
     if table is None and tied:
         table = exact

@@ -229,11 +229,13 @@ class KernelLinear:
     group_size: int
     nibbles: bool
     sym: int
+    activation_bits: int  # 16, or 8: llama.cpp's numerics (W4A8), twice the multiply rate, a little less exact
     handle: KernelHandle = dataclasses.field(compare=False, repr=False)
 
     @staticmethod
-    def from_blocks(blocks: IntBlocks, bias: torch.Tensor | None = None) -> KernelLinear:
-        """Pack ``blocks`` (groups of 16 or 32, or larger ones split into 32s) and register them with the kernels."""
+    def from_blocks(blocks: IntBlocks, bias: torch.Tensor | None = None, activation_bits: int = 16) -> KernelLinear:
+        """Pack ``blocks`` (groups of 16 or 32, or larger ones split into 32s) and register them with the kernels;
+        each input row is quantized to ``activation_bits`` per group."""
         from .kernels import ops
 
         kernels = ops()
@@ -248,13 +250,19 @@ class KernelLinear:
             offset = None if offset is None else offset.repeat_interleave(repeat, dim=1)
             group = 32
         nibbles = blocks.bits <= 4
-        packed, scales, offsets = _tile_layout(blocks.u, scale, offset, group, nibbles, blocks.half_scales)
+        quads = activation_bits == 8 and kernels.quad_layout()
+        packed, scales, offsets = _tile_layout(blocks.u, scale, offset, group, nibbles, blocks.half_scales, quads)
         bias = _float(bias)
-        handle = KernelHandle(kernels.register_matrix(packed, scales, offsets, bias, n, k, group, nibbles, blocks.sym))
-        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, blocks.sym, handle)
+        matrix = kernels.register_matrix(
+            packed, scales, offsets, bias, n, k, group, nibbles, blocks.sym, activation_bits
+        )
+        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, blocks.sym, activation_bits,
+                            KernelHandle(matrix))  # fmt: skip
 
     @staticmethod
-    def cat(parts: Sequence[IntBlocks], bias: torch.Tensor | None = None) -> KernelLinear | None:
+    def cat(
+        parts: Sequence[IntBlocks], bias: torch.Tensor | None = None, activation_bits: int = 16
+    ) -> KernelLinear | None:
         """One matrix of ``parts`` stacked by output rows, if they share one layout (else None)."""
         first = parts[0]
         layout = {(p.group_size, p.bits <= 4, p.sym, p.half_scales, p.offset is None) for p in parts}
@@ -265,7 +273,7 @@ class KernelLinear:
             torch.cat([p.u for p in parts]), torch.cat([p.scale for p in parts]), offset, first.sym,
             first.group_size, max(p.bits for p in parts), first.half_scales,
         )  # fmt: skip
-        return KernelLinear.from_blocks(blocks, bias)
+        return KernelLinear.from_blocks(blocks, bias, activation_bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from .kernels import library
@@ -298,9 +306,10 @@ def kernel_parts(linear: Linear) -> list[int] | None:
     return None
 
 
-def _tile_layout(u, scale, offset, group: int, nibbles: bool, half: bool):
+def _tile_layout(u, scale, offset, group: int, nibbles: bool, half: bool, quads: bool = False):
     """``kernels.cpp``'s layout: outputs in tiles of 16 (zero rows pad the last), per tile each group's integers
-    as pairs (2p, 2p+1) per output (nibbles: pair q low, pair q + group/4 high), scales [tile, group, 16]."""
+    as pairs (2p, 2p+1) per output (nibbles: pair q low, pair q + group/4 high) or, for int8 activations on
+    vpdpbusd builds, as quads (4q..4q+3; nibbles: quad 2b low, 2b+1 high), scales [tile, group, 16]."""
     n, k = u.shape
     tiles = -(-n // 16)
     pad = tiles * 16 - n
@@ -309,10 +318,17 @@ def _tile_layout(u, scale, offset, group: int, nibbles: bool, half: bool):
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
         offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
     groups = k // group
-    pairs = u.view(tiles, 16, groups, group // 2, 2).permute(0, 2, 3, 1, 4)  # [tile, group, pair, output, 2]
-    if nibbles:
-        quarter = group // 4
-        pairs = pairs[:, :, :quarter] | (pairs[:, :, quarter:] << 4)
+    if quads:
+        if nibbles:  # [tile, group, chunk, output, 4]: low nibbles quad 2b, high quad 2b+1
+            halves = u.view(tiles, 16, groups, group // 8, 2, 4).permute(0, 2, 3, 1, 5, 4)
+            pairs = halves[..., 0] | (halves[..., 1] << 4)
+        else:
+            pairs = u.view(tiles, 16, groups, group // 4, 4).permute(0, 2, 3, 1, 4)
+    else:
+        pairs = u.view(tiles, 16, groups, group // 2, 2).permute(0, 2, 3, 1, 4)  # [tile, group, pair, output, 2]
+        if nibbles:
+            quarter = group // 4
+            pairs = pairs[:, :, :quarter] | (pairs[:, :, quarter:] << 4)
     dtype = torch.float16 if half else torch.float32
 
     def per_tile(values):

@@ -266,6 +266,12 @@ static inline int32_t load_pair(const int16_t* p) {
   return v;
 }
 
+static inline int32_t load_pair8(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 // exp(x) for x in any range (clamped to [-87, 88]): 2^n · p(r), n = round(x·log2 e), |r| ≤ ln2/2, with Cephes'
 // polynomial; the same fused multiply-adds in every backend.
 static inline VF vf_exp(VF x) {
@@ -320,14 +326,19 @@ std::vector<double> profile(bool enable) {
 
 // ------------------------------------------------------------------------------------------------ weights
 
-// One matrix [n outputs, k inputs] in tiles of 16 outputs; per tile, group after group of g inputs:
+// One matrix [n outputs, k inputs] in tiles of 16 outputs; per tile, group after group of g inputs, in one of
+// two layouts. Pairs (int16 activations; int8 ones where vpdpbusd is missing):
 //   nibbles: g/4 chunks of 32 bytes; byte 2c+j of chunk q holds u[c][2q+j] (low) and u[c][2(q+g/4)+j] (high);
 //   bytes:   g/2 chunks of 32 bytes; byte 2c+j of chunk p holds u[c][2p+j].
+// Quads (int8 activations on vpdpbusd builds, see quad_layout):
+//   nibbles: g/8 chunks of 64 bytes; byte 4c+j of chunk b holds u[c][8b+j] (low) and u[c][8b+4+j] (high);
+//   bytes:   g/4 chunks of 64 bytes; byte 4c+j of chunk q holds u[c][4q+j].
 // scales and offsets (asymmetric types only), both f16 or both f32: [tile][group][16].
 struct Matrix {
   int64_t n = 0, k = 0, g = 0, tiles = 0, groups = 0;
   bool nibbles = false, half = false;
-  int32_t sym = -1;  // >= 0: w = s·(u − sym); < 0: w = s·u + offset
+  int32_t sym = -1;    // >= 0: w = s·(u − sym); < 0: w = s·u + offset
+  int64_t abits = 16;  // the activations' bits: 16 (the default) or 8 (llama.cpp's numerics, twice the speed)
   at::Tensor packed, scales, offsets, bias;  // owners of the data below
   const uint8_t* wp = nullptr;
   const void* sp = nullptr;
@@ -367,8 +378,9 @@ static std::shared_ptr<const Layer> layer_at(int64_t id) {
 
 int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                         const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t g, bool nibbles,
-                        int64_t sym) {
+                        int64_t sym, int64_t abits) {
   TORCH_CHECK(g == 16 || g == 32, "group size must be 16 or 32");
+  TORCH_CHECK(abits == 8 || abits == 16, "activation bits must be 8 or 16");
   TORCH_CHECK(k % g == 0 && n > 0, "bad matrix shape");
   auto m = std::make_shared<Matrix>();
   m->n = n;
@@ -378,6 +390,7 @@ int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, cons
   m->groups = k / g;
   m->nibbles = nibbles;
   m->sym = static_cast<int32_t>(sym);
+  m->abits = abits;
   m->packed = packed.contiguous();
   TORCH_CHECK(m->packed.scalar_type() == at::kByte, "packed weights must be uint8");
   TORCH_CHECK(m->packed.numel() == m->tiles * kLanes * k / (nibbles ? 2 : 1), "packed weights have the wrong size");
@@ -437,52 +450,74 @@ void release(int64_t matrix, int64_t layer) {
 
 // ------------------------------------------------------------------------------------------------ activations
 
-// Rows quantized to int16 per group of g: x ≈ d·q, d = max|x| / 32767; sum = Σq per group (exact integers).
+#if SD_AVX512 && defined(__AVX512VNNI__)
+#define SD_DOT8 1  // int8 activations run on vpdpbusd (4 products per lane); elsewhere on the int16 path, same sums
+#else
+#define SD_DOT8 0
+#endif
+
+// Rows quantized per group of g to `bits` (16 or 8) bits: x ≈ d·q, d = max|x| / (2^(bits−1) − 1); sum = Σq per
+// group (exact integers). int16 values go to q; 8-bit ones on vpdpbusd builds to q8 instead.
 struct QuantRows {
-  int64_t rows = 0, k = 0, g = 0, groups = 0;
+  int64_t rows = 0, k = 0, g = 0, groups = 0, bits = 16;
   std::vector<int16_t> q;
+  std::vector<int8_t> q8;
   std::vector<float> d, dsum;  // dsum = d · float(sum)
   std::vector<int32_t> sum;
+  bool packed8() const { return SD_DOT8 && bits == 8; }
 };
 
-static void quantize_group(const float* x, int64_t g, int16_t* q, float& d, int32_t& sum) {
+static void quantize_group(const float* x, int64_t g, int64_t bits, int16_t* q, int8_t* q8, float& d, int32_t& sum) {
   VF amax = vf_zero();
   for (int64_t i = 0; i < g; i += kLanes) amax = vf_max(amax, vf_abs(vf_load(x + i)));
   const float m = vf_hmax(amax);
   if (!(m > 0.0f) || !std::isfinite(m)) {  // all zeros (or non-finite input: poisoned, as the float path would be)
-    std::fill(q, q + g, 0);
+    if (q != nullptr) std::fill(q, q + g, 0);
+    if (q8 != nullptr) std::fill(q8, q8 + g, 0);
     d = m > 0.0f ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
     sum = 0;
     return;
   }
-  const float inv = 32767.0f / m;
-  d = m / 32767.0f;
+  const float top = bits == 8 ? 127.0f : 32767.0f;
+  const float inv = top / m;
+  d = m / top;
+  alignas(64) int16_t values[32];
   VI s = vi_zero();
   for (int64_t i = 0; i < g; i += kLanes) {
     VF v = vf_mul(vf_load(x + i), vf_set(inv));
-    v = vf_min(vf_max(vf_round(v), vf_set(-32767.0f)), vf_set(32767.0f));
+    v = vf_min(vf_max(vf_round(v), vf_set(-top)), vf_set(top));
     const VI iv = vi_quantize(v);
-    vi_store16(q + i, iv);
+    vi_store16(q != nullptr ? q + i : values + i, iv);
     s = vi_add(s, iv);
   }
   sum = vi_hsum(s);
+  if (q8 != nullptr)
+    for (int64_t i = 0; i < g; ++i) q8[i] = static_cast<int8_t>(values[i]);
 }
 
-static void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, int64_t g, QuantRows& out) {
+static void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, int64_t g, int64_t bits,
+                          QuantRows& out) {
   out.rows = rows;
   out.k = k;
   out.g = g;
+  out.bits = bits;
   out.groups = k / g;
-  out.q.resize(rows * k);
+  if (out.packed8()) {
+    out.q8.resize(rows * k);
+  } else {
+    out.q.resize(rows * k);
+  }
   out.d.resize(rows * out.groups);
   out.dsum.resize(rows * out.groups);
   out.sum.resize(rows * out.groups);
   const int64_t groups = out.groups;
+  const bool packed = out.packed8();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t j = 0; j < groups; ++j) {
-        const int64_t at = r * groups + j;
-        quantize_group(x + r * ldx + j * g, g, out.q.data() + r * k + j * g, out.d[at], out.sum[at]);
+        const int64_t at = r * groups + j, offset = r * k + j * g;
+        quantize_group(x + r * ldx + j * g, g, bits, packed ? nullptr : out.q.data() + offset,
+                       packed ? out.q8.data() + offset : nullptr, out.d[at], out.sum[at]);
         out.dsum[at] = out.d[at] * static_cast<float>(out.sum[at]);
       }
     }
@@ -500,8 +535,15 @@ static inline VF load_scales(const void* p, int64_t at) {
   }
 }
 
-// y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs.
-template <int R, bool NIB, bool HALF, bool SYM>
+#if SD_DOT8
+static inline VI vi_dot8(VI acc, __m512i w, int32_t quad) {
+  return {_mm512_dpbusd_epi32(acc.v, w, _mm512_set1_epi32(quad))};
+}
+#endif
+
+// y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs. A8: the activations
+// are int8 quads (vpdpbusd); otherwise int16 pairs.
+template <int R, bool NIB, bool HALF, bool SYM, bool A8>
 static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                       int64_t ncols, const float* add, int64_t ldadd) {
   VF acc[R];
@@ -511,7 +553,14 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
   const uint8_t* wp = w.wp + t * groups * group_bytes;
   const int64_t sbase = t * groups * kLanes;
   const int16_t* xrow[R];
-  for (int r = 0; r < R; ++r) xrow[r] = x.q.data() + (r0 + r) * x.k;
+  const int8_t* xrow8[R];
+  for (int r = 0; r < R; ++r) {
+    if constexpr (A8) {
+      xrow8[r] = x.q8.data() + (r0 + r) * x.k;
+    } else {
+      xrow[r] = x.q.data() + (r0 + r) * x.k;
+    }
+  }
   // Few rows: two integer accumulators per row (exact, so the split changes nothing but latency).
   constexpr int kSplit = R <= 4 ? 2 : 1;
   for (int64_t j = 0; j < groups; ++j) {
@@ -523,7 +572,30 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
     __builtin_prefetch(static_cast<const char*>(w.sp) + (sbase + (j + kPrefetchGroups) * kLanes) * (HALF ? 2 : 4));
     if (!SYM)
       __builtin_prefetch(static_cast<const char*>(w.op) + (sbase + (j + kPrefetchGroups) * kLanes) * (HALF ? 2 : 4));
-    if (NIB) {
+    if constexpr (A8) {  // the quad layout: 16 lanes of 4 consecutive inputs per 64 bytes
+#if SD_DOT8
+      if constexpr (NIB) {
+        const __m512i mask = _mm512_set1_epi8(0x0F);
+        for (int64_t b = 0; b < g / 8; ++b) {
+          const __m512i v = _mm512_loadu_si512(wp + b * 64);
+          const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+          for (int r = 0; r < R; ++r) ia[r] = vi_dot8(ia[r], lo, load_pair8(xrow8[r] + k0 + 8 * b));
+          for (int r = 0; r < R; ++r) {
+            VI& acc = kSplit == 2 ? ib[r] : ia[r];
+            acc = vi_dot8(acc, hi, load_pair8(xrow8[r] + k0 + 8 * b + 4));
+          }
+        }
+      } else {
+        for (int64_t q = 0; q < g / 4; ++q) {
+          const __m512i v = _mm512_loadu_si512(wp + q * 64);
+          for (int r = 0; r < R; ++r) {
+            VI& acc = kSplit == 2 && (q & 1) ? ib[r] : ia[r];
+            acc = vi_dot8(acc, v, load_pair8(xrow8[r] + k0 + 4 * q));
+          }
+        }
+      }
+#endif
+    } else if (NIB) {
       const int64_t quarter = g / 4;
       for (int64_t c = 0; c < quarter; ++c) {
         VW lo, hi;
@@ -594,13 +666,13 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
   }
 }
 
-template <bool NIB, bool HALF, bool SYM>
+template <bool NIB, bool HALF, bool SYM, bool A8>
 static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                      int64_t ncols, const float* add, int64_t ldadd) {
   switch (rows) {
 #define SD_CASE(n) \
   case n:          \
-    return tile_rows<n, NIB, HALF, SYM>(w, t, x, r0, y, ldy, ncols, add, ldadd);
+    return tile_rows<n, NIB, HALF, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd);
     SD_CASE(1)
     SD_CASE(2)
     SD_CASE(3)
@@ -622,20 +694,26 @@ static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, i
 using TileFn = void (*)(int, const Matrix&, int64_t, const QuantRows&, int64_t, float*, int64_t, int64_t, const float*,
                         int64_t);
 
-static TileFn tile_fn(const Matrix& w) {
+template <bool A8>
+static TileFn tile_fn_of(const Matrix& w) {
   const int key = (w.nibbles ? 4 : 0) + (w.half ? 2 : 0) + (w.sym >= 0 ? 1 : 0);
   static const TileFn table[8] = {
-      tile_any<false, false, false>, tile_any<false, false, true>, tile_any<false, true, false>,
-      tile_any<false, true, true>,   tile_any<true, false, false>, tile_any<true, false, true>,
-      tile_any<true, true, false>,   tile_any<true, true, true>,
+      tile_any<false, false, false, A8>, tile_any<false, false, true, A8>, tile_any<false, true, false, A8>,
+      tile_any<false, true, true, A8>,   tile_any<true, false, false, A8>, tile_any<true, false, true, A8>,
+      tile_any<true, true, false, A8>,   tile_any<true, true, true, A8>,
   };
   return table[key];
+}
+
+static TileFn tile_fn(const Matrix& w, const QuantRows& x) {
+  return x.packed8() ? tile_fn_of<true>(w) : tile_fn_of<false>(w);
 }
 
 // y[:, :ncols] (+ add) = x̂ @ W.T for the quantized rows x̂ (ncols ≤ w.n: a head may stop at the vocabulary).
 static void linear_rows(const Matrix& w, const QuantRows& x, float* y, int64_t ldy, int64_t ncols, const float* add,
                         int64_t ldadd) {
-  const TileFn fn = tile_fn(w);
+  TORCH_CHECK(x.bits == w.abits && x.g == w.g, "activations quantized for another matrix");
+  const TileFn fn = tile_fn(w, x);
   const int64_t tiles = (ncols + kLanes - 1) / kLanes;
   const int64_t rows = x.rows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -650,18 +728,17 @@ static void linear_rows(const Matrix& w, const QuantRows& x, float* y, int64_t l
 
 // A layer's linear: its parts side by side, each fed the input quantized per its own group size.
 struct Inputs {
-  QuantRows by16, by32;
-  bool have16 = false, have32 = false;
+  QuantRows quantized[2][2];  // [group 16 / 32][8 / 16 bits]
+  bool have[2][2] = {{false, false}, {false, false}};
 };
 
-static const QuantRows& quantized(Inputs& in, const float* x, int64_t ldx, int64_t rows, int64_t k, int64_t g) {
-  QuantRows& q = g == 16 ? in.by16 : in.by32;
-  bool& have = g == 16 ? in.have16 : in.have32;
-  if (!have) {
-    quantize_rows(x, ldx, rows, k, g, q);
-    have = true;
+static const QuantRows& quantized(Inputs& in, const float* x, int64_t ldx, int64_t rows, const Matrix& w) {
+  const int gi = w.g == 32, bi = w.abits == 16;
+  if (!in.have[gi][bi]) {
+    quantize_rows(x, ldx, rows, w.k, w.g, w.abits, in.quantized[gi][bi]);
+    in.have[gi][bi] = true;
   }
-  return q;
+  return in.quantized[gi][bi];
 }
 
 static void apply_parts(const std::vector<std::shared_ptr<const Matrix>>& parts, const float* x, int64_t ldx,
@@ -669,7 +746,7 @@ static void apply_parts(const std::vector<std::shared_ptr<const Matrix>>& parts,
   Inputs in;
   int64_t col = 0;
   for (const auto& part : parts) {
-    const QuantRows& q = quantized(in, x, ldx, rows, part->k, part->g);
+    const QuantRows& q = quantized(in, x, ldx, rows, *part);
     linear_rows(*part, q, y + col, ldy, part->n, add == nullptr ? nullptr : add + col, ldadd);
     col += part->n;
   }
@@ -1018,7 +1095,7 @@ static void attention_rows(const RowsView& rows, const std::vector<CacheView>& c
       attend_chunk(rows, caches[task.cache], layer, shape, q, task.rows, task.h, task.c, partial, scratch);
     }
   });
-  at::parallel_for(0, rows.rows * shape.heads, 8, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, rows.rows * shape.heads, 64, [&](int64_t i0, int64_t i1) {
     std::vector<float> acc(d);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / shape.heads, head = i % shape.heads;
@@ -1259,7 +1336,7 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& norm, double eps, at::
     PhaseTimer timer(kHead);
     rms_norm_rows(xf.data_ptr<float>(), m, hidden, wf.data_ptr<float>(), static_cast<float>(eps), h.data());
     QuantRows q;
-    quantize_rows(h.data(), hidden, m, hidden, w.g, q);
+    quantize_rows(h.data(), hidden, m, hidden, w.g, w.abits, q);
     linear_rows(w, q, out, vocab, vocab, nullptr, 0);
   }
   if (refine > 0 && exact_q.has_value()) {
@@ -1291,7 +1368,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, int64_t g) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   TORCH_CHECK(xf.dim() == 2 && (g == 16 || g == 32) && xf.size(1) % g == 0, "quantize: x [rows, k], g 16 or 32");
   QuantRows q;
-  quantize_rows(xf.data_ptr<float>(), xf.size(1), xf.size(0), xf.size(1), g, q);
+  quantize_rows(xf.data_ptr<float>(), xf.size(1), xf.size(0), xf.size(1), g, 16, q);
   auto qt = at::from_blob(q.q.data(), {xf.size(0), xf.size(1)}, at::kShort).clone();
   auto dt = at::from_blob(q.d.data(), {xf.size(0), q.groups}, at::kFloat).clone();
   return {qt, dt};
@@ -1304,6 +1381,9 @@ at::Tensor exp_lanes(const at::Tensor& x) {
   for (int64_t i = 0; i < xf.numel(); i += kLanes) vf_store(y.data_ptr<float>() + i, vf_exp(vf_load(xf.data_ptr<float>() + i)));
   return y.view(x.sizes());
 }
+
+// Whether matrices with int8 activations take the quad layout (vpdpbusd builds) rather than the pairs one.
+bool quad_layout() { return SD_DOT8; }
 
 std::string isa() {
 #if SD_AVX512
@@ -1322,7 +1402,7 @@ std::string isa() {
 }  // namespace sd
 
 TORCH_LIBRARY(SD_NS, m) {
-  m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym) -> int",
+  m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym, int abits) -> int",
         &sd::register_matrix);
   m.def("register_layer(Tensor input_norm, int[] qkv, int[] o, Tensor post_norm, int[] gate_up, int[] down) -> int",
         &sd::register_layer);
@@ -1338,5 +1418,6 @@ TORCH_LIBRARY(SD_NS, m) {
   m.def("quantize(Tensor x, int g) -> Tensor[]", &sd::quantize);
   m.def("exp_lanes(Tensor x) -> Tensor", &sd::exp_lanes);
   m.def("isa() -> str", &sd::isa);
+  m.def("quad_layout() -> bool", &sd::quad_layout);
   m.def("profile(bool enable) -> float[]", &sd::profile);
 }
