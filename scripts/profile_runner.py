@@ -170,7 +170,8 @@ def main() -> None:
         print(row)
 
     if args.split:
-        kv_bytes = 2 * len(runner._layers) * runner._kv_heads * args.context * runner._head_dim * 4
+        kv_bytes = 2 * len(runner._layers) * runner._kv_heads * args.context * runner._head_dim
+        kv_bytes *= runner._keys.element_size()
         weights = weight_bytes(loaded)
         read = weights + kv_bytes
         for k in (int(k) for k in args.split_ks.split(",")):

@@ -154,8 +154,8 @@ HEADS, KV_HEADS, DIM = 6, 2, 32
 
 def _attention_case(rows: int, cached: int, seed: int, capacity: int = 2048):
     gen = torch.Generator().manual_seed(seed)
-    keys = torch.randn(1, KV_HEADS, capacity // 16, DIM, 16, generator=gen)
-    values = torch.randn(1, KV_HEADS, capacity, DIM, generator=gen)
+    keys = torch.randn(1, KV_HEADS, capacity // 16, DIM, 16, generator=gen).half()
+    values = torch.randn(1, KV_HEADS, capacity, DIM, generator=gen).half()
     q = torch.randn(rows, HEADS, DIM, generator=gen)
     return q, keys, values, cached
 

@@ -297,7 +297,8 @@ def check_plan_equals_allocation(build) -> int:
     tables = runner._cos, runner._signed_sin, runner._slots
     cache = runner._keys.nbytes + runner._values.nbytes
     assert weights == allocated - cache - sum(t.untyped_storage().nbytes() for t in tables)
-    assert kv_bytes_per_token(loaded.model.config, torch.float32) * runner._capacity == cache
+    assert kv_bytes_per_token(loaded.model.config, loaded.kv_dtype) * runner._capacity == cache
+    assert loaded.kv_dtype == (torch.float16 if runner.uses_kernels else torch.float32)
     return weights
 
 
@@ -508,4 +509,9 @@ def test_cli_memory_quantized(invoke, monkeypatch, quantization, stored):
     assert data["target_stored"] == data["draft_stored"] == stored
     dense = json.loads(invoke(*args[:-5], "--json").stdout)
     assert data["target_weight_bytes"] < dense["target_weight_bytes"] / 2
-    assert data["target_kv_bytes_per_token"] == dense["target_kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
+    # 2 (K and V) · 2 layers · 2 kv heads · head_dim 32 · bytes: float16 on the compiled kernels, else float32
+    from specdecode.models.loader import load_model  # specdecode.load_model is patched to take names
+
+    kernels = load_model(models["target"], quantization=quantization).kv_dtype == torch.float16
+    assert data["target_kv_bytes_per_token"] == 2 * 2 * 2 * 32 * (2 if kernels else 4)
+    assert dense["target_kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4

@@ -199,15 +199,16 @@ def _run_memory(
 
 
 def _measured_memory(source: str, dtype: str, quantization: str | None, group_size: int) -> tuple[ModelMemory, str]:
-    """Memory of a model as loaded: the bytes its weights are stored in, and the KV cache per token (the runner
-    keeps it in the model's dtype, float32 for quantized weights); and how its weights are stored."""
+    """Memory of a model as loaded: the bytes its weights are stored in, and the KV cache per token (in the dtype
+    its runner keeps it: float16 on the compiled kernels, else the model's, float32 for quantized weights); and how
+    its weights are stored."""
     import specdecode  # deferred: loading models pulls in torch and transformers
 
     try:
         loaded = specdecode.load_model(source, dtype=dtype, quantization=quantization, group_size=group_size)
     except (OSError, specdecode.SpecDecodeError) as e:
         raise ValueError(f"cannot load model {source!r}: {e}") from e
-    memory = ModelMemory(stored_weight_bytes(loaded.model), kv_bytes_per_token(loaded.model.config, dtype))
+    memory = ModelMemory(stored_weight_bytes(loaded.model), kv_bytes_per_token(loaded.model.config, loaded.kv_dtype))
     return memory, _stored_as(loaded.quantization, group_size)
 
 

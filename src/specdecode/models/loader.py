@@ -18,7 +18,8 @@ from ..errors import ModelNotAvailable
 from .base import ModelRunner
 from .bundled import BUNDLED
 from .hf import HFRunner
-from .native_llama import NativeLlamaRunner, supports_native
+from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
+from .native_llama import uses_kernels as native_uses_kernels
 from .quantize import QUANTIZATIONS, Quantization, quantize_model
 
 BACKENDS = ("auto", "native", "transformers")
@@ -36,6 +37,15 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     backend: str = "transformers"
     quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "gguf-a8", "int8", "int4"
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype a runner keeps its KV cache in: float16 on the compiled kernels, else the residual stream's
+        (the model's dtype; float32 for quantized weights)."""
+        if self.backend == "native" and native_uses_kernels(self.model):
+            return KERNEL_CACHE_DTYPE
+        quantized = self.quantization is not None
+        return torch.float32 if quantized else next(self.model.parameters()).dtype
 
     def new_runner(self) -> ModelRunner:
         """A fresh runner with its own empty KV cache over this model's weights (native or transformers)."""

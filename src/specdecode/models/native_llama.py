@@ -44,6 +44,7 @@ _MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 _DTYPES = (torch.float32, torch.bfloat16)
 REFINED_LOGITS = 32  # per row, the logits a quantized head recomputes exactly
+KERNEL_CACHE_DTYPE = torch.float16  # the compiled kernels' KV cache (llama.cpp's default): half the bytes per step
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -162,6 +163,13 @@ def _fused_layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
         fused = dataclasses.replace(fused, kernel=KernelHandle(layer=layer_id))
     _LAYERS[layer] = (attn.o_proj, fused)
     return fused
+
+
+def uses_kernels(model: nn.Module) -> bool:
+    """Whether a ``NativeLlamaRunner`` over ``model`` runs the compiled kernels."""
+    weights = _weights(model)
+    attn = model.model.layers[0].self_attn
+    return _kernel_layers(weights.layers, weights.lm_head, model.config, attn.head_dim) is not None
 
 
 def _kernel_layers(layers: Sequence[_Layer], lm_head: Linear, config, head_dim: int) -> list[int] | None:
@@ -305,8 +313,8 @@ class NativeLlamaRunner:
         if self.uses_kernels:  # the kernels' layout: keys in tiles of 16 slots [layers, kv_heads, tiles, head_dim, 16]
             capacity = -(-capacity // 16) * 16
             layers, kv_heads, d = len(self._layers), self._kv_heads, self._head_dim
-            keys = torch.zeros((layers, kv_heads, capacity // 16, d, 16), dtype=self._dtype)
-            values = torch.zeros((layers, kv_heads, capacity, d), dtype=self._dtype)
+            keys = torch.zeros((layers, kv_heads, capacity // 16, d, 16), dtype=KERNEL_CACHE_DTYPE)
+            values = torch.zeros((layers, kv_heads, capacity, d), dtype=KERNEL_CACHE_DTYPE)
             if n:
                 tiles = -(-n // 16)
                 keys[:, :, :tiles] = self._keys[:, :, :tiles]

@@ -851,8 +851,9 @@ struct RowsView {
 };
 
 struct CacheView {
-  float* keys;    // [layers][kv_heads][capacity / 16][head_dim][16]: tiles of 16 keys, so 16 keys are one load
-  float* values;  // [layers][kv_heads][capacity][head_dim]
+  // float16, as llama.cpp keeps its cache (half the bytes to read per step; sums stay float32)
+  uint16_t* keys;    // [layers][kv_heads][capacity / 16][head_dim][16]: tiles of 16 keys, so 16 keys are one load
+  uint16_t* values;  // [layers][kv_heads][capacity][head_dim]
   int64_t capacity;
 };
 
@@ -872,21 +873,22 @@ struct Partial {
 };
 
 struct Scratch {
-  std::vector<float> scores, gathered, acc;
-  std::vector<const float*> tiles;
+  std::vector<float> scores, acc;
+  std::vector<uint16_t> gathered;
+  std::vector<const uint16_t*> tiles;
 };
 
 // Scores of NG query heads (q rows d apart) against B ≤ 4 key tiles: out[g·kAttChunk + 16·b + lane] =
 // scaling · Σ_e q[g][e]·tile_b[e][lane], each lane one chain of fused multiply-adds over e in order. The tiles'
 // loads are shared by the heads.
 template <int NG, int B>
-static inline void scores_block(const float* q, int64_t d, const float* const* tiles, float scaling, float* out) {
+static inline void scores_block(const float* q, int64_t d, const uint16_t* const* tiles, float scaling, float* out) {
   VF acc[NG][B];
   for (int g = 0; g < NG; ++g)
     for (int b = 0; b < B; ++b) acc[g][b] = vf_zero();
   for (int64_t e = 0; e < d; ++e) {
     VF k[B];
-    for (int b = 0; b < B; ++b) k[b] = vf_load(tiles[b] + e * kLanes);
+    for (int b = 0; b < B; ++b) k[b] = vf_from_half(tiles[b] + e * kLanes);
     for (int g = 0; g < NG; ++g) {
       const VF qe = vf_set(q[g * d + e]);
       for (int b = 0; b < B; ++b) acc[g][b] = vf_fma(qe, k[b], acc[g][b]);
@@ -897,8 +899,8 @@ static inline void scores_block(const float* q, int64_t d, const float* const* t
     for (int b = 0; b < B; ++b) vf_store(out + g * kAttChunk + b * kLanes, vf_mul(acc[g][b], scale));
 }
 
-static void scores_tiles(int heads, int blocks, const float* q, int64_t d, const float* const* tiles, float scaling,
-                         float* out) {
+static void scores_tiles(int heads, int blocks, const float* q, int64_t d, const uint16_t* const* tiles,
+                         float scaling, float* out) {
 #define SD_SCORES(NG)                                                        \
   switch (blocks) {                                                          \
     case 1: return scores_block<NG, 1>(q, d, tiles, scaling, out);           \
@@ -918,15 +920,15 @@ static void scores_tiles(int heads, int blocks, const float* q, int64_t d, const
 // For NG query heads: acc_g[0 .. 16·V) += Σ_j p_g[j]·rows[j][offset ...], j in order (the value rows' loads
 // shared by the heads; acc_g = acc + g·stride, p_g = p + g·kAttChunk).
 template <int NG, int V>
-static inline void accumulate_values(float* acc, int64_t stride, const float* p, const float* const* rows, int64_t n,
-                                     int64_t offset) {
+static inline void accumulate_values(float* acc, int64_t stride, const float* p, const uint16_t* const* rows,
+                                     int64_t n, int64_t offset) {
   VF o[NG][V];
   for (int g = 0; g < NG; ++g)
     for (int v = 0; v < V; ++v) o[g][v] = vf_load(acc + g * stride + v * kLanes);
   for (int64_t j = 0; j < n; ++j) {
-    const float* row = rows[j] + offset;
+    const uint16_t* row = rows[j] + offset;
     VF x[V];
-    for (int v = 0; v < V; ++v) x[v] = vf_load(row + v * kLanes);
+    for (int v = 0; v < V; ++v) x[v] = vf_from_half(row + v * kLanes);
     for (int g = 0; g < NG; ++g) {
       const VF pj = vf_set(p[g * kAttChunk + j]);
       for (int v = 0; v < V; ++v) o[g][v] = vf_fma(pj, x[v], o[g][v]);
@@ -938,7 +940,7 @@ static inline void accumulate_values(float* acc, int64_t stride, const float* p,
 
 // The value accumulation of `heads` query heads over n keys, register-blocked for the usual head sizes.
 static void accumulate_heads(int64_t heads, int64_t vectors, float* acc, int64_t stride, const float* p,
-                             const float* const* rows, int64_t n) {
+                             const uint16_t* const* rows, int64_t n) {
   int64_t g = 0;
   if (vectors == 4) {
     for (; g + 3 <= heads; g += 3) accumulate_values<3, 4>(acc + g * stride, stride, p + g * kAttChunk, rows, n, 0);
@@ -963,8 +965,8 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
   const int64_t d = shape.head_dim, group = shape.heads / shape.kv_heads, tile = d * kLanes;
   const int64_t cap = cache.capacity, nrows = static_cast<int64_t>(rows_in.size());
   const int64_t per_chunk = kAttChunk / kLanes;
-  const float* kbase = cache.keys + (layer * shape.kv_heads + h) * d * cap;
-  const float* vbase = cache.values + (layer * shape.kv_heads + h) * cap * d;
+  const uint16_t* kbase = cache.keys + (layer * shape.kv_heads + h) * d * cap;
+  const uint16_t* vbase = cache.values + (layer * shape.kv_heads + h) * cap * d;
   const int64_t i0 = c * kAttChunk;
   scratch.scores.resize(nrows * group * kAttChunk);
   scratch.tiles.resize(nrows * per_chunk);
@@ -991,11 +993,11 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
         scratch.tiles[i * per_chunk + b] = kbase + (first / kLanes) * tile;  // lanes past `valid`: masked below
         continue;
       }
-      float* dst = scratch.gathered.data() + (gathers++) * tile;
-      std::fill(dst, dst + tile, 0.0f);
+      uint16_t* dst = scratch.gathered.data() + (gathers++) * tile;
+      std::fill(dst, dst + tile, uint16_t{0});
       for (int64_t j = 0; j < valid; ++j) {
         const int64_t slot = rows.slot_of(r, first + j);
-        const float* src = kbase + (slot / kLanes) * tile + slot % kLanes;
+        const uint16_t* src = kbase + (slot / kLanes) * tile + slot % kLanes;
         for (int64_t e = 0; e < d; ++e) dst[e * kLanes + j] = src[e * kLanes];
       }
       scratch.tiles[i * per_chunk + b] = dst;
@@ -1006,7 +1008,7 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
     for (int64_t i = 0; i < nrows; ++i) {
       const int64_t blocks = std::min<int64_t>(4, (count[i] + kLanes - 1) / kLanes - b0);
       if (blocks <= 0) continue;
-      const float* const* tp = scratch.tiles.data() + i * per_chunk + b0;
+      const uint16_t* const* tp = scratch.tiles.data() + i * per_chunk + b0;
       const float* qrow = q + rows_in[i] * shape.heads * d + h * group * d;
       float* sg = scratch.scores.data() + i * group * kAttChunk + b0 * kLanes;
       for (int64_t g = 0; g < group; g += 4) {
@@ -1045,7 +1047,7 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
     for (int64_t i = 0; i < nrows; ++i) {
       const int64_t r = rows_in[i], j1 = std::min(count[i], j0 + kLanes);
       if (j0 >= j1) continue;
-      const float* vrows[kLanes];
+      const uint16_t* vrows[kLanes];
       for (int64_t j = j0; j < j1; ++j) vrows[j - j0] = vbase + rows.slot_of(r, i0 + j) * d;
       accumulate_heads(group, vectors, scratch.acc.data() + i * group * d, d,
                        scratch.scores.data() + i * group * kAttChunk + j0, vrows, j1 - j0);
@@ -1123,14 +1125,15 @@ static std::vector<CacheView> cache_views(const std::vector<at::Tensor>& keys, c
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor& k = keys[i];
     const at::Tensor& v = values[i];
-    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.is_contiguous() &&
+    TORCH_CHECK(k.scalar_type() == at::kHalf && v.scalar_type() == at::kHalf && k.is_contiguous() &&
                     v.is_contiguous() && k.dim() == 5 && v.dim() == 4,
-                "caches: contiguous float32 keys [layers, kv_heads, capacity / 16, head_dim, 16] and values "
+                "caches: contiguous float16 keys [layers, kv_heads, capacity / 16, head_dim, 16] and values "
                 "[layers, kv_heads, capacity, head_dim]");
     TORCH_CHECK(k.size(1) == shape.kv_heads && k.size(3) == shape.head_dim && k.size(4) == kLanes &&
                     v.size(3) == shape.head_dim && v.size(2) == k.size(2) * kLanes && v.size(0) == k.size(0),
                 "caches do not match the attention shape");
-    views.push_back({k.data_ptr<float>(), v.data_ptr<float>(), v.size(2)});
+    views.push_back({reinterpret_cast<uint16_t*>(k.data_ptr<at::Half>()),
+                     reinterpret_cast<uint16_t*>(v.data_ptr<at::Half>()), v.size(2)});
   }
   return views;
 }
@@ -1175,10 +1178,13 @@ static void store_kv(const RowsView& rows, const std::vector<CacheView>& caches,
     for (int64_t h = 0; h < shape.kv_heads; ++h) {
       const float* kr = k + r * ld + h * d;
       const float* vr = v + r * ld + h * d;
-      float* kd = cache.keys + ((layer * shape.kv_heads + h) * cache.capacity + (slot / kLanes) * kLanes) * d +
-                  slot % kLanes;
-      for (int64_t e = 0; e < d; ++e) kd[e * kLanes] = kr[e];
-      std::memcpy(cache.values + ((layer * shape.kv_heads + h) * cache.capacity + slot) * d, vr, d * sizeof(float));
+      uint16_t* kd = cache.keys + ((layer * shape.kv_heads + h) * cache.capacity + (slot / kLanes) * kLanes) * d +
+                     slot % kLanes;
+      uint16_t* vd = cache.values + ((layer * shape.kv_heads + h) * cache.capacity + slot) * d;
+      for (int64_t e = 0; e < d; ++e) {  // rounded to nearest (even), the same on every instruction set
+        kd[e * kLanes] = c10::Half(kr[e]).x;
+        vd[e] = c10::Half(vr[e]).x;
+      }
     }
   }
 }
