@@ -101,3 +101,28 @@ def _method(spec: MethodSpec, llama, path: str, threads: int, eos: frozenset[int
         return Generation(tokens, time.perf_counter() - t0, None)
 
     return Method(spec, run)
+
+
+def llamacpp_verify_forward(gguf: str | Path, threads: int, max_k: int):
+    """A factory for ``quirk.measure_verify_curves``: llama.cpp on ``gguf`` with every row's logits computed
+    (``logits_all``, as our verify pass does), its cache reset to the context after each forward."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise LlamaCppMissing(INSTALL_HINT) from None
+
+    def make(context: list[int]):
+        extra = {"use_extra_bufts": False} if "use_extra_bufts" in inspect.signature(llama_cpp.Llama).parameters else {}
+        size = -(-(len(context) + max_k) // CONTEXT_STEP) * CONTEXT_STEP
+        llm = llama_cpp.Llama(str(gguf), n_ctx=size, n_threads=threads, n_threads_batch=threads, logits_all=True,
+                              verbose=False, **extra)  # fmt: skip
+        llm.reset()
+        llm.eval(context)
+
+        def forward(new: list[int]) -> None:
+            llm.n_tokens = len(context)
+            llm.eval(new)
+
+        return forward
+
+    return make

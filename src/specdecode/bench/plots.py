@@ -108,14 +108,20 @@ def plot_speedup_vs_gamma(result: BenchResult, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_verify_cost(verify_cost: dict[int, float], path: Path) -> Path:
-    """v(k) against k, with the ideal flat line (free verification) and the linear line (v = k)."""
+def plot_verify_cost(
+    verify_cost: dict[int, float], path: Path, peers: dict[str, dict[int, float]] | None = None
+) -> Path:
+    """v(k) against k (ours, and each peer's from its milliseconds), with the ideal flat line (free
+    verification) and the linear line (v = k)."""
     ks = sorted(verify_cost)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(ks, [verify_cost[k] for k in ks], "o-", label="measured v(k)")
+    ax.plot(ks, [verify_cost[k] for k in ks], "o-", label="measured v(k)" if not peers else "ours")
+    for name, ms in (peers or {}).items():
+        ax.plot(ks, [ms[k] / ms[1] for k in ks], "s--", label=name)
     ax.plot(ks, [1.0] * len(ks), ":", color="gray", label="v = 1 (free)")
     ax.plot(ks, ks, ":", color="red", label="v = k (no batching gain)")
-    ax.set_ylim(0, max(max(verify_cost.values()) * 1.15, 2.0))
+    top = max([*verify_cost.values(), *(ms[k] / ms[1] for ms in (peers or {}).values() for k in ks)])
+    ax.set_ylim(0, max(top * 1.15, 2.0))
     ax.set_xlabel("k new tokens in one forward")
     ax.set_ylabel("forward time relative to k = 1")
     ax.set_title("Verify cost on a ~500-token cache (medians)")
@@ -132,7 +138,8 @@ def write_plots(result: BenchResult, out: Path) -> list[Path]:
         plot_speedup_vs_gamma(result, out / "speedup_vs_gamma.png"),
     ]
     if result.verify_cost:
-        made.append(plot_verify_cost(result.verify_cost, out / "verify_cost.png"))
+        peers = {k: v for k, v in (result.verify_milliseconds or {}).items() if k != "ours"}
+        made.append(plot_verify_cost(result.verify_cost, out / "verify_cost.png", peers))
     return [p for p in made if p is not None]
 
 

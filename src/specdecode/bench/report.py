@@ -75,6 +75,7 @@ def results_dict(result: BenchResult, machine: dict, setup: dict) -> dict:
             "methods": [vars(m) for m in result.methods],
             "baselines": result.baselines,
             "verify_cost": result.verify_cost,
+            "verify_milliseconds": result.verify_milliseconds,
             "aggregates": result.aggregates,
             "records": [r.to_dict() for r in result.records],
         }
@@ -290,7 +291,13 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
             "",
         ]
         ks = sorted(result.verify_cost)
-        lines += _md_table(["k", *map(str, ks)], [["v(k)", *(f"{result.verify_cost[k]:.2f}" for k in ks)]])
+        rows = [["v(k)", *(f"{result.verify_cost[k]:.2f}" for k in ks)]]
+        for engine, ms in (result.verify_milliseconds or {}).items():
+            name = "ours" if engine == "ours" else engine
+            rows.append([f"{name}, ms", *(f"{ms[k]:.2f}" for k in ks)])
+            if engine != "ours":
+                rows.append([f"{name}, v(k)", *(f"{ms[k] / ms[1]:.2f}" for k in ks)])
+        lines += _md_table(["k", *map(str, ks)], rows)
     notes = [m for m in result.methods if m.description]
     lines += ["## Methods", ""] + [f"- `{m.name}`: {m.description}" for m in notes] + [""]
     if str(setup.get("draft") or "").startswith("self:"):

@@ -131,7 +131,9 @@ def bench(
     quirk: Annotated[
         bool,
         typer.Option(
-            "--quirk", help=f"Measure the verify-cost curve v(k), k = 1..{QUIRK_MAX_K} (first --quantization's target)."
+            "--quirk",
+            help=f"Measure the verify-cost curve v(k), k = 1..{QUIRK_MAX_K} (first --quantization's target; with "
+            "--llamacpp, llama.cpp's on the same file too, every row's logits computed, interleaved).",
         ),
     ] = False,
     quirk_repeats: Annotated[int, typer.Option(help="--quirk: timed sweeps over k (medians).")] = 5,
@@ -166,9 +168,9 @@ def bench(
         import torch
 
         import specdecode
-        from specdecode.bench.llamacpp import LlamaCppMissing, gguf_file, llamacpp_methods
+        from specdecode.bench.llamacpp import LlamaCppMissing, gguf_file, llamacpp_methods, llamacpp_verify_forward
         from specdecode.bench.methods import build_methods, transformers_methods
-        from specdecode.bench.quirk import measure_verify_cost
+        from specdecode.bench.quirk import measure_verify_curves
         from specdecode.bench.report import machine_info, summary_table, write_outputs
         from specdecode.bench.runner import BenchConfig, run_bench
 
@@ -223,6 +225,9 @@ def bench(
             except LlamaCppMissing as e:
                 llamacpp_note = f"skipped: {e}"
                 console.print(f"[yellow]note:[/] {e}", soft_wrap=True)
+        quirk_peers = {}
+        if quirk and llamacpp and llamacpp_note is not None and not llamacpp_note.startswith("skipped"):
+            quirk_peers["llama.cpp"] = llamacpp_verify_forward(gguf, torch.get_num_threads(), QUIRK_MAX_K)
         quiet_transformers()  # transformers' generate() warns about generation-config details on every call
         turns = sum(len(i.turns) for i in items)
         console.print(
@@ -230,12 +235,14 @@ def bench(
         )
         columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
-            verify_cost = None
+            verify_cost = curves = None
             if quirk:
                 task = progress.add_task("verify-cost curve", total=quirk_repeats + 1)
-                verify_cost = measure_verify_cost(
-                    loaded, QUIRK_MAX_K, QUIRK_CONTEXT, quirk_repeats, on_step=lambda: progress.advance(task)
-                )
+                curves = measure_verify_curves(
+                    loaded, QUIRK_MAX_K, QUIRK_CONTEXT, quirk_repeats, on_step=lambda: progress.advance(task),
+                    peers=quirk_peers,
+                )  # fmt: skip
+                verify_cost = curves.relative()
             task = progress.add_task("warm-up, then questions × methods", total=len(items) * len(methods))
             result = run_bench(
                 loaded,
@@ -245,6 +252,7 @@ def bench(
                 verify_cost,
                 on_progress=lambda what: progress.update(task, advance=1, description=what),
             )
+            result.verify_milliseconds = None if curves is None else curves.milliseconds
         machine = machine_info()
         setup = {
             "target": target,
