@@ -62,18 +62,17 @@ KERNEL_PHASES = ("RMSNorm", "matrices", "RoPE and cache writes", "attention", "S
 
 def split_kernels(runner, tokens: torch.Tensor, context: int, reps: int = 20) -> dict[str, float]:
     """The compiled decoder's own phase timers over ``reps`` forwards (matrices include activation quantization)."""
-    from specdecode.models.kernels import library
-
+    kernels = runner._lm_head.handle.kernels
     for _ in range(3):
         runner.forward(tokens)
         runner.rollback_to(context)
-    library().profile(True)
+    kernels.profile(True)
     start = time.perf_counter()
     for _ in range(reps):
         runner.forward(tokens)
         runner.rollback_to(context)
     wall = (time.perf_counter() - start) / reps * 1e3
-    seconds = library().profile(False)
+    seconds = kernels.profile(False)
     parts = {name: s * 1e3 / reps for name, s in zip(KERNEL_PHASES, seconds, strict=False)}
     parts["Python and dispatch"] = max(0.0, wall - sum(parts.values()))
     parts["step"] = wall

@@ -25,7 +25,7 @@ from specdecode.models.gguf_blocks import (
 )
 from specdecode.models.weights import GroupQuant, Int8Linear, IntBlocks, KernelLinear, _tile_layout
 
-pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="the CPU kernels did not build here")
+pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
 
 # decoder, bytes per block, offsets of the f16 fields, weights per block
 BLOCK_TYPES = {
@@ -121,7 +121,7 @@ def _variant(name: str):
 def test_every_instruction_set_gives_the_same_bits(variant):
     """The AVX2 and plain-C builds compute bitwise what this machine's build computes (so a result checked on one
     CPU holds on the others): the linear layer, attention and exp."""
-    other, native = _variant(variant), kernels.ops()
+    other, native = _variant(variant), kernels.ops("native")
     for kind, bits in itertools.product(("Q4_1", "Q4_K", "Q6_K", "Q8_0"), (16, 8)):
         blocks = random_blocks(kind, 48, 512, seed=6)
         linear = KernelLinear.from_blocks(blocks, activation_bits=bits)
@@ -139,9 +139,26 @@ def test_every_instruction_set_gives_the_same_bits(variant):
     assert torch.equal(other.exp_lanes(values), native.exp_lanes(values))
 
 
+def test_threads_split_work_never_a_sum():
+    """Two threads give bitwise the one-thread results (threads take output columns and attention tasks)."""
+    blocks = random_blocks("Q4_1", 160, 512, seed=16)
+    linear = KernelLinear.from_blocks(blocks)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(17))
+    case = _attention_case(rows=6, cached=700, seed=18)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x), _attend(kernels.ops("native"), *case)
+        torch.set_num_threads(2)
+        two = linear(x), _attend(kernels.ops("native"), *case)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
 def test_exp_is_accurate_and_exact_at_zero():
     values = torch.cat([torch.linspace(-87, 88, 20000), torch.zeros(16)])
-    got = kernels.ops().exp_lanes(values).double()
+    got = kernels.ops("native").exp_lanes(values).double()
     expected = torch.exp(values.double())
     assert ((got - expected).abs() / expected).max() < 3e-7
     assert torch.equal(got[-16:], torch.ones(16, dtype=torch.float64))
@@ -183,11 +200,11 @@ def _reference_attention(q, keys, values, visible: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("cached", [0, 15, 127, 128, 129, 500, 1500])
 def test_attention_is_softmax_attention_and_rows_are_bitwise_one_row_calls(cached):
     q, keys, values, _ = _attention_case(rows=9, cached=cached, seed=cached)
-    together = _attend(kernels.ops(), q, keys, values, cached)
+    together = _attend(kernels.ops("native"), q, keys, values, cached)
     for row in range(9):
         expected = _reference_attention(q[row], keys, values, list(range(cached + row + 1)))
         torch.testing.assert_close(together[row].double(), expected, rtol=1e-5, atol=1e-6)
-        alone = _attend(kernels.ops(), q[row : row + 1], keys, values, cached + row)
+        alone = _attend(kernels.ops("native"), q[row : row + 1], keys, values, cached + row)
         assert torch.equal(alone[0], together[row]), row
 
 
@@ -197,12 +214,12 @@ def test_tree_rows_see_their_branch_bitwise_as_the_compacted_chain():
     q, keys, values, _ = _attention_case(rows=1, cached=0, seed=11)
     prefix, branch = 140, [150, 153, 161]
     meta = torch.tensor([[0, 161, 0, prefix]], dtype=torch.int32)
-    tree = _attend(kernels.ops(), q, keys, values, 0, (meta, torch.tensor([0, 3]), torch.tensor(branch)))
+    tree = _attend(kernels.ops("native"), q, keys, values, 0, (meta, torch.tensor([0, 3]), torch.tensor(branch)))
     compact_k, compact_v = keys.clone(), values.clone()
     for to, at in enumerate(branch, start=prefix):
         compact_k[:, :, to // 16, :, to % 16] = keys[:, :, at // 16, :, at % 16]
         compact_v[:, :, to] = values[:, :, at]
-    chain = _attend(kernels.ops(), q, compact_k, compact_v, prefix + len(branch) - 1)
+    chain = _attend(kernels.ops("native"), q, compact_k, compact_v, prefix + len(branch) - 1)
     assert torch.equal(tree, chain)
     expected = _reference_attention(q[0], keys, values, list(range(prefix)) + branch)
     torch.testing.assert_close(tree[0].double(), expected, rtol=1e-5, atol=1e-6)
@@ -213,13 +230,13 @@ def test_rows_of_different_caches_in_one_call():
     other_keys, other_values = keys.flip(2).contiguous(), values.flip(2).contiguous()
     meta = torch.tensor([[0, 100, 0, 101], [1, 30, 0, 31], [1, 31, 0, 32], [0, 101, 0, 102]], dtype=torch.int32)
     offsets, extras = torch.zeros(5, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    together = kernels.ops().attention(
+    together = kernels.ops("native").attention(
         q, [keys, other_keys], [values, other_values], meta, offsets, extras, 0, HEADS, KV_HEADS, DIM**-0.5
     )
     for row, (cache_k, cache_v, cached) in enumerate(
         [(keys, values, 100), (other_keys, other_values, 30), (other_keys, other_values, 31), (keys, values, 101)]
     ):
-        alone = _attend(kernels.ops(), q[row : row + 1], cache_k, cache_v, cached)
+        alone = _attend(kernels.ops("native"), q[row : row + 1], cache_k, cache_v, cached)
         assert torch.equal(alone[0], together[row])
 
 
@@ -228,7 +245,7 @@ def test_bad_rows_are_refused_not_read_out_of_bounds():
     meta = torch.tensor([[0, 70, 0, 71]], dtype=torch.int32)  # slot 70 of a 64-slot cache
     with pytest.raises(RuntimeError, match="outside the cache"):
         _attend(
-            kernels.ops(),
+            kernels.ops("native"),
             q,
             keys,
             values,
@@ -248,17 +265,18 @@ def test_head_refines_each_rows_top_logits_exactly():
     table = Int8Groups.from_blocks(blocks)
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(15))
     norm = torch.rand(128) + 0.5
-    logits = kernels.ops().lm_head(x, norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
-    plain = kernels.ops().lm_head(x, norm, 1e-5, [head.handle.id], 190, None, None, 0)
+    logits = kernels.ops("native").lm_head(x, norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
+    plain = kernels.ops("native").lm_head(x, norm, 1e-5, [head.handle.id], 190, None, None, 0)
     assert logits.shape == (6, 190)
-    h = kernels.ops().rms_norm(x, norm, 1e-5).double()
+    h = kernels.ops("native").rms_norm(x, norm, 1e-5).double()
     exact = h @ table.dequantize().double()[:190].T
     changed = logits != plain
     assert bool((changed.sum(1) <= 8).all()) and bool(changed.any())
     top = plain.topk(8, dim=1).indices
     torch.testing.assert_close(logits.gather(1, top).double(), exact.gather(1, top), rtol=1e-6, atol=1e-6)
+    ops = kernels.ops("native")
     for row in range(6):  # row-invariant too
-        alone = kernels.ops().lm_head(x[row : row + 1], norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
+        alone = ops.lm_head(x[row : row + 1], norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
         assert torch.equal(alone[0], logits[row])
 
 

@@ -113,7 +113,8 @@ def load_model(
     with int8 activations, llama.cpp's numerics);
     ``"int8"`` / ``"int4"`` (groups of ``group_size``) = dense weights rounded; ``"auto"`` (default) = ``"gguf"``
     for a GGUF file the native runner supports (unless ``dtype`` asks for dense bfloat16), else dense.
-    Quantized weights run with bfloat16 activations and a float32 residual stream: they need ``dtype`` float32.
+    Quantized weights run with a float32 residual stream (on the compiled kernels, int16 activations; without
+    them, bfloat16 ones): they need ``dtype`` float32.
     """
     dtype = resolve_dtype(dtype)
     if backend not in BACKENDS:

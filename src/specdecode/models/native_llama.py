@@ -1,15 +1,20 @@
-"""A plain-PyTorch runner for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) with a static KV cache.
+"""The native runner for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) with a static KV cache.
 
 It reads the weights of an already-loaded transformers model once (q/k/v and gate/up fused), in whatever
 format they are stored (dense, or the quantized formats of ``weights.py``), then runs the same maths as
-transformers' sdpa path with far less Python per token: RMSNorm in float32, RoPE from precomputed cos/sin
-tables, grouped-query attention through ``scaled_dot_product_attention`` with the query heads of each
-key/value head packed together, SiLU MLP. Quantized weights run with a float32 residual stream and
-bfloat16 inputs to the weight kernels.
+transformers' sdpa path with far less Python per token. Two paths:
+
+- the compiled kernels (``kernels/``), when every matrix is a ``KernelLinear``: the whole decoder stack in one
+  call, the KV cache in float16 with keys in tiles of 16 slots, attention in fixed key chunks;
+- plain PyTorch otherwise (dense weights, or quantized ones where the kernels did not build): RMSNorm in
+  float32, RoPE from precomputed cos/sin tables, grouped-query attention through
+  ``scaled_dot_product_attention`` with the query heads of each key/value head packed together, SiLU MLP;
+  quantized weights with a float32 residual stream and bfloat16 inputs to PyTorch's weight-only kernels.
 
 Row invariance (what makes greedy speculative output identical to plain decoding): a k-token ``forward``
 gives every row bitwise the logits of a one-token step over the same keys. Every weight format is
-row-invariant; attention is made so by one call per row over exactly that row's keys.
+row-invariant; on the torch path attention is made so by one call per row over exactly that row's keys, on
+the kernels by a reduction that depends only on the row's own keys.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
 from .base import check_retained_slots
 from .weights import (
+    ConcatLinear,
     Embedding,
     Int8Groups,
     KernelHandle,
@@ -159,10 +164,17 @@ def _fused_layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
     )
     parts = [kernel_parts(linear) for linear in (fused.qkv, fused.o, fused.gate_up, fused.down)]
     if all(p is not None for p in parts):
-        layer_id = kernels.library().register_layer(fused.input_norm, parts[0], parts[1], fused.post_norm, *parts[2:])
-        fused = dataclasses.replace(fused, kernel=KernelHandle(layer=layer_id))
+        library = _kernels_of(fused.down)
+        layer_id = library.register_layer(fused.input_norm, parts[0], parts[1], fused.post_norm, *parts[2:])
+        fused = dataclasses.replace(fused, kernel=KernelHandle(library, layer=layer_id))
     _LAYERS[layer] = (attn.o_proj, fused)
     return fused
+
+
+def _kernels_of(linear: Linear):
+    """The kernels build a kernel format (or the first part of a concatenation of them) is registered with."""
+    first = linear.parts[0] if isinstance(linear, ConcatLinear) else linear
+    return first.handle.kernels
 
 
 def uses_kernels(model: nn.Module) -> bool:
@@ -463,7 +475,7 @@ class NativeLlamaRunner:
         if not extras:  # chains only: no extras
             offsets = []
         x = self._embed(torch.cat(list(tokens))).to(torch.float32).contiguous()
-        kernels.library().decoder(
+        self._lm_head.handle.kernels.decoder(
             x, self._kernel_layers, [r._keys for r in runners], [r._values for r in runners],
             [r._cos for r in runners], [r._signed_sin for r in runners], torch.tensor(meta, dtype=torch.int32),
             torch.tensor(offsets, dtype=torch.int64), torch.cat(extras) if extras else _NO_SLOTS,
@@ -484,7 +496,7 @@ class NativeLlamaRunner:
         """The final norm and LM head through the kernels: float32 logits, the top rows refined exactly."""
         exact = self._exact_head_rows
         q, scale = (exact.q, exact.scale) if isinstance(exact, Int8Groups) else (None, None)
-        return kernels.library().lm_head(
+        return self._lm_head.handle.kernels.lm_head(
             x, self._norm, self._eps, [self._lm_head.handle.id], self.vocab_size, q, scale, REFINED_LOGITS
         )
 

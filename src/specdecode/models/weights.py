@@ -8,6 +8,7 @@ both are row-invariant (each row of a k-row product is bitwise the one-row produ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
@@ -256,8 +257,8 @@ class KernelLinear:
         matrix = kernels.register_matrix(
             packed, scales, offsets, bias, n, k, group, nibbles, blocks.sym, activation_bits
         )
-        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, blocks.sym, activation_bits,
-                            KernelHandle(matrix))  # fmt: skip
+        handle = KernelHandle(kernels, matrix)
+        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, blocks.sym, activation_bits, handle)
 
     @staticmethod
     def cat(
@@ -276,25 +277,21 @@ class KernelLinear:
         return KernelLinear.from_blocks(blocks, bias, activation_bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels import library
-
-        return library().linear(x.reshape(-1, self.in_features).float(), [self.handle.id])
+        return self.handle.kernels.linear(x.reshape(-1, self.in_features).float(), [self.handle.id])
 
 
 class KernelHandle:
-    """A matrix (or a decoder layer) registered with the compiled kernels; released when its holder goes."""
+    """A matrix (or a decoder layer) registered with one build of the compiled kernels (``kernels``, whose
+    operators run it); released when its holder goes."""
 
-    def __init__(self, matrix: int = -1, layer: int = -1) -> None:
+    def __init__(self, kernels, matrix: int = -1, layer: int = -1) -> None:
+        self.kernels = kernels
         self.id = matrix if layer < 0 else layer
         self._matrix, self._layer = matrix, layer
 
     def __del__(self) -> None:
-        try:
-            from .kernels import library
-
-            library().release(self._matrix, self._layer)
-        except Exception:  # interpreter shutdown: nothing left to free
-            pass
+        with contextlib.suppress(Exception):  # at interpreter shutdown there is nothing left to free
+            self.kernels.release(self._matrix, self._layer)
 
 
 def kernel_parts(linear: Linear) -> list[int] | None:

@@ -6,7 +6,7 @@ same numerics in each), with one line on stderr while it does, and caches the li
 ``cache_root()/kernels/<key>`` where the key names the source, the compiler, torch and the CPU's flags, so each
 CPU/compiler builds once. It links torch's own OpenMP runtime, so the kernels run on torch's thread pool.
 ``SPECDECODE_KERNELS=0`` turns them off (the pure-torch formats of ``weights.py`` run instead, as they do when
-the build fails: one warning line says why).
+the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs another instruction set's build.
 """
 
 from __future__ import annotations
@@ -39,15 +39,23 @@ _lock = threading.Lock()
 _loaded: dict[str, SimpleNamespace | None] = {}
 
 
-def enabled() -> bool:
-    """False when ``SPECDECODE_KERNELS=0`` asks for the pure-torch path."""
-    return os.environ.get("SPECDECODE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+OFF = ("0", "false", "no", "off")
 
 
-def ops(variant: str = "native") -> SimpleNamespace | None:
-    """The kernels' operators for ``variant`` (built and loaded once per process), or None if unavailable or
-    turned off: what a model being loaded now should run on."""
-    if variant == "native" and not enabled():
+def runner_variant() -> str | None:
+    """The build models loaded now run on: ``SPECDECODE_KERNELS`` = 0 (off: the pure-torch path), avx2 or
+    portable (another instruction set's build, to measure it on this machine), else native."""
+    value = os.environ.get("SPECDECODE_KERNELS", "native").strip().lower()
+    if value in OFF:
+        return None
+    return value if value in VARIANTS else "native"
+
+
+def ops(variant: str | None = None) -> SimpleNamespace | None:
+    """The kernels' operators for ``variant`` (built and loaded once per process), or None if unavailable;
+    by default the build a model loaded now should run on (``runner_variant``; None when turned off)."""
+    variant = variant or runner_variant()
+    if variant is None:
         return None
     with _lock:
         if variant not in _loaded:
@@ -55,19 +63,11 @@ def ops(variant: str = "native") -> SimpleNamespace | None:
         return _loaded[variant]
 
 
-def library() -> SimpleNamespace:
-    """The loaded kernels that existing kernel formats run on (whatever ``SPECDECODE_KERNELS`` says now)."""
-    loaded = _loaded.get("native")
-    if loaded is None:
-        raise RuntimeError("the CPU kernels are not loaded")
-    return loaded
-
-
 def _load(variant: str) -> SimpleNamespace | None:
     try:
         library = build(variant)
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        if variant == "native":
+        if variant == runner_variant():
             warnings.warn(
                 f"specdecode: CPU kernels unavailable ({error}); running the slower pure-torch path",
                 RuntimeWarning,

@@ -543,13 +543,13 @@ static inline VI vi_dot8(VI acc, __m512i w, int32_t quad) {
 
 // y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs. A8: the activations
 // are int8 quads (vpdpbusd); otherwise int16 pairs.
-template <int R, bool NIB, bool HALF, bool SYM, bool A8>
+template <int R, int G, bool NIB, bool HALF, bool SYM, bool A8>
 static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                       int64_t ncols, const float* add, int64_t ldadd) {
   VF acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vf_zero();
-  const int64_t g = w.g, groups = w.groups;
-  const int64_t group_bytes = NIB ? g * 8 : g * 16;
+  const int64_t groups = w.groups;
+  constexpr int64_t group_bytes = NIB ? G * 8 : G * 16;
   const uint8_t* wp = w.wp + t * groups * group_bytes;
   const int64_t sbase = t * groups * kLanes;
   const int16_t* xrow[R];
@@ -562,11 +562,11 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
     }
   }
   // Few rows: two integer accumulators per row (exact, so the split changes nothing but latency).
-  constexpr int kSplit = R <= 4 ? 2 : 1;
+  constexpr bool kSplit = R <= 4;
   for (int64_t j = 0; j < groups; ++j) {
     VI ia[R], ib[R];
     for (int r = 0; r < R; ++r) ia[r] = ib[r] = vi_zero();
-    const int64_t k0 = j * g;
+    const int64_t k0 = j * G;
     // Streaming weights from memory (one row: bandwidth-bound): fetch ~16 groups ahead of use.
     for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(wp + kPrefetchGroups * group_bytes + at);
     __builtin_prefetch(static_cast<const char*>(w.sp) + (sbase + (j + kPrefetchGroups) * kLanes) * (HALF ? 2 : 4));
@@ -576,47 +576,64 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
 #if SD_DOT8
       if constexpr (NIB) {
         const __m512i mask = _mm512_set1_epi8(0x0F);
-        for (int64_t b = 0; b < g / 8; ++b) {
+#pragma GCC unroll 4
+        for (int b = 0; b < G / 8; ++b) {
           const __m512i v = _mm512_loadu_si512(wp + b * 64);
           const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
           for (int r = 0; r < R; ++r) ia[r] = vi_dot8(ia[r], lo, load_pair8(xrow8[r] + k0 + 8 * b));
           for (int r = 0; r < R; ++r) {
-            VI& acc = kSplit == 2 ? ib[r] : ia[r];
-            acc = vi_dot8(acc, hi, load_pair8(xrow8[r] + k0 + 8 * b + 4));
+            if constexpr (kSplit) {
+              ib[r] = vi_dot8(ib[r], hi, load_pair8(xrow8[r] + k0 + 8 * b + 4));
+            } else {
+              ia[r] = vi_dot8(ia[r], hi, load_pair8(xrow8[r] + k0 + 8 * b + 4));
+            }
           }
         }
       } else {
-        for (int64_t q = 0; q < g / 4; ++q) {
-          const __m512i v = _mm512_loadu_si512(wp + q * 64);
+#pragma GCC unroll 8
+        for (int q = 0; q < G / 4; q += 2) {
+          const __m512i v0 = _mm512_loadu_si512(wp + q * 64), v1 = _mm512_loadu_si512(wp + (q + 1) * 64);
+          for (int r = 0; r < R; ++r) ia[r] = vi_dot8(ia[r], v0, load_pair8(xrow8[r] + k0 + 4 * q));
           for (int r = 0; r < R; ++r) {
-            VI& acc = kSplit == 2 && (q & 1) ? ib[r] : ia[r];
-            acc = vi_dot8(acc, v, load_pair8(xrow8[r] + k0 + 4 * q));
+            if constexpr (kSplit) {
+              ib[r] = vi_dot8(ib[r], v1, load_pair8(xrow8[r] + k0 + 4 * (q + 1)));
+            } else {
+              ia[r] = vi_dot8(ia[r], v1, load_pair8(xrow8[r] + k0 + 4 * (q + 1)));
+            }
           }
         }
       }
 #endif
-    } else if (NIB) {
-      const int64_t quarter = g / 4;
-      for (int64_t c = 0; c < quarter; ++c) {
+    } else if constexpr (NIB) {
+      constexpr int kQuarter = G / 4;
+#pragma GCC unroll 8
+      for (int c = 0; c < kQuarter; ++c) {
         VW lo, hi;
         vw_nibbles(wp + c * 32, lo, hi);
         for (int r = 0; r < R; ++r) ia[r] = vi_dot(ia[r], lo, load_pair(xrow[r] + k0 + 2 * c));
         for (int r = 0; r < R; ++r) {
-          VI& acc = kSplit == 2 ? ib[r] : ia[r];
-          acc = vi_dot(acc, hi, load_pair(xrow[r] + k0 + 2 * (c + quarter)));
+          if constexpr (kSplit) {
+            ib[r] = vi_dot(ib[r], hi, load_pair(xrow[r] + k0 + 2 * (c + kQuarter)));
+          } else {
+            ia[r] = vi_dot(ia[r], hi, load_pair(xrow[r] + k0 + 2 * (c + kQuarter)));
+          }
         }
       }
     } else {
-      for (int64_t p = 0; p < g / 2; p += 2) {
+#pragma GCC unroll 8
+      for (int p = 0; p < G / 2; p += 2) {
         const VW b0 = vw_bytes(wp + p * 32), b1 = vw_bytes(wp + (p + 1) * 32);
         for (int r = 0; r < R; ++r) ia[r] = vi_dot(ia[r], b0, load_pair(xrow[r] + k0 + 2 * p));
         for (int r = 0; r < R; ++r) {
-          VI& acc = kSplit == 2 ? ib[r] : ia[r];
-          acc = vi_dot(acc, b1, load_pair(xrow[r] + k0 + 2 * (p + 1)));
+          if constexpr (kSplit) {
+            ib[r] = vi_dot(ib[r], b1, load_pair(xrow[r] + k0 + 2 * (p + 1)));
+          } else {
+            ia[r] = vi_dot(ia[r], b1, load_pair(xrow[r] + k0 + 2 * (p + 1)));
+          }
         }
       }
     }
-    if (kSplit == 2)
+    if constexpr (kSplit)
       for (int r = 0; r < R; ++r) ia[r] = vi_add(ia[r], ib[r]);
     wp += group_bytes;
     const int64_t si = sbase + j * kLanes;
@@ -670,9 +687,10 @@ template <bool NIB, bool HALF, bool SYM, bool A8>
 static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                      int64_t ncols, const float* add, int64_t ldadd) {
   switch (rows) {
-#define SD_CASE(n) \
-  case n:          \
-    return tile_rows<n, NIB, HALF, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd);
+#define SD_CASE(n)                                                              \
+  case n:                                                                       \
+    if (w.g == 16) return tile_rows<n, 16, NIB, HALF, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd); \
+    return tile_rows<n, 32, NIB, HALF, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd);
     SD_CASE(1)
     SD_CASE(2)
     SD_CASE(3)
