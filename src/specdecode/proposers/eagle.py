@@ -107,12 +107,17 @@ class EagleProposer:
 
     def observe_target(self, hidden: list[torch.Tensor]) -> None:
         """The request's verified target features so far: chunks [n_i, H] in position order, appended to as
-        the request goes on (a new list: a new request). Only the chunks not yet seen are read."""
+        the request goes on (a new list: a new request). Read when the head next drafts (plain rounds of
+        ``gamma="auto"`` cost nothing here)."""
         if hidden is not self._source:
             self._source, self._seen = hidden, 0
             self._features = self._features[:0]
             self._truncate_entries(0)
-        if len(hidden) > self._seen:
+
+    def _read_features(self) -> None:
+        """Append the chunks of the request's features not read yet."""
+        hidden = self._source
+        if hidden is not None and len(hidden) > self._seen:
             self._features = torch.cat([self._features, *(h.to(self._features.dtype) for h in hidden[self._seen :])])
             self._seen = len(hidden)
 
@@ -166,6 +171,7 @@ class EagleProposer:
     def _draft(self, context: list[int], k: int, children: Children) -> Draft:
         if k <= 0 or len(context) < 2:
             return EMPTY_DRAFT
+        self._read_features()
         true_entries = len(context) - 1
         if self._features.shape[0] < true_entries:
             raise RuntimeError(
