@@ -37,7 +37,9 @@ def generate(
         "lookup (prompt lookup), eagle (a trained draft head) or none (plain decoding). Default: "
         "draft if --draft is given, else lookup.",
     ),
-    gamma: str = typer.Option("4", help="Tokens guessed per round, or auto (adapts each round, 0 = plain)."),
+    gamma: str = typer.Option(
+        "auto", help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain)."
+    ),
     mode: str = typer.Option(
         "exact", help="exact (min(1, p/q) rule) or reproducible (the same text as --proposer none, same seed)."
     ),
