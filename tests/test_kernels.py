@@ -40,15 +40,14 @@ BLOCK_TYPES = {
 }
 
 
-def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> IntBlocks:
-    """Random GGUF blocks of ``kind`` for a [rows, cols] matrix (f16 fields small and finite)."""
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> IntBlocks:
+    """Random GGUF blocks of ``kind`` for a [rows, cols] matrix (f16 fields uniform in ±scale)."""
     decode, size, halves, per_block = BLOCK_TYPES[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // per_block, size), dtype=np.uint8)
     for at in halves:
-        raw[..., at : at + 2] = (
-            rng.uniform(-0.05, 0.05, size=(rows, cols // per_block, 1)).astype(np.float16).view(np.uint8)
-        )
+        fields = rng.uniform(-scale, scale, size=(rows, cols // per_block, 1)).astype(np.float16)
+        raw[..., at : at + 2] = fields.view(np.uint8)
     return decode(raw.reshape(rows, -1))
 
 
@@ -308,3 +307,71 @@ def test_the_build_is_cached_per_machine_and_source(monkeypatch, tmp_path):
     stamp = first.stat().st_mtime_ns
     assert kernels.build("portable") == first and first.stat().st_mtime_ns == stamp  # no second build
     assert first.parent.parent == tmp_path / "kernels"
+
+
+# --- the runner on every GGUF block type -------------------------------------------------------------------
+
+LAYOUTS = [  # one block type per linear of each layer (q, k, v, o, gate, up, down)
+    ("Q4_0", "Q4_0", "Q4_0", "Q4_1", "Q5_0", "Q5_0", "Q5_1"),
+    ("Q4_K", "Q4_K", "Q4_K", "Q5_K", "Q6_K", "Q6_K", "Q8_0"),
+    ("Q5_0", "Q5_0", "Q6_K", "Q8_0", "Q4_K", "Q4_K", "Q6_K"),  # mixed within q/k/v (a Q4_K_M-like file)
+]
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def _gguf_model(kinds, monkeypatch):
+    """A tiny Llama whose linears hold random GGUF blocks of ``kinds`` and whose tied embedding is Q8_0, loaded
+    as quantization="gguf" loads a file (the file's reader replaced), plus its dense twin (the same weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdecode.models import loader, quantize
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    stored, seed = {}, 100
+    for index, layer in enumerate(model.model.layers):
+        for name, kind in zip(LINEARS, kinds, strict=True):
+            module = layer.get_submodule(name)
+            scale = 0.002 if kind.endswith(("8_0", "6_K")) else 0.02
+            stored[f"model.layers.{index}.{name}.weight"] = random_blocks(
+                kind, module.out_features, module.in_features, seed, scale
+            )
+            seed += 1
+    stored["model.embed_tokens.weight"] = random_blocks("Q8_0", 96, 256, seed, 0.002)
+    dense = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param, twin in zip(model.parameters(), dense.parameters(), strict=True):
+            twin.copy_(param)
+        for name, blocks in stored.items():
+            dense.get_parameter(name).copy_(blocks.dequantize())
+            model.get_parameter(name).copy_(blocks.dequantize())
+    monkeypatch.setattr(quantize, "read_gguf_tensors", lambda path, model: stored)
+    quantize.quantize_model(model, quantize.Quantization("gguf"), gguf_path=Path("random.gguf"))
+    loaded = loader._wrap(model, None, "tiny-gguf", "auto")
+    loaded.quantization = "gguf"
+    return loaded, dense
+
+
+@pytest.mark.parametrize("kinds", LAYOUTS, ids=["q4-q5", "k-quants", "mixed"])
+def test_the_runner_on_every_gguf_block_type_is_row_invariant_and_computes_the_files_weights(kinds, monkeypatch):
+    loaded, dense = _gguf_model(kinds, monkeypatch)
+    runner = loaded.new_runner()
+    assert runner.uses_kernels
+    ids = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = dense(ids[None]).logits[0]
+    logits = runner.forward(ids)
+    assert (logits - reference).norm() / reference.norm() < 2e-3  # int16 activations, a float16 cache
+    for context in (1, 129):  # past one 128-key attention chunk
+        for k in (2, 5, 12):
+            runner.reset()
+            runner.prefill(ids[:context])
+            together = runner.forward(ids[context : context + k])
+            runner.rollback_to(context)
+            singles = torch.cat([runner.forward(ids[context + i : context + i + 1]) for i in range(k)])
+            assert torch.equal(together, singles), (context, k)

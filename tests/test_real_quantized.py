@@ -43,14 +43,22 @@ def test_stored_blocks_are_the_dense_models_weights(dense):
     assert torch.equal(Int8Groups.from_blocks(embedding).dequantize(), params["model.embed_tokens.weight"].detach())
 
 
-@pytest.mark.parametrize(("quantization", "dtype"), [("gguf", "float32"), (None, "bfloat16"), ("int8", "float32")])
-def test_rows_are_bitwise_single_steps_up_to_2000_cached_tokens(quantization, dtype):
+@pytest.mark.parametrize(
+    ("quantization", "dtype", "kernels"),
+    [("gguf", "float32", "1"), ("gguf", "float32", "0"), ("gguf-a8", "float32", "1"), (None, "bfloat16", "1"),
+     ("int8", "float32", "1")],
+)  # fmt: skip
+def test_rows_are_bitwise_single_steps_up_to_2000_cached_tokens(quantization, dtype, kernels, monkeypatch):
+    """Every row of a k-row pass is bitwise its one-row step, on the compiled kernels ("1") and on the torch
+    path ("0"), up to 2,000 cached tokens (several 128-key attention chunks, a cache grown twice)."""
+    monkeypatch.setenv("SPECDECODE_KERNELS", kernels)
     runner = sd.load_model("smollm2", dtype=dtype, quantization=quantization).new_runner()
+    assert runner.uses_kernels == (kernels == "1" and quantization is not None)
     ids = torch.randint(0, 49152, (2040,), generator=torch.Generator().manual_seed(0))
     for context in (1, 300, 2000):
         runner.reset()
         runner.prefill(ids[:context])
-        for k in (2, 5, 32):
+        for k in (2, 5, 9, 32):
             tokens = ids[context : context + k]
             together = runner.forward(tokens)
             runner.rollback_to(context)
