@@ -12,6 +12,8 @@ from .proposers import (
     LayerSkipProposer,
     PromptLookupProposer,
     Proposer,
+    SuffixHistory,
+    SuffixProposer,
 )
 from .stats import DecodeStats
 
@@ -29,6 +31,8 @@ __all__ = [
     "SamplingParams",
     "SpecDecodeError",
     "SpeculativeDecoder",
+    "SuffixHistory",
+    "SuffixProposer",
     "VocabularyMismatch",
     "autoregressive_generate",
     "load_model",

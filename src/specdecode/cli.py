@@ -10,6 +10,7 @@ from .commands.bench_serve import bench_serve
 from .commands.check_exact import check_exact
 from .commands.demo import demo
 from .commands.generate import generate
+from .commands.index import index
 from .commands.plan import plan
 from .commands.quality import quality
 from .commands.serve import serve
@@ -31,6 +32,7 @@ for _name, _command in (
     ("serve", serve),
     ("bench-serve", bench_serve),
     ("train-head", train_head),
+    ("index", index),
 ):
     app.command(_name)(friendly(_command))
 

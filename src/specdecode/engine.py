@@ -29,7 +29,7 @@ from .verify import (
     tree_greedy_verify,
     tree_speculative_sample,
 )
-from .vocab import check_vocabularies
+from .vocab import check_vocabularies, vocabulary_fingerprint
 
 TextCallback = Callable[[str], None]
 
@@ -189,6 +189,19 @@ class SpeculativeDecoder:
         self.max_gamma = max_gamma
         self.mode = mode
         self.costs = CostModel()
+        self.bind_proposer(self.proposer)
+
+    def bind_proposer(self, proposer: Proposer | None) -> None:
+        """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
+        bind = getattr(proposer, "bind_target", None)
+        if bind is not None:
+            bind(vocabulary_fingerprint(self.target), self.costs)
+
+    def end_request(self, request: Request, proposer: Proposer | None) -> None:
+        """Tell a proposer that remembers requests (``end_request``) that ``request`` ended."""
+        remember = getattr(proposer, "end_request", None)
+        if remember is not None:
+            remember(request.context)
         self.last_output: GenerationOutput | None = None
 
     @functools.cached_property
@@ -209,6 +222,7 @@ class SpeculativeDecoder:
         request = self._start(prompt, params, on_text)
         while not request.done:
             self._round(request)
+        self.end_request(request, self.proposer)
         return request.finish()
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
@@ -220,6 +234,7 @@ class SpeculativeDecoder:
             self._round(request)
             yield from chunks
             chunks.clear()
+        self.end_request(request, self.proposer)
         self.last_output = request.finish()
 
     def _start(self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None) -> Request:

@@ -14,13 +14,21 @@ import torch
 from ..engine import SpeculativeDecoder, autoregressive_generate
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
-from ..proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, PromptLookupProposer, Proposer
+from ..proposers import (
+    DraftModelProposer,
+    EagleProposer,
+    LayerSkipProposer,
+    PromptLookupProposer,
+    Proposer,
+    SuffixHistory,
+    SuffixProposer,
+)
 from ..stats import DecodeStats
 
 PLAIN = "ours:plain"
 HF_PLAIN = "hf:plain"
 HF_PROMPT_LOOKUP_TOKENS = 10
-PROPOSERS = ("lookup", "draft", "eagle")
+PROPOSERS = ("lookup", "draft", "eagle", "suffix")
 
 
 @dataclass(frozen=True)
@@ -61,10 +69,12 @@ class Method:
         spec: MethodSpec,
         run: Callable[[list[int], SamplingParams], Generation],
         start: Callable[[], None] | None = None,
+        forget: Callable[[], None] | None = None,
     ) -> None:
         self.spec = spec
         self._run = run
         self._start = start
+        self._forget = forget
 
     @property
     def name(self) -> str:
@@ -74,6 +84,11 @@ class Method:
         """Reset per-question state (untimed): a fresh proposer, so no cache leaks between questions."""
         if self._start is not None:
             self._start()
+
+    def forget(self) -> None:
+        """Drop what a method remembers across questions (suffix decoding's history), e.g. the warm-up's."""
+        if self._forget is not None:
+            self._forget()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return self._run(prompt_ids, params)
@@ -106,6 +121,7 @@ def _ours_speculative(
     gamma: int | str,
     mode: str = "exact",
     setting: str | None = None,
+    forget: Callable[[], None] | None = None,
 ) -> Method:
     state: dict[str, SpeculativeDecoder] = {}
 
@@ -129,7 +145,7 @@ def _ours_speculative(
         target.quantization,
         setting,
     )
-    return Method(spec, run, start)
+    return Method(spec, run, start, forget)
 
 
 def _hf_generate(
@@ -225,11 +241,27 @@ def build_methods(
             makers.append((proposer, PromptLookupProposer))
         elif proposer == "eagle":
             makers += [(_eagle_name(n), _eagle_factory(target, head, n)) for n in tree_nodes or [None]]
+        elif proposer == "suffix":
+            for m in modes:
+                for g in gammas:
+                    make, forget = suffix_factory()
+                    methods.append(_ours_speculative(target, proposer, make, g, m, setting, forget))
     for name, make in makers:
         methods += [_ours_speculative(target, name, make, g, m, setting) for m in modes for g in gammas]
     if transformers:
         methods += transformers_methods(target, draft_model, dtype)
     return methods
+
+
+def suffix_factory() -> tuple[Callable[[], Proposer], Callable[[], None]]:
+    """Suffix proposers that share one history across a run's questions (each remembers the earlier ones'
+    prompts and answers, as a server would), and ``forget``, which empties it (after the warm-up)."""
+    state = {"history": SuffixHistory()}
+
+    def forget() -> None:
+        state["history"] = SuffixHistory()
+
+    return (lambda: SuffixProposer(state["history"])), forget
 
 
 def _eagle_name(tree_nodes: int | None) -> str:

@@ -132,6 +132,8 @@ def run_bench(
         warm = config.params(i, min(WARMUP_TOKENS, config.max_new_tokens))
         for method in methods:
             _answer(target, method, dataclasses.replace(item, turns=item.turns[:1]), warm)
+    for method in methods:
+        method.forget()  # a method that remembers questions (suffix decoding) must not know the warm-up's
     records: list[TurnRecord] = []
     for i, item in enumerate(items):
         params = config.params(i)

@@ -52,6 +52,7 @@ class ProposerChoice(str, Enum):
     draft = "draft"
     lookup = "lookup"
     eagle = "eagle"
+    suffix = "suffix"
     none = "none"
 
 
@@ -81,7 +82,14 @@ HeadOption = Annotated[
 ]
 TreeNodesOption = Annotated[
     int | None,
-    typer.Option(help="--proposer eagle: nodes of the dynamic token tree, 0 = a chain (default: the proposer's)."),
+    typer.Option(help="--proposer eagle or suffix: nodes of the token tree, 0 = a chain (default: the proposer's)."),
+]
+SuffixCacheOption = Annotated[
+    str | None,
+    typer.Option(
+        help="--proposer suffix: a history file (built by `specdecode index` from a corpus, or by earlier runs): "
+        "loaded if it exists, and this run's prompts and answers are added to it."
+    ),
 ]
 
 
@@ -122,14 +130,17 @@ def build_proposer(
     head: str | None = None,
     tree_nodes: int | None = None,
     tree_width: int = 1,
+    suffix_cache: str | None = None,
 ):
     """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
-    0 = a chain), or ``draft`` with a path or ``self:N``; ``tree_width`` > 1: lookup
-    offers that many distinct matches as a token tree."""
+    0 = a chain), ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a
+    path or ``self:N``; ``tree_width`` > 1: lookup offers that many distinct matches as a token tree."""
     from specdecode.proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, PromptLookupProposer
 
     if tree_width < 1:
         raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
+    if suffix_cache is not None and kind != "suffix":
+        raise ValueError(f"--suffix-cache applies to the suffix proposer, not {kind}")
     if tree_width > 1 and kind != "lookup":
         raise ValueError(f"--tree-width applies to the lookup proposer, not {kind}")
     if kind == "lookup":
@@ -139,8 +150,10 @@ def build_proposer(
             raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
         shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
         return EagleProposer(target, head=head, **shape)
+    if kind == "suffix":
+        return suffix_proposer(suffix_cache, tree_nodes)
     if kind != "draft":
-        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle or none")
+        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, suffix or none")
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
     if draft.startswith("self:"):
@@ -149,3 +162,19 @@ def build_proposer(
             raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}")
         return LayerSkipProposer(target, int(layers))
     return DraftModelProposer(load(draft, dtype, quantization, group_size))
+
+
+def suffix_proposer(cache: str | None, tree_nodes: int | None = None, remember: bool = True):
+    """A SuffixProposer over the history file ``cache`` (loaded if it exists; a new history otherwise)."""
+    from pathlib import Path
+
+    from specdecode.proposers import SuffixProposer
+
+    if tree_nodes is not None and tree_nodes < 0:
+        raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
+    shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes}
+    if cache is not None and Path(cache).expanduser().is_dir():
+        raise IsADirectoryError(f"--suffix-cache must be a file, got the folder {cache}")
+    if cache is not None and Path(cache).expanduser().exists():
+        return SuffixProposer.load(Path(cache).expanduser(), remember=remember, **shape)
+    return SuffixProposer(remember=remember, **shape)

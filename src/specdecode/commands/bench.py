@@ -79,7 +79,11 @@ def bench(
         ),
     ] = None,
     proposer: Annotated[
-        str, typer.Option(help="Comma list of our proposers: lookup, draft (draft needs --draft), eagle.")
+        str,
+        typer.Option(
+            help="Comma list of our proposers: lookup, draft (draft needs --draft), eagle, suffix (remembers the "
+            "run's earlier questions and answers, as a server does)."
+        ),
     ] = "lookup,draft",
     head: Annotated[
         str | None, typer.Option(help="eagle: a head trained with train-head (default: the one shipped).")

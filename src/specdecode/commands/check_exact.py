@@ -33,7 +33,7 @@ def check_exact(
     ] = None,
     proposer: Annotated[
         str | None,
-        typer.Option(help="draft (needs --draft), lookup or eagle; default: draft if --draft is given."),
+        typer.Option(help="draft (needs --draft), lookup, eagle or suffix; default: draft if --draft is given."),
     ] = None,
     gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")] = 4,
     tree_width: Annotated[

@@ -31,6 +31,7 @@ PROMPT = (
     "Return only the rewritten passage.\n\n" + PASSAGE
 )
 ROUNDS = 2
+NAMES = {"lookup": "prompt lookup", "eagle": "EAGLE head", "suffix": "suffix decoding"}
 
 
 def demo(
@@ -38,7 +39,11 @@ def demo(
     gamma: str = typer.Option(
         "auto", help="Tokens guessed per round (a tree's depth), or auto (adapts to the measured verify cost)."
     ),
-    proposer: str = typer.Option("lookup", help="lookup (prompt lookup) or eagle (a trained draft head)."),
+    proposer: str = typer.Option(
+        "lookup",
+        help="lookup (prompt lookup), eagle (a trained draft head) or suffix (suffix decoding; here it does not "
+        "remember earlier runs, which repeat the same prompt).",
+    ),
     max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
@@ -48,16 +53,19 @@ def demo(
 ) -> None:
     """Edit a pasted passage plainly and speculatively; show the outputs match and the measured speedup."""
     from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
-    from specdecode.commands import build_proposer, load
+    from specdecode.commands import build_proposer, load, suffix_proposer
 
     quiet_transformers()
     parsed_gamma = parse_gamma(gamma)  # validate before the slow load
-    if proposer not in ("lookup", "eagle"):
-        raise ValueError(f"--proposer must be lookup or eagle, got {proposer!r}")
+    if proposer not in NAMES:
+        raise ValueError(f"--proposer must be lookup, eagle or suffix, got {proposer!r}")
     console = Console()
     with console.status(f"loading {target} (the first load dequantizes and caches it)…"):
         model = load(target, dtype, quantization, group_size)
-        chosen = build_proposer(proposer, model, None, head=head, tree_nodes=tree_nodes)
+        if proposer == "suffix":  # each run alone: remembering the last run's answer would copy it whole
+            chosen = suffix_proposer(None, tree_nodes, remember=False)
+        else:
+            chosen = build_proposer(proposer, model, None, head=head, tree_nodes=tree_nodes)
     ids = model.chat_prompt(PROMPT)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     decoder = SpeculativeDecoder(model, chosen, gamma=parsed_gamma)
@@ -80,7 +88,7 @@ def demo(
     console.print(spec.text, highlight=False)
     weights = model.quantization or "dense"
     table = Table(
-        title=f"{model.name} ({weights} weights), {'prompt lookup' if proposer == 'lookup' else 'EAGLE head'}, "
+        title=f"{model.name} ({weights} weights), {NAMES[proposer]}, "
         f"gamma={parsed_gamma} "
         f"(median of {ROUNDS} alternating runs)"
     )

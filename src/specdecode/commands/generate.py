@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import typer
 
@@ -13,6 +14,7 @@ from specdecode.commands import (
     HeadOption,
     ProposerChoice,
     QuantizationOption,
+    SuffixCacheOption,
     TreeNodesOption,
     err,
     parse_gamma,
@@ -34,8 +36,8 @@ def generate(
     proposer: ProposerChoice | None = typer.Option(
         None,
         help="Where guesses come from: draft (needs --draft), "
-        "lookup (prompt lookup), eagle (a trained draft head) or none (plain decoding). Default: "
-        "draft if --draft is given, else lookup.",
+        "lookup (prompt lookup), eagle (a trained draft head), suffix (earlier answers too, with --suffix-cache) "
+        "or none (plain decoding). Default: draft if --draft is given, else lookup.",
     ),
     gamma: str = typer.Option(
         "auto", help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain)."
@@ -57,6 +59,7 @@ def generate(
     group_size: GroupSizeOption = 32,
     head: HeadOption = None,
     tree_nodes: TreeNodesOption = None,
+    suffix_cache: SuffixCacheOption = None,
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
     from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
@@ -85,7 +88,15 @@ def generate(
             None
             if choice is ProposerChoice.none
             else build_proposer(
-                choice.value, target_model, draft, dtype, quantization, group_size, head=head, tree_nodes=tree_nodes
+                choice.value,
+                target_model,
+                draft,
+                dtype,
+                quantization,
+                group_size,
+                head=head,
+                tree_nodes=tree_nodes,
+                suffix_cache=suffix_cache,
             )
         )
     ids = target_model.encode(prompt) if raw else target_model.chat_prompt(prompt)
@@ -101,6 +112,8 @@ def generate(
     else:
         decoder = SpeculativeDecoder(target_model, chosen, gamma=parse_gamma(gamma), mode=mode)
         out = decoder.generate(ids, params, on_text=on_text)
+        if suffix_cache is not None:
+            chosen.save(Path(suffix_cache).expanduser())  # the history, now with this prompt and answer
     if as_json:
         print(
             json.dumps(

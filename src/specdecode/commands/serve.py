@@ -45,6 +45,16 @@ def serve(
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
+    suffix_cache: str | None = typer.Option(
+        None,
+        help="--proposer suffix: a history file (from `specdecode index` or an earlier run) loaded at start; with "
+        "--suffix-scope global the server writes its history back to it at shutdown.",
+    ),
+    suffix_scope: str = typer.Option(
+        "global",
+        help="--proposer suffix: global (drafts from every earlier request's prompt and answer) or request (from "
+        "the request's own tokens and --suffix-cache only: no timing hints about other users' text).",
+    ),
 ) -> None:
     """Serve TARGET over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
     from specdecode.serving.app import ServerConfig
@@ -66,6 +76,8 @@ def serve(
         quantization=quantization,
         group_size=group_size,
         threads=threads,
+        suffix_cache=suffix_cache,
+        suffix_scope=suffix_scope,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can reach it may use it")

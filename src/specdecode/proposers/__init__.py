@@ -5,5 +5,15 @@ from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
 from .layer_skip import LayerSkipProposer
 from .prompt_lookup import PromptLookupProposer
+from .suffix import SuffixHistory, SuffixProposer
 
-__all__ = ["Draft", "DraftModelProposer", "EagleProposer", "LayerSkipProposer", "PromptLookupProposer", "Proposer"]
+__all__ = [
+    "Draft",
+    "DraftModelProposer",
+    "EagleProposer",
+    "LayerSkipProposer",
+    "PromptLookupProposer",
+    "Proposer",
+    "SuffixHistory",
+    "SuffixProposer",
+]

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Request, SpeculativeDecoder
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
-from ..proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from ..proposers import DraftModelProposer, PromptLookupProposer, Proposer, SuffixProposer
 from .metrics import ServerMetrics
 from .policy import POLICIES, SpeculationPolicy
 from .protocol import (
@@ -49,6 +49,7 @@ from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
+SUFFIX_SCOPES = ("global", "request")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
 CHAT_DEFAULT_MAX_TOKENS = 1024  # for a model that states no context window
 
@@ -62,7 +63,10 @@ class ServerConfig:
     ``gamma``: the most tokens a round drafts (an integer or ``auto`` = up to ``max_gamma``); ``policy``:
     ``auto`` (speculate when the measured costs say it pays), ``always`` or ``never``; ``mode``: the verification
     rule, ``reproducible`` (default: a seed gives the same text whatever the batch or the policy does) or
-    ``exact``.
+    ``exact``. ``suffix_scope``: with the suffix proposer, ``global`` (one history of every request's prompt
+    and answer, updated as requests end) or ``request`` (each request drafts from its own tokens and the
+    ``suffix_cache`` corpus only); ``suffix_cache``: a history file loaded at start (global scope: saved back at
+    shutdown).
     """
 
     target: str | LoadedModel = "smollm2"
@@ -81,6 +85,8 @@ class ServerConfig:
     group_size: int = 32
     threads: int | None = None
     proposers: Mapping[str, Callable[[], Proposer]] = field(default_factory=dict)
+    suffix_cache: str | None = None
+    suffix_scope: str = "global"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -95,6 +101,10 @@ class ServerConfig:
             raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}")
         if self.proposer == "draft" and not self.draft:
             raise ValueError("the draft proposer needs a draft model: a path or self:N")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_scope!r}")
+        if self.suffix_cache is not None and self.proposer != "suffix":
+            raise ValueError("--suffix-cache applies to --proposer suffix")
 
 
 def replicate(proposer: Proposer) -> Callable[[], Proposer]:
@@ -106,14 +116,23 @@ def replicate(proposer: Proposer) -> Callable[[], Proposer]:
         return lambda: DraftModelProposer(proposer.model)
     if isinstance(proposer, PromptLookupProposer):
         return lambda: PromptLookupProposer(proposer.max_ngram, proposer.min_ngram, proposer.branches)
+    if isinstance(proposer, SuffixProposer):
+        return proposer.fork  # one history for every request (request scope: the prototype does not remember)
     return lambda: proposer
 
 
 class Server:
     """The loaded model, the engine thread and the request handling behind the routes."""
 
+    def save_history(self) -> None:
+        """Global suffix scope with a cache file: write the history (every request's prompt and answer) back."""
+        config = self.config
+        if self.suffix is not None and config.suffix_cache is not None and config.suffix_scope == "global":
+            self.suffix.save(config.suffix_cache)
+            log.info("suffix history saved to %s (%d tokens)", config.suffix_cache, len(self.suffix.history))
+
     def __init__(self, config: ServerConfig) -> None:
-        from ..commands import build_proposer, load
+        from ..commands import build_proposer, load, suffix_proposer
 
         if config.threads is not None:
             import torch
@@ -126,10 +145,13 @@ class Server:
             target = load(config.target, config.dtype, config.quantization, config.group_size)
         self.target = target
         prototype = None
-        if config.proposer != PLAIN:
+        if config.proposer == "suffix":
+            prototype = suffix_proposer(config.suffix_cache, remember=config.suffix_scope == "global")
+        elif config.proposer != PLAIN:
             prototype = build_proposer(
                 config.proposer, target, config.draft, config.dtype, config.quantization, config.group_size
             )
+        self.suffix = prototype if isinstance(prototype, SuffixProposer) else None
         factories: dict[str, Callable[[], Proposer]] = {"lookup": PromptLookupProposer}
         if prototype is not None:
             factories[config.proposer] = replicate(prototype)
@@ -395,6 +417,7 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
             yield
         finally:
             server.scheduler.stop()
+            server.save_history()
 
     settings = config.config if isinstance(config, Server) else config
     app = FastAPI(title="specdecode", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan)

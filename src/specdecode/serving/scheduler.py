@@ -200,6 +200,7 @@ class Scheduler:
                 if name != PLAIN:
                     if name not in job.slot.proposers:
                         job.slot.proposers[name] = self.proposers[name]()
+                        self.decoder.bind_proposer(job.slot.proposers[name])
                     job.proposer = job.slot.proposers[name]
                 # an EAGLE head drafts from the target's features: the runner keeps them for this request
                 job.slot.runner.capture_hidden = bool(getattr(job.proposer, "needs_target_hidden", False))
@@ -314,6 +315,7 @@ class Scheduler:
             job.deliver(Event("text", text, total))
 
     def _finish(self, job: Job) -> None:
+        self.decoder.end_request(job.request, job.proposer)
         output = job.request.finish()
         self.metrics.finished.labels("length" if output.finish_reason == "length" else "stop").inc()
         self.metrics.e2e.observe(time.perf_counter() - job.arrived)

@@ -1,0 +1,310 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): guesses copied from what followed the longest earlier
+match of the context's suffix, in this request and in a history of earlier requests, as a frequency-scored tree.
+
+Each round the context's last m tokens are looked up for m in ``ORDERS``, longest first, in the request's own
+tokens and in the shared history; the longest m with an occurrence wins, and the newest ``max_matches``
+occurrences (both sources together) vote. Their continuations form a trie whose node probability is the share
+of occurrences that reach it, P(node) = count(node) / count(root). The draft keeps the most probable nodes
+(a parent is always more probable than its children, so the kept set is a tree) while P ≥ ``min_probability``,
+up to ``tree_nodes`` nodes and ``match_factor`` · m deep (a short match earns a short draft), and, once the
+decoder has measured its verify costs, while a node still raises the expected tokens per unit of verify time,
+(1 + Σ P) / v(nodes + 1). The tokens are a point mass (``probs=None``), so every verification rule applies.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SpecDecodeError
+from ..params import SamplingParams
+from .base import EMPTY_DRAFT, Draft, common_prefix_length
+from .suffix_index import ORDERS, SEPARATOR, SuffixIndex, suffix_hashes
+
+MAGIC = b"specdecode-suffix-cache\n"
+FORMAT_VERSION = 1
+DEFAULT_MAX_TOKENS = 1_000_000
+CHAIN_STEPS_PER_MATCH = 4  # chain entries visited per wanted match (bucket collisions and unusable ones)
+
+
+class SuffixCacheError(SpecDecodeError, ValueError):
+    """A suffix cache file that cannot be used: not one of ours, damaged, or built for another vocabulary."""
+
+
+class SuffixHistory:
+    """Earlier requests' prompts and answers (and any corpus loaded), shared by proposers and threads.
+
+    At most ``max_tokens`` token ids are kept; past that, whole documents are evicted oldest first, down to
+    three quarters of the bound (so the re-index that eviction costs is amortised over many requests).
+    ``vocabulary`` identifies the tokenizer the ids belong to (``vocabulary_fingerprint``), None until known.
+    """
+
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, vocabulary: str | None = None) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.vocabulary = vocabulary
+        self.index = SuffixIndex()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def documents(self) -> int:
+        return self.index.documents
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes
+
+    def add(self, tokens: list[int]) -> None:
+        """Remember one document (a request's prompt and answer, or a corpus entry)."""
+        if not tokens:
+            return
+        with self.lock:
+            self.index.append(tokens)
+            self.index.close()
+            if len(self.index) > self.max_tokens:
+                self.index.drop_oldest(self.max_tokens * 3 // 4)
+
+    def save(self, path: str | Path) -> None:
+        """Write the history to ``path`` (atomically: a temporary file renamed over it)."""
+        path = Path(path)
+        with self.lock:
+            payload = np.frombuffer(self.index.tokens, dtype=np.int32).astype("<i4").tobytes()
+            documents = self.index.documents
+        header = {
+            "version": FORMAT_VERSION,
+            "vocabulary": self.vocabulary,
+            "documents": documents,
+            "entries": len(payload) // 4,
+            "max_tokens": self.max_tokens,
+            "crc32": zlib.crc32(payload),
+        }
+        head = json.dumps(header).encode()
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(MAGIC + len(head).to_bytes(4, "little") + head + payload)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path, max_tokens: int | None = None) -> SuffixHistory:
+        """The history saved at ``path``; a damaged or foreign file raises SuffixCacheError."""
+        path = Path(path)
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            raise SuffixCacheError(f"{path} is not a specdecode suffix cache (make one with `specdecode index`)")
+        offset = len(MAGIC)
+        try:
+            size = int.from_bytes(data[offset : offset + 4], "little")
+            header = json.loads(data[offset + 4 : offset + 4 + size])
+            payload = data[offset + 4 + size :]
+            version, entries, documents = header["version"], header["entries"], header["documents"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SuffixCacheError(f"{path}: damaged suffix cache header ({exc})") from None
+        if version != FORMAT_VERSION:
+            raise SuffixCacheError(f"{path}: suffix cache format {version}, this specdecode reads {FORMAT_VERSION}")
+        if len(payload) != 4 * entries or zlib.crc32(payload) != header.get("crc32"):
+            raise SuffixCacheError(f"{path}: damaged suffix cache (truncated or altered; rebuild it)")
+        tokens = np.frombuffer(payload, dtype="<i4")
+        separators = int((tokens == SEPARATOR).sum())
+        if separators != documents or (tokens < SEPARATOR).any() or (len(tokens) and tokens[-1] != SEPARATOR):
+            raise SuffixCacheError(f"{path}: damaged suffix cache (inconsistent documents; rebuild it)")
+        history = cls(max_tokens or header.get("max_tokens") or DEFAULT_MAX_TOKENS, header.get("vocabulary"))
+        history.index.documents = documents
+        history.index._rebuild(tokens.tolist(), 0)
+        if len(history.index) > history.max_tokens:
+            history.index.drop_oldest(history.max_tokens)
+        return history
+
+
+class SuffixProposer:
+    """Deterministic guesses (a point mass) from the longest suffix match in this request and in ``history``.
+
+    One proposer object remembers every request it sees (prompt and answer, added when the request ends) in
+    ``history``; ``fork()`` gives another request stream its own request state over the same history (the
+    server's global scope). ``remember=False`` only reads the history (a corpus cache, the server's request
+    scope). ``tree_nodes=0`` drafts a chain (the most frequent continuation); see the module docstring.
+    """
+
+    def __init__(
+        self,
+        history: SuffixHistory | None = None,
+        *,
+        tree_nodes: int = 8,
+        min_probability: float = 0.1,
+        match_factor: float = 2.0,
+        max_matches: int = 32,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        remember: bool = True,
+    ) -> None:
+        if tree_nodes < 0:
+            raise ValueError(f"tree_nodes must be >= 0 (0 = a chain), got {tree_nodes}")
+        if not 0.0 < min_probability <= 1.0:
+            raise ValueError(f"min_probability must be in (0, 1], got {min_probability}")
+        if match_factor <= 0:
+            raise ValueError(f"match_factor must be > 0, got {match_factor}")
+        if max_matches < 1:
+            raise ValueError(f"max_matches must be >= 1, got {max_matches}")
+        self.history = SuffixHistory(max_tokens) if history is None else history
+        self.tree_nodes = tree_nodes
+        self.min_probability = min_probability
+        self.match_factor = match_factor
+        self.max_matches = max_matches
+        self.remember = remember
+        self.costs = None  # a decoder's CostModel, bound by the decoder; caps trees at measured verify costs
+        self._request = SuffixIndex()
+        self._indexed: list[int] = []
+        self._remembered = True  # the request tokens seen so far are in the history (or nothing was seen)
+
+    # -- sharing and persistence ---------------------------------------------------------------------------
+
+    def fork(self) -> SuffixProposer:
+        """A proposer with these settings and this history, and request state of its own."""
+        clone = SuffixProposer(
+            self.history,
+            tree_nodes=self.tree_nodes,
+            min_probability=self.min_probability,
+            match_factor=self.match_factor,
+            max_matches=self.max_matches,
+            remember=self.remember,
+        )
+        clone.costs = self.costs
+        return clone
+
+    def save(self, path: str | Path) -> None:
+        """Write the history (every remembered request and loaded corpus) to ``path``."""
+        self.history.save(path)
+
+    @classmethod
+    def load(cls, path: str | Path, max_tokens: int | None = None, **settings) -> SuffixProposer:
+        """A proposer over the history saved at ``path`` (``save`` or ``specdecode index``)."""
+        return cls(SuffixHistory.load(path, max_tokens), **settings)
+
+    def bind_target(self, vocabulary: str, costs=None) -> None:
+        """Called by a decoder: check (or adopt) the history's vocabulary; use the decoder's measured costs."""
+        if self.history.vocabulary is None:
+            self.history.vocabulary = vocabulary
+        elif self.history.vocabulary != vocabulary:
+            raise SuffixCacheError(
+                "this suffix history was built with another tokenizer (vocabulary fingerprint "
+                f"{self.history.vocabulary[:12]}…, the target's is {vocabulary[:12]}…): rebuild it for this target"
+            )
+        if costs is not None:
+            self.costs = costs
+
+    def end_request(self, context: list[int]) -> None:
+        """The request whose context (prompt + answer) is ``context`` ended: remember it, forget its state."""
+        if self.remember and context:
+            self.history.add(list(context))
+        self._request = SuffixIndex()
+        self._indexed = []
+        self._remembered = True
+
+    # -- drafting ------------------------------------------------------------------------------------------
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        if k <= 0 or not context:
+            return EMPTY_DRAFT
+        self._sync(context)
+        paths = self._continuations(context, k)
+        return self._draft(paths, k) if paths else EMPTY_DRAFT
+
+    def _sync(self, context: list[int]) -> None:
+        """Index ``context`` in the request state (appending if it extends what was indexed, else anew; a
+        request left without ``end_request`` is remembered first)."""
+        done = len(self._indexed)
+        if common_prefix_length(self._indexed, context) < done:
+            if not self._remembered and self.remember:
+                self.history.add(self._indexed)
+            self._request = SuffixIndex()
+            done = 0
+        self._request.append(context[done:])
+        self._indexed = list(context)
+        self._remembered = False
+
+    def _continuations(self, context: list[int], k: int) -> list[list[int]]:
+        """What followed the newest ``max_matches`` occurrences (request ones first) of the context's last m
+        tokens, for the longest m in ORDERS that occurs, each cut to min(k, ⌈match_factor · m⌉) tokens."""
+        hashes = suffix_hashes(context)
+        limit, steps = self.max_matches, self.max_matches * CHAIN_STEPS_PER_MATCH
+        history = self.history
+        for m in reversed(ORDERS):
+            if m not in hashes:
+                continue
+            gram = context[-m:]
+            depth = min(k, max(1, math.ceil(self.match_factor * m)))
+            request = self._request
+            paths = [request.continuation(s, depth) for s in request.matches(gram, hashes[m], limit, steps)]
+            if len(paths) < limit and len(history):
+                with history.lock:  # eviction re-indexes: find and read under one hold
+                    index = history.index
+                    found = index.matches(gram, hashes[m], limit - len(paths), steps)
+                    paths += [index.continuation(s, depth) for s in found]
+            if paths:
+                return paths
+        return []
+
+    def _draft(self, paths: list[list[int]], k: int) -> Draft:
+        """The most probable nodes of the continuations' trie (see the module docstring)."""
+        children: list[dict[int, int]] = [{}]  # trie node -> {token: child node}; node 0 is the context
+        counts = [len(paths)]
+        tokens_of = [-1]
+        for path in paths:
+            node = 0
+            for token in path:
+                child = children[node].get(token)
+                if child is None:
+                    child = children[node][token] = len(counts)
+                    children.append({})
+                    counts.append(0)
+                    tokens_of.append(token)
+                counts[child] += 1
+                node = child
+        total = counts[0]
+        capacity = self.tree_nodes or k
+        cost = self._verify_cost()
+        tokens: list[int] = []
+        parents: list[int] = []
+        expected = 1.0  # 1 + sum of kept nodes' probabilities: expected tokens of the round
+        frontier = [(-counts[c] / total, c, -1) for c in children[0].values()]
+        heapq.heapify(frontier)
+        while frontier and len(tokens) < capacity:
+            negative, node, parent = heapq.heappop(frontier)
+            probability = -negative
+            if probability < self.min_probability:
+                break
+            if cost is not None and (expected + probability) / cost(len(tokens) + 2) <= expected / cost(
+                len(tokens) + 1
+            ):
+                break
+            expected += probability
+            tokens.append(tokens_of[node])
+            parents.append(parent)
+            me = len(tokens) - 1
+            kids = children[node].values()
+            if self.tree_nodes == 0:  # a chain: only the most frequent continuation
+                kids = [max(kids, key=counts.__getitem__)] if kids else []
+                frontier = []
+            for child in kids:
+                heapq.heappush(frontier, (-counts[child] / total, child, me))
+        if not tokens:
+            return EMPTY_DRAFT
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if self.tree_nodes == 0:
+            return Draft(ids)
+        return Draft(ids, None, torch.tensor(parents, dtype=torch.int64))
+
+    def _verify_cost(self):
+        """v(k) from the bound decoder's measurements, or None until a 1-token step has been timed."""
+        costs = self.costs
+        if costs is None or costs.step_seconds is None or not costs.verify_seconds.keys() - {1}:
+            return None
+        return costs.verify_cost
