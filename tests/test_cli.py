@@ -130,3 +130,40 @@ def test_past_the_context_window_is_one_line(tiny_target):
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "max_new_tokens (600)" in result.stderr
     assert "context window of 512 positions" in result.stderr
+
+
+def test_index_builds_a_suffix_history_that_generate_loads_and_extends(tiny_target, tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "code").mkdir(parents=True)
+    (corpus / "a.txt").write_text("w1 w2 w3 w4 w5 w6")
+    (corpus / "code" / "b.py").write_text("w7 w8 w9")
+    (corpus / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}\n')
+    (corpus / "blob.bin").write_bytes(b"\xff\xfe\x00\x81")
+    cache = tmp_path / "history.bin"
+    result = runner.invoke(cli.app, ["index", "--data", str(corpus), "--out", str(cache)])
+    assert result.exit_code == 0, result.output
+    assert "3 documents" in result.output and "1 binary files skipped" in result.output
+    argv = ["generate", "w1 w2 w3", "--raw", "--json", "--max-new-tokens", "8", "--proposer", "suffix"]
+    first = runner.invoke(cli.app, [*argv, "--suffix-cache", str(cache)])
+    assert first.exit_code == 0, first.output
+    from specdecode.proposers import SuffixHistory
+
+    history = SuffixHistory.load(cache)
+    assert history.documents == 4  # the corpus and this run's prompt and answer
+    plain = runner.invoke(cli.app, [*argv[:-2], "--proposer", "none"])
+    assert json.loads(first.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "w1", "--proposer", "lookup", "--suffix-cache", "x.bin"], "applies to the suffix proposer"),
+        (["generate", "w1", "--proposer", "suffix", "--suffix-cache", "BAD"], "not a specdecode suffix cache"),
+        (["index", "--data", "missing-folder", "--out", "x.bin"], "--data not found"),
+    ],
+)
+def test_suffix_mistakes_are_one_line_errors(tiny_target, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "BAD").write_text("not a cache")
+    result = runner.invoke(cli.app, argv)
+    assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output

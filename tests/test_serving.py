@@ -540,3 +540,32 @@ def test_bench_serve_writes_a_report_and_plots(cli_target, tmp_path):
     assert "| 2 | auto |" in report and "best fixed policy" in report
     for name in ("serve_tokens_per_s.png", "serve_ttft.png", "serve_itl.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("scope", ["global", "request"])
+def test_suffix_history_is_shared_by_requests_only_in_global_scope_and_saved_at_shutdown(target, tmp_path, scope):
+    cache = tmp_path / "history.bin"
+    config = ServerConfig(
+        target=target, proposer="suffix", gamma=8, policy="always", suffix_cache=str(cache), suffix_scope=scope
+    )
+    prompt = "w10 w21 w32 w43 w54 w5 w16"
+    expected = plain_text(target, target.encode(prompt), 32)
+    with LocalServer(create_app(config)) as running:
+        body = body_for("completions", prompt, max_tokens=32, temperature=0)
+        answers = [httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+    assert [a["choices"][0]["text"] for a in answers] == [expected, expected]
+    first, again = (a["usage"] for a in answers)
+    if scope == "global":  # the repeat is copied from the first answer, almost every token a guess
+        assert again["accepted_tokens"] >= 0.75 * again["completion_tokens"] > first["accepted_tokens"]
+        from specdecode.proposers import SuffixHistory
+
+        assert SuffixHistory.load(cache).documents == 2
+    else:
+        assert again["accepted_tokens"] == first["accepted_tokens"] and not cache.exists()
+
+
+def test_suffix_options_are_checked():
+    with pytest.raises(ValueError, match="suffix_scope must be one of global, request"):
+        ServerConfig(proposer="suffix", suffix_scope="user")
+    with pytest.raises(ValueError, match="--suffix-cache applies to --proposer suffix"):
+        ServerConfig(proposer="lookup", suffix_cache="x.bin")

@@ -360,3 +360,14 @@ def test_check_exact_cli_takes_the_suffix_proposer():
     assert isinstance(build_proposer("suffix", None, None), SuffixProposer)
     with pytest.raises(ValueError, match="--suffix-cache applies to the suffix proposer"):
         build_proposer("lookup", None, None, suffix_cache="x")
+
+
+@pytest.mark.parametrize("length", [1, 5, 31, 32, 33, 60])
+def test_short_and_long_documents_round_trip_through_a_file(tmp_path, length):
+    history = SuffixHistory()
+    history.add(list(range(length)))
+    history.save(tmp_path / "h.bin")
+    loaded = SuffixHistory.load(tmp_path / "h.bin")
+    assert loaded.index.tokens == history.index.tokens
+    for m in ORDERS:
+        assert loaded.index.chain[m] == history.index.chain[m] and loaded.index.head[m] == history.index.head[m]

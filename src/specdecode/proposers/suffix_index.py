@@ -192,7 +192,8 @@ class SuffixIndex:
         positions = np.arange(start, start + n - (start - first), dtype=np.int64)
         with np.errstate(over="ignore"):
             for j in range(MAX_ORDER):
-                h[j:] += values[: n - j] * np.uint64(_POWERS[j])
+                if j < n:
+                    h[j:] += values[: n - j] * np.uint64(_POWERS[j])
                 m = j + 1
                 if m not in _ORDER_SET:
                     continue
