@@ -40,6 +40,18 @@ def test_perfect_proposer_climbs_to_the_cap():
     assert choices[-20:] == [8] * 20
 
 
+def test_a_perfect_proposer_climbs_to_the_cap_where_each_verify_row_costs_a_quarter_step():
+    # this CPU's verify cost (v(8) ~ 2.6): with a 1/2 prior on unreached depths the gain of a deeper guess never
+    # covered a row, so a proposer that was always right stayed near gamma = 3
+    controller = AdaptiveGamma(max_gamma=8, costs=fixed_costs(extra_per_token=0.25, draft_per_token=0.0))
+    choices = []
+    for _ in range(40):
+        gamma = controller.choose()
+        choices.append(gamma)
+        controller.observe(drafted=gamma, accepted=gamma)
+    assert choices[-10:] == [8] * 10 and choices.index(8) < 12
+
+
 def test_free_drafting_with_flat_verify_always_pays():
     controller = AdaptiveGamma(max_gamma=4, costs=fixed_costs(extra_per_token=0.0, draft_per_token=0.0))
     for _ in range(50):

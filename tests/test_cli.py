@@ -137,7 +137,8 @@ def test_index_builds_a_suffix_history_that_generate_loads_and_extends(tiny_targ
     (corpus / "code").mkdir(parents=True)
     (corpus / "a.txt").write_text("w1 w2 w3 w4 w5 w6")
     (corpus / "code" / "b.py").write_text("w7 w8 w9")
-    (corpus / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}\n')
+    chat = {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}
+    (corpus / "chats.jsonl").write_text(json.dumps(chat) + "\n")
     (corpus / "blob.bin").write_bytes(b"\xff\xfe\x00\x81")
     cache = tmp_path / "history.bin"
     result = runner.invoke(cli.app, ["index", "--data", str(corpus), "--out", str(cache)])

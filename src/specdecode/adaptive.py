@@ -115,11 +115,17 @@ class AdaptiveGamma:
         self._probe_interval = self.probe_every
 
     def acceptance(self) -> list[float]:
-        """Posterior-mean acceptance a_j per draft position (Beta prior, discounted counts)."""
-        return [
-            (a + PRIOR_ACCEPTED) / (r + PRIOR_ACCEPTED + PRIOR_REJECTED)
-            for a, r in zip(self.accepted, self.reached, strict=True)
-        ]
+        """Posterior-mean acceptance a_j per draft position (discounted counts). Position 1's prior is Beta(1, 1);
+        position j's has the same weight, centred on a_{j-1}: a depth not reached yet is expected to accept like
+        the one above it, not at 1/2 (which would keep a proposer that is always right from ever going deeper
+        wherever a verify row costs more than half the gain)."""
+        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
+        mean = PRIOR_ACCEPTED / weight
+        estimates = []
+        for a, r in zip(self.accepted, self.reached, strict=True):
+            mean = (a + weight * mean) / (r + weight)
+            estimates.append(mean)
+        return estimates
 
     def predicted_speedup(self, gamma: int) -> float:
         """E(γ) / (v(γ+1) + γc) from the current estimates; 1.0 for γ = 0."""
