@@ -120,14 +120,25 @@ def test_the_longest_match_wins_and_the_draft_is_the_trie_of_its_continuations()
     history.add([1, 2, 3, 4, 10])
     history.add([1, 2, 3, 11])
     history.add([1, 2, 3, 4, 5])
-    proposer = SuffixProposer(history, min_probability=0.2, match_factor=10)
+    proposer = SuffixProposer(history, min_probability=0.2, match_factor=10, recency=1.0, tree_nodes=8)
     draft = propose(proposer, [0, 1, 2, 3], k=3)
     # occurrences after "1 2 3": 4 5 | 4 10 | 11 | 4 5 → P(4) = 3/4, P(4 5) = 2/4, P(11) = P(4 10) = 1/4
     # (a tie goes to the newer occurrence's continuation)
     assert draft.tokens.tolist() == [4, 5, 11, 10]
     assert draft.parents.tolist() == [-1, 0, -1, 0]
-    chain = propose(SuffixProposer(history, tree_nodes=0, match_factor=10), [0, 1, 2, 3], k=3)
+    chain = propose(SuffixProposer(history, tree_nodes=0, match_factor=10, recency=1.0), [0, 1, 2, 3], k=3)
     assert chain.parents is None and chain.tokens.tolist() == [4, 5]
+    # weighted by recency 1/2: the newest (4 5) weighs 1, then 11, 4 10, 4 5 weigh 1/2, 1/4, 1/8 (sum 15/8)
+    recent = propose(SuffixProposer(history, min_probability=0.2, match_factor=10, tree_nodes=8), [0, 1, 2, 3], k=3)
+    assert recent.tokens.tolist() == [4, 5, 11]  # P(4 10) = 2/15 < 0.2
+
+
+def test_the_requests_own_match_wins_a_tie_with_the_history():
+    history = SuffixHistory()
+    history.add([1, 2, 3, 9, 9])
+    proposer = SuffixProposer(history, match_factor=10)
+    assert propose(proposer, [5, 2, 3, 7, 1, 2, 3], k=2).tokens.tolist() == [9, 9]  # "1 2 3": only the history
+    assert propose(proposer, [1, 2, 3, 7, 1, 2, 3], k=2).tokens.tolist() == [7, 1]  # the request's own "1 2 3"
 
 
 def test_draft_depth_follows_the_match_length_and_k():
@@ -145,16 +156,21 @@ def test_a_node_below_the_probability_threshold_or_past_the_size_cap_is_left_out
     history = SuffixHistory()
     for follower in [5] * 7 + [6, 7, 8]:
         history.add([1, 2, follower])
-    assert propose(SuffixProposer(history, min_probability=0.15), [1, 2]).tokens.tolist() == [5]
-    assert sorted(propose(SuffixProposer(history, min_probability=0.1), [1, 2]).tokens.tolist()) == [5, 6, 7, 8]
-    assert propose(SuffixProposer(history, min_probability=0.1, tree_nodes=2), [1, 2]).tokens.tolist()[0] == 5
+
+    def drafted(tree_nodes=8, **settings):
+        proposer = SuffixProposer(history, max_matches=32, recency=1.0, tree_nodes=tree_nodes, **settings)
+        return propose(proposer, [1, 2]).tokens.tolist()
+
+    assert drafted(min_probability=0.15) == [5]
+    assert sorted(drafted(min_probability=0.1)) == [5, 6, 7, 8]
+    assert drafted(min_probability=0.1, tree_nodes=2)[0] == 5
 
 
 def test_the_measured_verify_cost_caps_the_tree():
     history = SuffixHistory()
     for follower in (5, 6, 7, 8):
         history.add([1, 2, follower])
-    proposer = SuffixProposer(history, min_probability=0.1)
+    proposer = SuffixProposer(history, min_probability=0.1, recency=1.0, tree_nodes=8)
     costs = CostModel()
     proposer.bind_target("vocabulary", costs)
     assert len(propose(proposer, [1, 2])) == 4  # nothing measured yet: only the threshold and the cap
@@ -234,12 +250,12 @@ def test_threads_adding_and_drafting_at_once_keep_the_history_consistent():
 
 
 def test_a_saved_history_loads_with_the_same_drafts(tmp_path):
-    proposer = SuffixProposer(min_probability=0.05)
+    proposer = SuffixProposer(min_probability=0.05, tree_nodes=8)
     for doc in random_documents(5, 50, vocab=6):
         proposer.end_request(doc)
     proposer.history.vocabulary = "abc"
     proposer.save(tmp_path / "h.bin")
-    loaded = SuffixProposer.load(tmp_path / "h.bin", min_probability=0.05)
+    loaded = SuffixProposer.load(tmp_path / "h.bin", min_probability=0.05, tree_nodes=8)
     assert loaded.history.vocabulary == "abc" and loaded.history.documents == proposer.history.documents
     for context in random_documents(6, 30, vocab=6):
         a, b = propose(proposer, context), propose(loaded, context)
@@ -315,7 +331,7 @@ def test_greedy_output_is_plain_decoding_across_requests(large_target, tree_node
 @pytest.mark.parametrize("seed", [0, 2**40 + 7])
 def test_reproducible_output_is_plain_sampling(large_target, seed):
     history = repeating_history(large_target, PROMPTS * 4, seed=100)
-    proposer = SuffixProposer(history, min_probability=0.05)
+    proposer = SuffixProposer(history, min_probability=0.05, tree_nodes=8)
     decoder = sd.SpeculativeDecoder(large_target, proposer, gamma=4, mode="reproducible")
     stats = sd.DecodeStats()
     for prompt in PROMPTS:

@@ -1,14 +1,21 @@
 """Suffix decoding (SuffixDecoding, arXiv 2411.04975): guesses copied from what followed the longest earlier
 match of the context's suffix, in this request and in a history of earlier requests, as a frequency-scored tree.
 
-Each round the context's last m tokens are looked up for m in ``ORDERS``, longest first, in the request's own
-tokens and in the shared history; the longest m with an occurrence wins, and the newest ``max_matches``
-occurrences (both sources together) vote. Their continuations form a trie whose node probability is the share
-of occurrences that reach it, P(node) = count(node) / count(root). The draft keeps the most probable nodes
-(a parent is always more probable than its children, so the kept set is a tree) while P ≥ ``min_probability``,
-up to ``tree_nodes`` nodes and ``match_factor`` · m deep (a short match earns a short draft), and, once the
-decoder has measured its verify costs, while a node still raises the expected tokens per unit of verify time,
-(1 + Σ P) / v(nodes + 1). The tokens are a point mass (``probs=None``), so every verification rule applies.
+Each round the longest m in ``ORDERS`` (1 … 32) for which the context's last m tokens occurred before is found,
+in the request's own tokens and in the shared history (the history only where its match is longer: the
+request's own wording wins a tie). The newest ``max_matches`` occurrences vote, the i-th newest with weight
+``recency``^i; their continuations form a trie whose node probability is the weighted share of occurrences
+that reach it. The draft keeps the most probable nodes (a parent is at least as probable as its children, so
+the kept set is a tree) while P ≥ ``min_probability``, up to ``tree_nodes`` nodes and ``match_factor`` · m
+deep (a short match earns a short draft), and, once the decoder has measured its verify costs, while a node
+still raises the expected tokens per unit of verify time, (1 + Σ P) / v(nodes + 1). The tokens are a point
+mass (``probs=None``), so every verification rule applies.
+
+Defaults (measured on Spec-Bench and a repetitive workload, docs/BENCHMARKS.md §18): 8 matches with recency
+0.5 (voting over 32 equal-weight matches drafted fewer accepted tokens than copying the newest: the newest
+occurrence predicts best what a model writes next), ``match_factor`` 8, and a chain (``tree_nodes=0``): where
+a verify row costs 0.12–0.25 of a step, as on this project's CPU, trees of 4–8 nodes got fewer tokens per
+pass under ``gamma="auto"`` than the chain; ``tree_nodes=8`` is the choice where rows are nearly free.
 """
 
 from __future__ import annotations
@@ -138,10 +145,11 @@ class SuffixProposer:
         self,
         history: SuffixHistory | None = None,
         *,
-        tree_nodes: int = 8,
+        tree_nodes: int = 0,
         min_probability: float = 0.1,
-        match_factor: float = 2.0,
-        max_matches: int = 32,
+        match_factor: float = 8.0,
+        max_matches: int = 8,
+        recency: float = 0.5,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         remember: bool = True,
     ) -> None:
@@ -153,11 +161,14 @@ class SuffixProposer:
             raise ValueError(f"match_factor must be > 0, got {match_factor}")
         if max_matches < 1:
             raise ValueError(f"max_matches must be >= 1, got {max_matches}")
+        if not 0.0 < recency <= 1.0:
+            raise ValueError(f"recency must be in (0, 1], got {recency}")
         self.history = SuffixHistory(max_tokens) if history is None else history
         self.tree_nodes = tree_nodes
         self.min_probability = min_probability
         self.match_factor = match_factor
         self.max_matches = max_matches
+        self.recency = recency
         self.remember = remember
         self.costs = None  # a decoder's CostModel, bound by the decoder; caps trees at measured verify costs
         self._request = SuffixIndex()
@@ -174,6 +185,7 @@ class SuffixProposer:
             min_probability=self.min_probability,
             match_factor=self.match_factor,
             max_matches=self.max_matches,
+            recency=self.recency,
             remember=self.remember,
         )
         clone.costs = self.costs
@@ -231,43 +243,61 @@ class SuffixProposer:
         self._remembered = False
 
     def _continuations(self, context: list[int], k: int) -> list[list[int]]:
-        """What followed the newest ``max_matches`` occurrences (request ones first) of the context's last m
-        tokens, for the longest m in ORDERS that occurs, each cut to min(k, ⌈match_factor · m⌉) tokens."""
+        """What followed the newest ``max_matches`` occurrences of the context's last m tokens, for the longest m
+        in ORDERS that occurs (the request's own occurrences win a tie with the history's: they follow this
+        request's wording), each cut to min(k, ⌈match_factor · m⌉) tokens."""
         hashes = suffix_hashes(context)
-        limit, steps = self.max_matches, self.max_matches * CHAIN_STEPS_PER_MATCH
-        history = self.history
-        for m in reversed(ORDERS):
-            if m not in hashes:
+        request, history = self._request, self.history
+        m, starts = self._longest(request, context, hashes, 0)
+        if len(history):
+            with history.lock:  # eviction re-indexes: find and read under one hold
+                longer, found = self._longest(history.index, context, hashes, m)
+                if longer > m:
+                    depth = self._depth(longer, k)
+                    return [history.index.continuation(s, depth) for s in found]
+        depth = self._depth(m, k)
+        return [request.continuation(s, depth) for s in starts]
+
+    def _depth(self, order: int, k: int) -> int:
+        return min(k, max(1, math.ceil(self.match_factor * order)))
+
+    def _longest(
+        self, index: SuffixIndex, context: list[int], hashes: dict[int, int], shorter: int
+    ) -> tuple[int, list[int]]:
+        """(m, starts): the longest order m > ``shorter`` whose last-m-gram occurs in ``index`` (0 if none) and
+        its newest ``max_matches`` occurrences. Orders are probed upwards: a longer match implies every shorter
+        one, so the first order that fails ends the search."""
+        steps = self.max_matches * CHAIN_STEPS_PER_MATCH
+        best = 0
+        for m in ORDERS:
+            if m <= shorter:
                 continue
-            gram = context[-m:]
-            depth = min(k, max(1, math.ceil(self.match_factor * m)))
-            request = self._request
-            paths = [request.continuation(s, depth) for s in request.matches(gram, hashes[m], limit, steps)]
-            if len(paths) < limit and len(history):
-                with history.lock:  # eviction re-indexes: find and read under one hold
-                    index = history.index
-                    found = index.matches(gram, hashes[m], limit - len(paths), steps)
-                    paths += [index.continuation(s, depth) for s in found]
-            if paths:
-                return paths
-        return []
+            if m not in hashes or not index.matches(context[-m:], hashes[m], 1, steps):
+                break
+            best = m
+        if best == 0:
+            return 0, []
+        return best, index.matches(context[-best:], hashes[best], self.max_matches, steps)
 
     def _draft(self, paths: list[list[int]], k: int) -> Draft:
         """The most probable nodes of the continuations' trie (see the module docstring)."""
         children: list[dict[int, int]] = [{}]  # trie node -> {token: child node}; node 0 is the context
-        counts = [len(paths)]
+        counts = [0.0]  # weighted occurrences reaching each node: the i-th newest weighs recency^i
         tokens_of = [-1]
+        weight = 1.0
         for path in paths:
             node = 0
+            counts[0] += weight
             for token in path:
                 child = children[node].get(token)
                 if child is None:
                     child = children[node][token] = len(counts)
                     children.append({})
-                    counts.append(0)
+                    counts.append(0.0)
                     tokens_of.append(token)
-                counts[child] += 1
+                counts[child] += weight
                 node = child
+            weight *= self.recency
         total = counts[0]
         capacity = self.tree_nodes or k
         cost = self._verify_cost()
@@ -298,7 +328,7 @@ class SuffixProposer:
         if not tokens:
             return EMPTY_DRAFT
         ids = torch.tensor(tokens, dtype=torch.int64)
-        if self.tree_nodes == 0:
+        if all(parent == i - 1 for i, parent in enumerate(parents)):  # one path: a chain
             return Draft(ids)
         return Draft(ids, None, torch.tensor(parents, dtype=torch.int64))
 
