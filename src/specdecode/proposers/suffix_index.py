@@ -142,26 +142,26 @@ class SuffixIndex:
         self.bits = bits
         self.head = {m: array("i", [-1]) * (1 << bits) for m in ORDERS}
         self.chain = {m: array("i") for m in ORDERS}
+        self._tables = [(m, self.head[m], self.chain[m]) for m in ORDERS]
 
     def _append_one(self, token: int) -> None:
         tokens = self.tokens
         tokens.append(token)
         self._run += 1
         i = len(tokens) - 1
-        h = 0
         span = min(MAX_ORDER, self._run)
-        for j in range(MAX_ORDER):
-            if j < span:
+        shift = 64 - self.bits
+        h = j = 0
+        for m, head, chain in self._tables:
+            if m > span:
+                chain.append(-1)
+                continue
+            while j < m:  # h: the hash of the m-gram ending at i, grown from the (m-1)-gram's
                 h = (h + (tokens[i - j] + 1) * _POWERS[j]) & _MASK
-            m = j + 1
-            if m in _ORDER_SET:
-                if j < span:
-                    b = bucket_of(h, self.bits)
-                    head = self.head[m]
-                    self.chain[m].append(head[b])
-                    head[b] = i
-                else:
-                    self.chain[m].append(-1)
+                j += 1
+            b = ((h * _MIX) & _MASK) >> shift
+            chain.append(head[b])
+            head[b] = i
 
     def _rebuild(self, tokens: list[int], run: int) -> None:
         """Re-index ``tokens`` (whose last ``run`` ids form the open document) with tables sized for them."""
