@@ -288,6 +288,23 @@ def test_a_damaged_or_foreign_cache_is_a_clear_error(tmp_path, damage):
         SuffixHistory.load(path)
 
 
+def test_a_header_field_of_the_wrong_type_is_a_clear_error(tmp_path):
+    history = SuffixHistory()
+    history.add([1, 2])
+    path = tmp_path / "h.bin"
+    history.save(path)
+    path.write_bytes(path.read_bytes().replace(b'"max_tokens": 1000000', b'"max_tokens": "10000"'))
+    with pytest.raises(SuffixCacheError, match="wrong type"):
+        SuffixHistory.load(path)
+
+
+def test_a_history_with_ids_outside_the_targets_vocabulary_is_refused(large_target):
+    history = SuffixHistory()
+    history.add([1, 2, large_target.vocab_size])
+    with pytest.raises(SuffixCacheError, match="outside the target's vocabulary"):
+        sd.SpeculativeDecoder(large_target, SuffixProposer(history))
+
+
 def test_a_history_of_another_vocabulary_is_refused(large_target):
     proposer = SuffixProposer(SuffixHistory(vocabulary="0" * 64))
     with pytest.raises(SuffixCacheError, match="another tokenizer"):

@@ -195,7 +195,7 @@ class SpeculativeDecoder:
         """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
         bind = getattr(proposer, "bind_target", None)
         if bind is not None:
-            bind(vocabulary_fingerprint(self.target), self.costs)
+            bind(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
 
     def end_request(self, request: Request, proposer: Proposer | None) -> None:
         """Tell a proposer that remembers requests (``end_request``) that ``request`` ended."""

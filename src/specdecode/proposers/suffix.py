@@ -72,6 +72,14 @@ class SuffixHistory:
     def nbytes(self) -> int:
         return self.index.nbytes
 
+    def largest_id(self) -> int:
+        """The largest token id stored (-1 when empty)."""
+        with self.lock:
+            stored = np.frombuffer(self.index.tokens, dtype=np.int32)
+            largest = int(stored.max()) if len(stored) else -1
+            del stored  # no buffer export may outlive the lock (appends resize the array)
+        return largest
+
     def add(self, tokens: list[int]) -> None:
         """Remember one document (a request's prompt and answer, or a corpus entry)."""
         if not tokens:
@@ -116,6 +124,11 @@ class SuffixHistory:
             version, entries, documents = header["version"], header["entries"], header["documents"]
         except (ValueError, KeyError, TypeError) as exc:
             raise SuffixCacheError(f"{path}: damaged suffix cache header ({exc})") from None
+        kinds = {"version": int, "entries": int, "documents": int, "crc32": int, "max_tokens": (int, type(None))}
+        if any(not isinstance(header.get(key), kind) for key, kind in kinds.items()) or not isinstance(
+            header.get("vocabulary"), (str, type(None))
+        ):
+            raise SuffixCacheError(f"{path}: damaged suffix cache header (a field of the wrong type)")
         if version != FORMAT_VERSION:
             raise SuffixCacheError(f"{path}: suffix cache format {version}, this specdecode reads {FORMAT_VERSION}")
         if len(payload) != 4 * entries or zlib.crc32(payload) != header.get("crc32"):
@@ -201,14 +214,20 @@ class SuffixProposer:
         """A proposer over the history saved at ``path`` (``save`` or ``specdecode index``)."""
         return cls(SuffixHistory.load(path, max_tokens), **settings)
 
-    def bind_target(self, vocabulary: str, costs=None) -> None:
-        """Called by a decoder: check (or adopt) the history's vocabulary; use the decoder's measured costs."""
+    def bind_target(self, vocabulary: str, costs=None, vocab_size: int | None = None) -> None:
+        """Called by a decoder: check (or adopt) the history's vocabulary and that its ids fit the target's
+        ``vocab_size``; use the decoder's measured costs."""
         if self.history.vocabulary is None:
             self.history.vocabulary = vocabulary
         elif self.history.vocabulary != vocabulary:
             raise SuffixCacheError(
                 "this suffix history was built with another tokenizer (vocabulary fingerprint "
                 f"{self.history.vocabulary[:12]}…, the target's is {vocabulary[:12]}…): rebuild it for this target"
+            )
+        largest = self.history.largest_id()
+        if vocab_size is not None and largest >= vocab_size:
+            raise SuffixCacheError(
+                f"this suffix history holds token id {largest}, outside the target's vocabulary of {vocab_size}"
             )
         if costs is not None:
             self.costs = costs
