@@ -402,3 +402,14 @@ def test_a_proposer_returning_too_many_tokens_is_cut_to_k(small_target):
     out = decoder.generate([1, 2, 3], sd.SamplingParams(max_new_tokens=7))
     assert len(out.token_ids) == 7
     assert out.stats.drafted <= 2 * out.stats.rounds
+
+
+def test_last_output_is_none_until_a_stream_ends_and_generate_leaves_it(large_target):
+    decoder = sd.SpeculativeDecoder(large_target, sd.SuffixProposer(), gamma=2)
+    assert decoder.last_output is None
+    params = sd.SamplingParams(max_new_tokens=6)
+    list(decoder.stream([3, 4, 5], params))
+    streamed = decoder.last_output
+    assert streamed is not None and len(streamed.token_ids) == 6
+    decoder.generate([3, 4, 5], params)
+    assert decoder.last_output is streamed

@@ -189,6 +189,7 @@ class SpeculativeDecoder:
         self.max_gamma = max_gamma
         self.mode = mode
         self.costs = CostModel()
+        self.last_output: GenerationOutput | None = None
         self.bind_proposer(self.proposer)
 
     def bind_proposer(self, proposer: Proposer | None) -> None:
@@ -202,7 +203,6 @@ class SpeculativeDecoder:
         remember = getattr(proposer, "end_request", None)
         if remember is not None:
             remember(request.context)
-        self.last_output: GenerationOutput | None = None
 
     @functools.cached_property
     def _runner(self) -> ModelRunner:
