@@ -161,6 +161,7 @@ def test_index_builds_a_suffix_history_that_generate_loads_and_extends(tiny_targ
         (["generate", "w1", "--proposer", "lookup", "--suffix-cache", "x.bin"], "applies to the suffix proposer"),
         (["generate", "w1", "--proposer", "suffix", "--suffix-cache", "BAD"], "not a specdecode suffix cache"),
         (["index", "--data", "missing-folder", "--out", "x.bin"], "--data not found"),
+        (["generate", "w1", "--proposer", "suffix", "--suffix-cache", "no/x.bin"], "the folder no does not exist"),
     ],
 )
 def test_suffix_mistakes_are_one_line_errors(tiny_target, tmp_path, monkeypatch, argv, message):

@@ -68,6 +68,9 @@ def generate(
 
     if prompt == "-":
         prompt = sys.stdin.read()
+    history_file = None if suffix_cache is None else Path(suffix_cache).expanduser()
+    if history_file is not None and not history_file.parent.is_dir():
+        raise FileNotFoundError(f"--suffix-cache: the folder {history_file.parent} does not exist")
     params = SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -112,8 +115,6 @@ def generate(
     else:
         decoder = SpeculativeDecoder(target_model, chosen, gamma=parse_gamma(gamma), mode=mode)
         out = decoder.generate(ids, params, on_text=on_text)
-        if suffix_cache is not None:
-            chosen.save(Path(suffix_cache).expanduser())  # the history, now with this prompt and answer
     if as_json:
         print(
             json.dumps(
@@ -126,9 +127,8 @@ def generate(
                 }
             )
         )
-        return
-    if stream:
-        print()
     else:
-        print(out.text)
-    err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
+        print("" if stream else out.text)
+        err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
+    if history_file is not None and chosen is not None:
+        chosen.save(history_file)  # the history, now with this prompt and answer (after the output is out)

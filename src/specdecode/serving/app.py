@@ -124,13 +124,6 @@ def replicate(proposer: Proposer) -> Callable[[], Proposer]:
 class Server:
     """The loaded model, the engine thread and the request handling behind the routes."""
 
-    def save_history(self) -> None:
-        """Global suffix scope with a cache file: write the history (every request's prompt and answer) back."""
-        config = self.config
-        if self.suffix is not None and config.suffix_cache is not None and config.suffix_scope == "global":
-            self.suffix.save(config.suffix_cache)
-            log.info("suffix history saved to %s (%d tokens)", config.suffix_cache, len(self.suffix.history))
-
     def __init__(self, config: ServerConfig) -> None:
         from ..commands import build_proposer, load, suffix_proposer
 
@@ -167,6 +160,13 @@ class Server:
         self.model_name = config.served_model_name or target.name
         self.window: int | None = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
         self.created = int(time.time())
+
+    def save_history(self) -> None:
+        """Global suffix scope with a cache file: write the history (every request's prompt and answer) back."""
+        config = self.config
+        if self.suffix is not None and config.suffix_cache is not None and config.suffix_scope == "global":
+            self.suffix.save(config.suffix_cache)
+            log.info("suffix history saved to %s (%d tokens)", config.suffix_cache, len(self.suffix.history))
 
     # --- turning a body into a job --------------------------------------------------------------------
 
