@@ -20,11 +20,13 @@ pass under ``gamma="auto"`` than the chain; ``tree_nodes=8`` is the choice where
 
 from __future__ import annotations
 
+import copy
 import heapq
 import json
 import math
 import threading
 import zlib
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +34,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft, common_prefix_length
+from .base import EMPTY_DRAFT, Draft
 from .suffix_index import ORDERS, SEPARATOR, SuffixIndex, suffix_hashes
 
 MAGIC = b"specdecode-suffix-cache\n"
@@ -184,25 +186,20 @@ class SuffixProposer:
         self.recency = recency
         self.remember = remember
         self.costs = None  # a decoder's CostModel, bound by the decoder; caps trees at measured verify costs
+        self._forget_request()
+
+    def _forget_request(self) -> None:
+        """Empty the request state: its index (one open document, the context seen so far, never yet in the
+        history) and the list it was last synced from."""
         self._request = SuffixIndex()
-        self._indexed: list[int] = []
-        self._source: list[int] | None = None  # the list ``_indexed`` was last synced from
-        self._remembered = True  # the request tokens seen so far are in the history (or nothing was seen)
+        self._source: list[int] | None = None
 
     # -- sharing and persistence ---------------------------------------------------------------------------
 
     def fork(self) -> SuffixProposer:
         """A proposer with these settings and this history, and request state of its own."""
-        clone = SuffixProposer(
-            self.history,
-            tree_nodes=self.tree_nodes,
-            min_probability=self.min_probability,
-            match_factor=self.match_factor,
-            max_matches=self.max_matches,
-            recency=self.recency,
-            remember=self.remember,
-        )
-        clone.costs = self.costs
+        clone = copy.copy(self)  # settings, history and bound costs shared
+        clone._forget_request()
         return clone
 
     def save(self, path: str | Path) -> None:
@@ -236,10 +233,7 @@ class SuffixProposer:
         """The request whose context (prompt + answer) is ``context`` ended: remember it, forget its state."""
         if self.remember and context:
             self.history.add(list(context))
-        self._request = SuffixIndex()
-        self._indexed = []
-        self._source = None
-        self._remembered = True
+        self._forget_request()
 
     # -- drafting ------------------------------------------------------------------------------------------
 
@@ -254,20 +248,17 @@ class SuffixProposer:
         """Index ``context`` in the request state (appending if it extends what was indexed, else anew; a
         request left without ``end_request`` is remembered first). The decoder passes one growing list per
         request, so the same list, grown and ending as before, is taken to extend it without a full compare."""
-        done = len(self._indexed)
+        seen = self._request.tokens  # the context indexed so far
+        done = len(seen)
         grown = context is self._source and len(context) >= done
-        grown = grown and (not done or context[done - 1] == self._indexed[-1])
-        if not grown and common_prefix_length(self._indexed, context) < done:
-            if not self._remembered and self.remember:
-                self.history.add(self._indexed)
-            self._request = SuffixIndex()
-            self._indexed = []
+        grown = grown and (not done or context[done - 1] == seen[-1])
+        if not grown and (len(context) < done or array("i", context[:done]) != seen):
+            if self.remember and done:
+                self.history.add(seen.tolist())
+            self._forget_request()
             done = 0
-        new = context[done:]
-        self._request.append(new)
-        self._indexed.extend(new)
+        self._request.append(context[done:])
         self._source = context
-        self._remembered = False
 
     def _continuations(self, context: list[int], k: int) -> list[list[int]]:
         """What followed the newest ``max_matches`` occurrences of the context's last m tokens, for the longest m
