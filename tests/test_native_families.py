@@ -1,0 +1,230 @@
+"""The native runner's other families: Gemma 3 (query/key norms, sandwich norms, GeGLU, the embedding scale,
+sliding-window layers with their own RoPE base) and Qwen 3 (query/key norms), on tiny random configs.
+
+Same contract as for Llama (tests/test_native_llama.py): logits equal transformers' to float tolerance, and row
+invariance bitwise in every weight format — chains, trees and batched rows, with prompts longer than the window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native_llama import SETTING_NAMES, SETTINGS, _build, _ids, _loaded
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+import specdecode as sd
+from specdecode.models.architecture import unsupported_reason
+from specdecode.models.native_llama import NativeLlamaRunner, last_visible
+from specdecode.tree import attention_mask, depths
+
+VOCAB = 48
+WINDOW = 8  # sliding layers' window: every test prompt is longer
+SIZES = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6)  # fmt: skip
+
+
+def gemma(window: int = WINDOW, seed: int = 0, **overrides) -> Gemma3ForCausalLM:
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    fields = dict(SIZES, num_hidden_layers=4, layer_types=layer_types, sliding_window=window, query_pre_attn_scalar=24)
+    fields.update(overrides)
+    return _build(Gemma3ForCausalLM, Gemma3TextConfig(**fields), seed)
+
+
+def qwen3(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
+    fields = dict(SIZES, num_hidden_layers=3, tie_word_embeddings=False)
+    fields.update(overrides)
+    return _build(Qwen3ForCausalLM, Qwen3Config(**fields), seed)
+
+
+FAMILIES = {"gemma3": gemma, "qwen3": qwen3}
+
+
+def _reference(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits for the whole sequence in one call (no cache)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-4) -> None:
+    torch.testing.assert_close(actual, expected, atol=tol * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_transformers_past_the_window(family):
+    model = FAMILIES[family]()
+    assert unsupported_reason(model) is None
+    ids = _ids(40, seed=3)
+    reference = _reference(model, ids)
+    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    _close(runner.forward(torch.tensor(ids)), reference)
+    runner.reset()  # a prefill (one masked attention call), then chains of several sizes
+    runner.prefill(torch.tensor(ids[:13]))
+    pieces, at = [], 13
+    for size in (1, 5, 1, 9, 11):
+        pieces.append(runner.forward(torch.tensor(ids[at : at + size])))
+        at += size
+    _close(torch.cat(pieces), reference[13:])
+
+
+def test_gemma_window_and_rope_bases_matter():
+    """The control: the runner follows the window and each layer's RoPE base, so changing either changes the
+    logits (a runner that ignored them would still pass the test above only by luck)."""
+    ids = _ids(40, seed=3)
+    model = gemma()
+    wide = gemma(window=64)
+    assert not torch.allclose(_reference(model, ids)[WINDOW:], _reference(wide, ids)[WINDOW:], atol=1e-3)
+    _close(NativeLlamaRunner(wide, vocab_size=VOCAB).forward(torch.tensor(ids)), _reference(wide, ids))
+    swapped = gemma()
+    swapped.config.rope_parameters["sliding_attention"]["rope_theta"] = 1e6
+    other = type(swapped.model.rotary_emb)(swapped.config)
+    swapped.model.rotary_emb = other
+    assert not torch.allclose(_reference(swapped, ids), _reference(model, ids), atol=1e-3)
+    _close(NativeLlamaRunner(swapped, vocab_size=VOCAB).forward(torch.tensor(ids)), _reference(swapped, ids))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_close_to_transformers(family):
+    model = FAMILIES[family]().to(torch.bfloat16)
+    ids = _ids(30, seed=4)
+    logits = NativeLlamaRunner(model, vocab_size=VOCAB).forward(torch.tensor(ids))
+    reference = _reference(model, ids)
+    assert (logits - reference).norm() / reference.norm() < 0.03
+
+
+def test_last_visible_keeps_each_rows_last_window_keys():
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 0, 1], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    expected = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 0, 1], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(last_visible(mask, 2), expected)
+    assert torch.equal(last_visible(mask, 0), mask)
+
+
+def _assert_rows_equal_single_steps(runner, context: list[int], tokens: list[int]) -> None:
+    runner.reset()
+    runner.prefill(torch.tensor(context))
+    together = runner.forward(torch.tensor(tokens))
+    runner.rollback_to(len(context))
+    for row, token in enumerate(tokens):
+        single = runner.forward(torch.tensor([token]))[0]
+        assert torch.equal(together[row], single), f"row {row} of {len(tokens)} after {len(context)} tokens"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
+def test_k_token_pass_is_bitwise_k_single_steps(family, dtype, quantization, group_size, kernels):
+    runner = _loaded(FAMILIES[family](), dtype, quantization, group_size, kernels).new_runner()
+    ids = _ids(180, seed=5)
+    for context in (1, 6, 150):  # inside the window, at its edge, far past it (and past one attention chunk)
+        for k in (1, 2, 3, 7, 9, 16, 24):
+            _assert_rows_equal_single_steps(runner, ids[:context], ids[context : context + k])
+
+
+def _path(parents: torch.Tensor, node: int) -> list[int]:
+    """Rows of a tree pass (0 = the root) from the root to ``node`` (-1 = the root itself)."""
+    path, at = [], node
+    while at >= 0:
+        path.insert(0, at + 1)
+        at = int(parents[at])
+    return [0, *path]
+
+
+@pytest.mark.parametrize("window", [WINDOW, 3])  # 3: the window cuts into the branch itself
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS[:3] + SETTINGS[-1:])
+def test_every_gemma_tree_row_is_bitwise_its_branch(window, dtype, quantization, group_size, kernels):
+    model = gemma(window=window)
+    loaded = _loaded(model, dtype, quantization, group_size, kernels)
+    runner = loaded.new_runner()
+    prefix = _ids(20, seed=8)
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, 7, -1])
+    tokens = _ids(len(parents) + 1, seed=9)
+    runner.prefill(torch.tensor(prefix))
+    cached = runner.length
+    positions = cached + torch.cat([torch.zeros(1, dtype=torch.int64), depths(parents)])
+    tree = runner.forward(torch.tensor(tokens), positions=positions, attn_mask=attention_mask(parents, cached))
+    chain = loaded.new_runner()
+    for node in range(-1, len(parents)):
+        chain.reset()
+        chain.prefill(torch.tensor(prefix))
+        expected = chain.forward(torch.tensor([tokens[r] for r in _path(parents, node)]))
+        assert torch.equal(tree[node + 1], expected[-1]), f"node {node}"
+    kept = _path(parents, 7)  # root -> 1 -> 4 -> 7
+    runner.retain(cached, [cached + r for r in kept])
+    chain.reset()
+    chain.prefill(torch.tensor(prefix))
+    expected = chain.forward(torch.tensor([tokens[r] for r in kept] + [3]))
+    assert torch.equal(runner.forward(torch.tensor([3]))[0], expected[-1])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS[::2])
+def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(family, dtype, quantization, group_size, kernels):
+    from specdecode.models.batch import forward_batch
+
+    target = _loaded(FAMILIES[family](), dtype, quantization, group_size, kernels)
+    ids = _ids(200, seed=7)
+    contexts = [ids[:1], ids[5:14], ids[20:170], ids[40:43]]  # mixed cache lengths, inside and past the window
+    chunks = [[ids[1]], ids[14:18], [ids[170]], ids[43:55]]
+    batch, alone = [target.new_runner() for _ in contexts], target.new_runner()
+    for runner, context in zip(batch, contexts, strict=True):
+        runner.capture_hidden = True
+        runner.prefill(torch.tensor(context))
+    alone.capture_hidden = True
+    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
+    for context, chunk, logits, runner in zip(contexts, chunks, together, batch, strict=True):
+        alone.reset()
+        alone.prefill(torch.tensor(context))
+        assert torch.equal(logits, alone.forward(torch.tensor(chunk)))
+        assert torch.equal(runner.hidden, alone.hidden)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_kernels_compute_what_the_torch_path_computes(family):
+    """The compiled decoder's Gemma/Qwen options (norms, GELU, windows, RoPE tables) against the torch path over
+    the same int8 weights: equal up to the kernels' int16 activations and float16 cache."""
+    from specdecode.models.kernels import ops
+
+    if ops() is None:
+        pytest.skip("the compiled kernels did not build here")
+    model = FAMILIES[family]()
+    ids = _ids(60, seed=2)
+    fast = _loaded(model, "float32", "int8", 32, "kernels").new_runner()
+    slow = _loaded(model, "float32", "int8", 32, "torch").new_runner()
+    assert fast.uses_kernels and not slow.uses_kernels
+    a, b = fast.forward(torch.tensor(ids)), slow.forward(torch.tensor(ids))
+    assert (a - b).norm() / b.norm() < 0.02
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+
+
+def test_quantized_gemma_in_transformers_keeps_the_embedding_scale():
+    """A quantized Gemma's embedding (our QuantizedEmbedding) still scales its rows: transformers' own forward
+    over the quantized modules agrees with our runner."""
+    loaded = _loaded(gemma(), "float32", "int8", 32, "kernels")
+    ids = _ids(20, seed=6)
+    with torch.no_grad():
+        hf = loaded.model(torch.tensor([ids]), use_cache=False).logits[0]
+    ours = loaded.new_runner().forward(torch.tensor(ids))
+    assert (ours - hf).norm() / hf.norm() < 0.03
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("float32", "int4")])
+def test_greedy_speculation_is_identical_to_plain_decoding(family, dtype, quantization):
+    target = sd.load_model(FAMILIES[family](seed=1), dtype=dtype, quantization=quantization)
+    assert target.backend == "native"
+    prompt = _ids(12, seed=4) * 3  # longer than the window, with repeats for prompt lookup
+    params = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain = sd.autoregressive_generate(target, prompt, params).token_ids
+    for proposer in (sd.PromptLookupProposer(), sd.LayerSkipProposer(target, 2)):
+        for gamma in (3, 8):
+            out = sd.SpeculativeDecoder(target, proposer, gamma=gamma).generate(prompt, params)
+            assert out.token_ids == plain, (type(proposer).__name__, gamma)
+    tree = sd.SpeculativeDecoder(target, sd.PromptLookupProposer(branches=3), gamma=4).generate(prompt, params)
+    assert tree.token_ids == plain
+
+
+def test_unsupported_configs_say_why():
+    capped = gemma(final_logit_softcapping=30.0)
+    assert "final_logit_softcapping" in unsupported_reason(capped)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        NativeLlamaRunner(capped, vocab_size=VOCAB)
+    assert sd.load_model(capped).backend == "transformers"
+    assert "bidirectional" in unsupported_reason(gemma(use_bidirectional_attention=True))
