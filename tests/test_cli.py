@@ -37,6 +37,14 @@ def test_generate_json_reports_text_ids_seed_and_stats(tiny_target):
     assert data["stats"]["generated"] == 12 and "alpha" in data["stats"]
 
 
+def test_generate_verbose_names_the_runner_and_weights(tiny_target):
+    args = ["generate", "w1 w2", "--raw", "--max-new-tokens", "4"]
+    verbose, quiet = runner.invoke(cli.app, [*args, "--verbose"]), runner.invoke(cli.app, args)
+    assert verbose.exit_code == quiet.exit_code == 0
+    assert "native runner (Llama family" in verbose.stderr and "weights dense float32" in verbose.stderr
+    assert "native runner" not in quiet.stderr and verbose.stdout == quiet.stdout
+
+
 def test_generate_plain_and_speculative_print_the_same_text(tiny_target):
     args = ["generate", "w4 w5 w6 w4 w5", "--raw", "--max-new-tokens", "16"]
     plain = runner.invoke(cli.app, [*args, "--proposer", "none"])

@@ -333,7 +333,7 @@ def _gguf_model(kinds, monkeypatch):
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    stored, seed = {}, 100
+    stored, types, seed = {}, {}, 100
     for index, layer in enumerate(model.model.layers):
         for name, kind in zip(LINEARS, kinds, strict=True):
             module = layer.get_submodule(name)
@@ -341,8 +341,10 @@ def _gguf_model(kinds, monkeypatch):
             stored[f"model.layers.{index}.{name}.weight"] = random_blocks(
                 kind, module.out_features, module.in_features, seed, scale
             )
+            types[f"model.layers.{index}.{name}.weight"] = kind
             seed += 1
     stored["model.embed_tokens.weight"] = random_blocks("Q8_0", 96, 256, seed, 0.002)
+    types["model.embed_tokens.weight"] = "Q8_0"
     dense = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for param, twin in zip(model.parameters(), dense.parameters(), strict=True):
@@ -350,8 +352,17 @@ def _gguf_model(kinds, monkeypatch):
         for name, blocks in stored.items():
             dense.get_parameter(name).copy_(blocks.dequantize())
             model.get_parameter(name).copy_(blocks.dequantize())
-    monkeypatch.setattr(quantize, "read_gguf_tensors", lambda path, model: stored)
-    quantize.quantize_model(model, quantize.Quantization("gguf"), gguf_path=Path("random.gguf"))
+
+    def read(path, model, found_types=None):
+        found_types.update(types)
+        return stored
+
+    monkeypatch.setattr(quantize, "read_gguf_tensors", read)
+    formats = quantize.quantize_model(model, quantize.Quantization("gguf"), gguf_path=Path("random.gguf"))
+    expected = {"Q8_0 head": 1}
+    for kind in list(kinds) * config.num_hidden_layers:
+        expected[kind] = expected.get(kind, 0) + 1
+    assert formats == expected  # what describe() reports: matrices per stored GGUF type
     loaded = loader._wrap(model, None, "tiny-gguf", "auto")
     loaded.quantization = "gguf"
     return loaded, dense

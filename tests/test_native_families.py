@@ -226,5 +226,19 @@ def test_unsupported_configs_say_why():
     assert "final_logit_softcapping" in unsupported_reason(capped)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         NativeLlamaRunner(capped, vocab_size=VOCAB)
-    assert sd.load_model(capped).backend == "transformers"
+    loaded = sd.load_model(capped)
+    assert loaded.backend == "transformers"
+    assert "transformers runner (not native: final_logit_softcapping is set)" in loaded.describe()
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        sd.load_model(capped, backend="native")
     assert "bidirectional" in unsupported_reason(gemma(use_bidirectional_attention=True))
+
+
+def test_describe_names_family_engine_and_formats():
+    from specdecode.models.kernels import ops
+
+    line = _loaded(gemma(), "float32", "int4", 32, "kernels").describe()
+    engine = "compiled kernels" if ops() is not None else "PyTorch ops"
+    assert f"native runner (Gemma 3 family, {engine})" in line
+    assert "28 int4/32" in line and "1 int8 head" in line  # 4 layers x 7 matrices; the head int8 per row
+    assert "weights dense float32" in sd.load_model(qwen3()).describe()

@@ -54,6 +54,9 @@ def generate(
     stream: bool = typer.Option(False, "--stream", help="Print text as tokens are accepted."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, seed, stats)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Say which runner and weight formats the model got (and why, on a fallback)."
+    ),
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
@@ -102,6 +105,8 @@ def generate(
                 suffix_cache=suffix_cache,
             )
         )
+    if verbose:
+        err.print(f"[dim]{target_model.describe()}[/dim]", highlight=False, soft_wrap=True)
     ids = target_model.encode(prompt) if raw else target_model.chat_prompt(prompt)
     on_text = None
     if stream and not as_json:

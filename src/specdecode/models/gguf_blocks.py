@@ -151,8 +151,11 @@ BLOCK_TYPES = tuple(_DECODERS)
 StoredTensor = IntBlocks | torch.Tensor
 
 
-def read_gguf_tensors(path: str | Path, model: torch.nn.Module) -> dict[str, StoredTensor]:
-    """Every tensor of the GGUF file at ``path``, keyed by ``model``'s parameter name, in its stored format.
+def read_gguf_tensors(
+    path: str | Path, model: torch.nn.Module, types: dict[str, str] | None = None
+) -> dict[str, StoredTensor]:
+    """Every tensor of the GGUF file at ``path``, keyed by ``model``'s parameter name, in its stored format
+    (``types``, when given, gets each one's GGUF type name: Q4_K, F32, ...).
 
     Block types in ``BLOCK_TYPES`` keep their blocks; other types are dequantized to float32 (e.g. F32 norms).
     Rows of Llama's q/k projections are permuted as transformers' loader permutes them.
@@ -170,6 +173,8 @@ def read_gguf_tensors(path: str | Path, model: torch.nn.Module) -> dict[str, Sto
         if hf_name is None:
             continue
         kind = tensor.tensor_type.name
+        if types is not None:
+            types[hf_name] = kind
         raw = np.asarray(tensor.data)
         if kind in _DECODERS:
             stored = _DECODERS[kind](raw)

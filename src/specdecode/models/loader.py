@@ -7,7 +7,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ..errors import ModelNotAvailable
+from .architecture import architecture_of, unsupported_reason
 from .base import ModelRunner
 from .bundled import BUNDLED
 from .hf import HFRunner
@@ -23,6 +24,7 @@ from .native_llama import uses_kernels as native_uses_kernels
 from .quantize import QUANTIZATIONS, Quantization, quantize_model
 
 BACKENDS = ("auto", "native", "transformers")
+_FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen 3", "gemma3": "Gemma 3"}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -37,6 +39,22 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     backend: str = "transformers"
     quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "gguf-a8", "int8", "int4"
+    formats: dict[str, int] = field(default_factory=dict)  # matrices per stored format (quantized models)
+
+    def describe(self) -> str:
+        """One line: the runner this model got (and why not the native one), its weights and its KV cache."""
+        if self.backend == "native":
+            family = architecture_of(self.model).family
+            engine = "compiled kernels" if native_uses_kernels(self.model) else "PyTorch ops"
+            runner = f"native runner ({_FAMILY_NAMES[family]} family, {engine})"
+        else:
+            runner = f"transformers runner (not native: {unsupported_reason(self.model) or 'asked for'})"
+        if self.formats:
+            weights = ", ".join(f"{count} {name}" for name, count in sorted(self.formats.items(), key=lambda i: -i[1]))
+        else:
+            weights = f"dense {str(next(self.model.parameters()).dtype).removeprefix('torch.')}"
+        kv = str(self.kv_dtype).removeprefix("torch.")
+        return f"{self.name}: {runner}; weights {weights}; KV cache {kv}"
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -154,9 +172,12 @@ def load_model(
             raise ValueError(
                 f"quantization={quantization!r} keeps a GGUF file's blocks: load a .gguf file or a bundled model"
             )
-        quantize_model(model, spec, gguf_path)
+        formats = quantize_model(model, spec, gguf_path)
+    else:
+        formats = {}
     loaded = _wrap(model, tokenizer, name, backend)
     loaded.quantization = quantization
+    loaded.formats = formats
     return loaded
 
 
@@ -179,9 +200,12 @@ def _locate(text: str) -> tuple[Path, str, Path | None]:
 def _wrap(model: PreTrainedModel, tokenizer: Any, name: str, backend: str) -> LoadedModel:
     vocab_size = len(tokenizer) if tokenizer is not None else model.config.get_text_config().vocab_size
     vocab_size = min(vocab_size, model.get_output_embeddings().out_features)
-    native = supports_native(model)
+    reason = unsupported_reason(model)
+    native = reason is None
     if backend == "native" and not native:
-        raise ValueError(f"the native runner does not support {type(model).__name__}; use backend='transformers'")
+        raise ValueError(
+            f"the native runner does not support {type(model).__name__} ({reason}); use backend='transformers'"
+        )
     chosen = "native" if backend == "native" or (backend == "auto" and native) else "transformers"
     return LoadedModel(model, tokenizer, name, vocab_size, _eos_ids(model, tokenizer), chosen)
 

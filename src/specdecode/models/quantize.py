@@ -19,7 +19,7 @@ from torch import nn
 
 from . import kernels
 from .architecture import FAMILIES
-from .gguf_blocks import read_gguf_tensors
+from .gguf_blocks import BLOCK_TYPES, read_gguf_tensors
 from .weights import (
     GROUP_SIZES,
     GroupQuant,
@@ -66,15 +66,18 @@ class Quantization:
         return 8 if self.kind == "gguf-a8" else 16
 
 
-def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path | None = None) -> None:
-    """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules, in place.
+def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path | None = None) -> dict[str, int]:
+    """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules, in place; return how
+    many matrices (the LM head included) each stored format has: GGUF type names, or ``int8`` / ``int4/G``.
 
     With the compiled kernels every integer format runs as ``KernelLinear`` (GGUF blocks of every type kept as
     stored); without them, as PyTorch's int4/int8 weight-only kernels (other GGUF types stay dense float32).
     """
     if quantization.reads_gguf and gguf_path is None:
         raise ValueError(f"quantization={quantization.kind!r} needs a GGUF file: load a .gguf path or a bundled model")
-    stored = read_gguf_tensors(gguf_path, model) if quantization.reads_gguf else {}
+    types: dict[str, str] = {}
+    stored = read_gguf_tensors(gguf_path, model, types) if quantization.reads_gguf else {}
+    formats: dict[str, int] = {}
     bits = quantization.activation_bits
     native = kernels.ops() is not None
     llama = getattr(model.config, "model_type", None) in FAMILIES  # q/k/v and gate/up fused
@@ -84,9 +87,23 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
         for group in groups:
             modules = [layer.get_submodule(name) for name in group]
             stored_weights = [stored.get(f"{prefix}{name}.weight") for name in group]
+            for name in group:
+                kind = _format_name(quantization, types.get(f"{prefix}{name}.weight"))
+                formats[kind] = formats.get(kind, 0) + 1
             sources = [_source(m, w, quantization, native) for m, w in zip(modules, stored_weights, strict=True)]
             _quantize_group(layer, group, modules, sources, bits)
-    _quantize_head(model, stored.get("model.embed_tokens.weight"), native, bits)
+    own_blocks = _quantize_head(model, stored.get("model.embed_tokens.weight"), native, bits)
+    formats[f"{types['model.embed_tokens.weight'] if own_blocks else 'int8'} head"] = 1
+    return formats
+
+
+def _format_name(quantization: Quantization, gguf_type: str | None) -> str:
+    """A matrix's stored format as ``quantize_model`` reports it."""
+    if quantization.kind == "int4":
+        return f"int4/{quantization.group_size}"
+    if quantization.kind == "int8":
+        return "int8"
+    return gguf_type if gguf_type in BLOCK_TYPES else f"dense ({gguf_type or 'not in the file'})"
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -155,17 +172,18 @@ def _format(source: Source, module: nn.Module, activation_bits: int) -> KernelLi
     return source
 
 
-def _quantize_head(model: nn.Module, stored_embedding, native: bool, activation_bits: int = 16) -> None:
+def _quantize_head(model: nn.Module, stored_embedding, native: bool, activation_bits: int = 16) -> bool:
     """LM head → the tied embedding's own blocks when the kernels run (exact, for types whose weights are int8
     times a scale: Q8_0, Q6_K, ...), else int8 per row. It carries exact int8 rows (the file's, else the int8
     head's), from which the runner recomputes each row's top logits; the input embedding reads the file's
-    table when it has one (exact), else the tied head's int8 rows."""
+    table when it has one (exact), else the tied head's int8 rows. True when the head runs the file's blocks."""
     head = model.lm_head
     embed = model.model.embed_tokens
     tied = embed.weight.data_ptr() == head.weight.data_ptr()
     blocks = stored_embedding if isinstance(stored_embedding, IntBlocks) else None
     table = Int8Groups.from_blocks(blocks) if blocks is not None and _int8_rows(blocks) else None
-    if tied and table is not None and (native or blocks.bits == 8):
+    own_blocks = tied and table is not None and (native or blocks.bits == 8)
+    if own_blocks:
         exact = table
         kernel = (KernelLinear.from_blocks(blocks, head.bias, activation_bits) if native
                   else Int8Linear.quantize(head.weight, head.bias))  # fmt: skip
@@ -180,6 +198,7 @@ def _quantize_head(model: nn.Module, stored_embedding, native: bool, activation_
         scale = getattr(embed, "embed_scale", None)  # Gemma's sqrt(hidden), in the table's dtype
         scale = None if scale is None else scale.to(embed.weight.dtype)
         model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim, scale)
+    return own_blocks
 
 
 def _int8_rows(blocks: IntBlocks) -> bool:
