@@ -12,7 +12,9 @@ from specdecode.commands import err, quiet_transformers
 
 def train_head(
     target: str = typer.Option(
-        "smollm2", help="Target model: a bundled name (smollm2), an HF folder or a .gguf file (Llama family)."
+        "smollm2",
+        help="Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file (Llama family, "
+        "Qwen 3, Gemma 3).",
     ),
     data: str = typer.Option(
         "sharegpt",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
 # Config fields that fix the head's shapes and the meaning of the target's features.
 _FINGERPRINT_FIELDS = (
     "model_type",
@@ -61,6 +61,17 @@ def check_supported(model: nn.Module) -> None:
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         kinds = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
         raise ValueError(f"EAGLE heads are built for Llama-family targets ({kinds}); got {config.model_type!r}")
+
+
+def _rms_scale(norm: nn.Module, model: nn.Module) -> torch.Tensor:
+    """A target RMSNorm's scale as a Llama-style norm applies it (float32): Gemma's norms scale by 1 + w."""
+    weight = norm.weight.detach().float()
+    return 1.0 + weight if text_config(model).model_type == "gemma3_text" else weight
+
+
+def _mlp_norm(layer: nn.Module) -> nn.Module:
+    """A target decoder layer's norm before its MLP (Gemma's sandwich layers: pre_feedforward_layernorm)."""
+    return getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
 
 
 @dataclass(frozen=True)
@@ -110,13 +121,16 @@ class DecoderLayer(nn.Module):
         self.up_proj = nn.Linear(h, shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, h, bias=False)
 
-    def load_target_layer(self, layer: nn.Module, scale: float = 1.0) -> None:
-        """Copy the weights of a transformers Llama decoder layer (dense), for a residual stream ``scale`` times
-        smaller than the target's: the layer's norms ignore the scale, its output projections are divided by it."""
+    def load_target_layer(self, layer: nn.Module, scale: float = 1.0, model: nn.Module | None = None) -> None:
+        """Copy the weights of a transformers decoder layer (dense) of ``model``, for a residual stream ``scale``
+        times smaller than the target's: the layer's norms ignore the scale, its output projections are divided
+        by it. (A Qwen 3 / Gemma 3 layer's query/key and output norms and GeGLU have no place here: an
+        initialisation, not a copy.)"""
         attn, mlp = layer.self_attn, layer.mlp
+        offset = model is not None and text_config(model).model_type == "gemma3_text"
         sources = {
-            "input_layernorm": layer.input_layernorm.weight,
-            "post_attention_layernorm": layer.post_attention_layernorm.weight,
+            "input_layernorm": layer.input_layernorm.weight + (1.0 if offset else 0.0),
+            "post_attention_layernorm": _mlp_norm(layer).weight + (1.0 if offset else 0.0),
         }
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             sources[f"{name}.weight"] = getattr(attn, name).weight
@@ -229,7 +243,7 @@ class TargetParts:
         base = model.model
         config = text_config(model)
         self.embedding = base.embed_tokens
-        self.norm_weight = base.norm.weight.detach().float()
+        self.norm_weight = _rms_scale(base.norm, model)
         self.eps = float(config.rms_norm_eps)
         self.hidden_size = config.hidden_size
         self.vocab_size = vocab_size
@@ -246,8 +260,9 @@ class TargetParts:
         self.lm_rows = None if int8 else rows.to(dtype)
         self._int8_rows = Int8Linear.quantize(rows) if int8 else None
         rotary = base.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().float()
-        self.attention_scaling = float(rotary.attention_scaling)
+        kind = "full_attention_" if hasattr(rotary, "full_attention_inv_freq") else ""  # Gemma: the global base
+        self.inv_freq = getattr(rotary, f"{kind}inv_freq").detach().float()
+        self.attention_scaling = float(getattr(rotary, f"{kind}attention_scaling"))
 
     @torch.no_grad()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

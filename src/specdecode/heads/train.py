@@ -361,7 +361,7 @@ def train_head(
     torch.manual_seed(settings.seed)
     head = EagleHead(HeadShape.of(target.model))
     if settings.init_from_target:
-        head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale)
+        head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale, target.model)
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = [epoch_batches(lengths, settings, e) for e in range(settings.epochs)]
     total_steps = sum(len(b) for b in schedule)
