@@ -1,9 +1,10 @@
 """Time k-token forwards of the native runner over a warm KV cache, and split a step into where it goes.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/profile_runner.py [--quantization gguf|int8|int4|none]
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/profile_runner.py [--target smollm2|gemma3-270m]
+        [--quantization gguf|int8|int4|none]
         [--dtype float32|bfloat16] [--context 500] [--ks 1,2,4,8,16,32] [--split] [--transformers]
 
-Loads the bundled SmolLM2 through ``specdecode.load_model``. The table shows medians in ms per forward and
+Loads a bundled model (SmolLM2 by default) through ``specdecode.load_model``. The table shows medians in ms per forward and
 v(k) = t(k) / t(1). ``--split`` profiles forwards of ``--split-ks`` rows and divides their time into matrices
 (the weight kernels), attention, small ops and Python (on the compiled kernels, from their own phase timers; on
 the torch path, from torch.profiler), next to the bandwidth bound: the bytes a step must read (weights + the KV
@@ -115,7 +116,8 @@ def split(runner, tokens: torch.Tensor, context: int, reps: int = 20) -> dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quantization", default="gguf", choices=["gguf", "int8", "int4", "none"])
+    parser.add_argument("--target", default="smollm2", help="a bundled model: smollm2 or gemma3-270m")
+    parser.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-a8", "int8", "int4", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=500)
@@ -127,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
-    loaded = sd.load_model("smollm2", dtype=args.dtype, quantization=quantization)
+    loaded = sd.load_model(args.target, dtype=args.dtype, quantization=quantization)
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (args.context,), generator=generator)
@@ -137,7 +139,7 @@ def main() -> None:
 
     hf = cache = None
     if args.transformers:
-        hf = sd.load_model("smollm2", dtype=args.dtype, quantization=None).model
+        hf = sd.load_model(args.target, dtype=args.dtype, quantization=None).model
         cache = DynamicCache(config=hf.config)
         with torch.inference_mode():
             hf(context[None], cache=cache, use_cache=True)
