@@ -1,0 +1,87 @@
+"""Row invariance at the sizes the server runs: a batched verify pass of up to 16 requests x (gamma 8 + 1) = 144
+rows, and single passes of 33..144 rows, bitwise equal to each request's own one-token steps, in every weight
+format and dtype, with mixed cache lengths (inside and across the kernels' 128-key attention chunks).
+
+The tests of tests/test_native_llama.py stop at 32 rows; the kernels block rows in groups, so sizes past 32 are
+where a row's arithmetic could start to depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native_families import gemma
+from test_native_llama import SETTING_NAMES, SETTINGS, _ids, _loaded, _wide
+
+from specdecode.models.batch import forward_batch
+
+REQUESTS, ROWS_PER_REQUEST = 16, 9  # the server's defaults: max_batch 16, max_gamma 8 (+ the bonus row)
+MODELS = {"llama": _wide, "gemma3": gemma}
+
+
+def _single_steps(runner, context: list[int], tokens: list[int]) -> torch.Tensor:
+    runner.reset()
+    runner.prefill(torch.tensor(context))
+    return torch.cat([runner.forward(torch.tensor([t])) for t in tokens])
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
+def test_a_144_row_batch_gives_each_request_its_own_steps_bitwise(family, dtype, quantization, group_size, kernels):
+    target = _loaded(MODELS[family](), dtype, quantization, group_size, kernels)
+    ids = _ids(700, seed=11)
+    lengths = [1, 3, 15, 16, 17, 31, 64, 100, 127, 128, 129, 200, 255, 256, 300, 400]  # around tile/chunk edges
+    assert len(lengths) == REQUESTS
+    contexts = [ids[i : i + n] for i, n in enumerate(lengths)]
+    chunks = [ids[500 + ROWS_PER_REQUEST * i : 500 + ROWS_PER_REQUEST * (i + 1)] for i in range(REQUESTS)]
+    batch = [target.new_runner() for _ in contexts]
+    for runner, context in zip(batch, contexts, strict=True):
+        runner.prefill(torch.tensor(context))
+    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
+    assert sum(t.shape[0] for t in together) == REQUESTS * ROWS_PER_REQUEST
+    alone = target.new_runner()
+    for index, (context, chunk, logits) in enumerate(zip(contexts, chunks, together, strict=True)):
+        assert torch.equal(logits, _single_steps(alone, context, chunk)), f"request {index} (cache {len(context)})"
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
+def test_single_passes_of_33_to_144_rows_are_bitwise_single_steps(family, dtype, quantization, group_size, kernels):
+    runner = _loaded(MODELS[family](), dtype, quantization, group_size, kernels).new_runner()
+    ids = _ids(400, seed=12)
+    context = ids[:120]  # the pass crosses the 128-key chunk edge
+    steps = _single_steps(runner, context, ids[120:264])
+    for k in (33, 48, 64, 97, 144):
+        runner.reset()
+        runner.prefill(torch.tensor(context))
+        together = runner.forward(torch.tensor(ids[120 : 120 + k]))
+        assert torch.equal(together, steps[:k]), f"k = {k}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "quantization", "dtype"),
+    [("smollm2", "gguf", "float32"), ("smollm2", "gguf-a8", "float32"), ("smollm2", None, "bfloat16"),
+     ("gemma3-270m", "gguf", "float32")],
+)  # fmt: skip
+def test_the_bundled_models_144_row_batch_is_each_requests_own_steps(name, quantization, dtype):
+    import importlib.util
+
+    import specdecode as sd
+    from specdecode.models.bundled import BUNDLED
+
+    if importlib.util.find_spec(BUNDLED[name].package) is None:
+        pytest.skip(BUNDLED[name].install)
+    target = sd.load_model(name, quantization=quantization, dtype=dtype)
+    ids = target.encode(" ".join(f"Line {i}: the tide came in at {i % 12} o'clock." for i in range(120)))
+    lengths = [1, 5, 16, 17, 40, 64, 100, 127, 128, 129, 180, 256, 300, 384, 450, 520]
+    assert len(ids) >= 600 + REQUESTS * ROWS_PER_REQUEST
+    contexts = [ids[i : i + n] for i, n in enumerate(lengths)]
+    chunks = [ids[600 + ROWS_PER_REQUEST * i : 600 + ROWS_PER_REQUEST * (i + 1)] for i in range(REQUESTS)]
+    batch = [target.new_runner() for _ in contexts]
+    for runner, context in zip(batch, contexts, strict=True):
+        runner.prefill(torch.tensor(context))
+    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
+    alone = target.new_runner()
+    for index, (context, chunk, logits) in enumerate(zip(contexts, chunks, together, strict=True)):
+        assert torch.equal(logits, _single_steps(alone, context, chunk)), f"request {index} (cache {len(context)})"
