@@ -4,9 +4,9 @@
         [--quantization gguf|int8|int4|none]
         [--dtype float32|bfloat16] [--context 500] [--ks 1,2,4,8,16,32] [--split] [--transformers]
 
-Loads a bundled model (SmolLM2 by default) through ``specdecode.load_model``. The table shows medians in ms per forward and
-v(k) = t(k) / t(1). ``--split`` profiles forwards of ``--split-ks`` rows and divides their time into matrices
-(the weight kernels), attention, small ops and Python (on the compiled kernels, from their own phase timers; on
+Loads a bundled model (SmolLM2 by default) through ``specdecode.load_model``. The table shows medians in ms per
+forward and v(k) = t(k) / t(1). ``--split`` profiles forwards of ``--split-ks`` rows and divides their time into
+matrices (the weight kernels), attention, small ops and Python (on the compiled kernels, from their own phase timers; on
 the torch path, from torch.profiler), next to the bandwidth bound: the bytes a step must read (weights + the KV
 cache) over a measured read bandwidth.
 ``--transformers`` also times the dense model's own forward with a DynamicCache (alternating, same tokens).
