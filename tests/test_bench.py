@@ -275,6 +275,19 @@ def test_cli_errors_are_one_line(tmp_path):
     assert result.exit_code == 2 and "--gamma" in result.output
 
 
+def test_plain_decode_reuses_its_runner_outside_the_timed_region(tiny_target, monkeypatch):
+    """Bench fairness: plain decoding, like the speculative methods, builds its runner once, untimed."""
+    built = []
+    original = type(tiny_target).new_runner
+    monkeypatch.setattr(type(tiny_target), "new_runner", lambda self: built.append(1) or original(self))
+    plain = build_methods(tiny_target, [], [2], transformers=False)[0]
+    plain.start()
+    assert len(built) == 1
+    params = BenchConfig(max_new_tokens=5).params(0)
+    first, second = plain.generate([3, 4, 5], params), plain.generate([3, 4, 5], params)
+    assert len(built) == 1 and first.token_ids == second.token_ids
+
+
 def test_auto_gamma_and_reproducible_mode_are_bench_methods(tiny_target, tmp_path):
     items = [WorkItem(1, "summarization", ([3, 4, 5, 6, 3, 4, 5, 6, 3, 4],))]
     methods = build_methods(tiny_target, ["lookup"], [2, "auto"], transformers=False, modes=["exact", "reproducible"])
@@ -286,8 +299,14 @@ def test_auto_gamma_and_reproducible_mode_are_bench_methods(tiny_target, tmp_pat
         "ours:lookup:g2:reproducible",
         "ours:lookup:gauto:reproducible",
     ]
-    result = run_bench(tiny_target, items, methods, BenchConfig(max_new_tokens=6, temperature=0.8))
+    result = run_bench(tiny_target, items, methods, BenchConfig(max_new_tokens=24, temperature=0.8))
     assert len(result.records) == 5
+    overall = result.aggregates[OVERALL]
+    # sampled: reproducible mode is checked against plain sampling with the same seed; exact mode is not
+    assert overall["ours:lookup:g2:reproducible"]["non_identical"] == 0
+    assert overall["ours:lookup:gauto:reproducible"]["non_identical"] == 0
+    assert overall["ours:lookup:g2"]["non_identical"] is None
+    assert all(r.identical for r in result.records if r.method.endswith("reproducible"))
     write_outputs(result, tmp_path, machine_info(["specdecode", "bench"]), {"target": "tiny"})
     with pytest.raises(ValueError, match="mode"):
         build_methods(tiny_target, ["lookup"], [2], transformers=False, modes=["fast"])

@@ -347,12 +347,18 @@ def autoregressive_generate(
     prompt: str | list[int],
     params: SamplingParams | None = None,
     on_text: TextCallback | None = None,
+    runner: ModelRunner | None = None,
 ) -> GenerationOutput:
-    """Plain decoding, one target pass per token, through the same runner, sampling and stop handling."""
+    """Plain decoding, one target pass per token, through the same runner, sampling and stop handling.
+
+    ``runner``: one of ``target``'s runners to reuse (emptied first), instead of a fresh one per call."""
     target = load_model(target)
     params = SamplingParams() if params is None else params
     request = Request(target, prompt, params, on_text)
-    runner = target.new_runner()
+    if runner is None:
+        runner = target.new_runner()
+    else:
+        runner.reset()
     request.prefill(runner)
     while not request.done:
         t0 = time.perf_counter()

@@ -145,10 +145,12 @@ def run_bench(
     specs = [m.spec for m in methods]
     refs = references(specs)
     plain = {m: ref for m, (ref, _) in refs.items()} or names[0]
-    if config.greedy and refs:
-        mark_identity(records, plain)
+    exact = {m for m, (_, must) in refs.items() if must}
+    if not config.greedy:  # sampled: only reproducible mode (and plain itself) promises plain sampling's tokens
+        exact = {s.name for s in specs if s.name in exact and (s.ours_plain or s.mode == "reproducible")}
+    if refs:
+        mark_identity(records, plain if config.greedy else {m: r for m, r in plain.items() if m in exact})
     gammas = {s.name: s.gamma for s in specs if s.family == "ours"}
     curve = None if verify_cost is None else VerifyCost.from_json({str(k): v for k, v in verify_cost.items()})
-    exact = {m for m, (_, must) in refs.items() if must}
     aggregates = aggregate(records, names, gammas, plain, HF_PLAIN if HF_PLAIN in names else None, curve, exact)
     return BenchResult(config, specs, records, aggregates, verify_cost)
