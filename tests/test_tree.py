@@ -68,10 +68,11 @@ def test_tree_stats_count_nodes_per_depth_and_merge():
     assert stats.per_depth_drafted == [3, 4]
     assert stats.drafted_per_round == 3.5 and stats.accepted_per_round == 1.5
     leaf = sd.DecodeStats()
-    leaf.record_tree_round([2, 2, 1], accepted=3, rejected=False)  # a leaf reached: nothing rejected
+    leaf.record_tree_round([2, 2, 1], accepted=3, rejected=False, sibling_accepts=2)  # a leaf: nothing rejected
     assert leaf.per_position_reached == [1, 1, 1] and leaf.rejections == 0
     both = stats.merge(leaf)
     assert both.per_depth_drafted == [5, 6, 1] and both.tree_rounds == 2 and both.per_position == [3, 2, 1]
+    assert both.sibling_accepts == 2 and both.to_dict()["sibling_accepts"] == 2
     data = both.to_dict()
     assert data["per_depth_drafted"] == [5, 6, 1] and data["drafted_per_round"] == 4.0
 
@@ -120,6 +121,8 @@ def test_greedy_tree_output_is_plain_decoding(large_target, shape, gamma):
     assert s.accepted > 0 and s.rejections > 0 and s.rounds < 40
     assert len(s.per_depth_drafted) <= gamma  # pruned to depth gamma
     assert (s.tree_rounds > 0) == (shape != "chain")  # a chain keeps the chain path
+    if SHAPES[shape][0] > 1:  # the oracle puts the wanted token under any child: later siblings win too
+        assert s.sibling_accepts > 0
     assert s.generated == s.accepted + s.rounds and sum(s.per_position) == s.accepted
     assert sum(s.per_depth_drafted) == s.drafted
 
@@ -170,6 +173,7 @@ def test_reproducible_tree_output_is_plain_sampling(large_target, shape, warp):
         out = decoder.generate(PROMPT, params)
         assert out.token_ids == plain
         assert out.stats.tree_rounds > 0 and out.stats.accepted > 0 and out.stats.rejections > 0
+        assert out.stats.sibling_accepts > 0
 
 
 def test_adaptive_gamma_with_trees_keeps_identity(large_target):
@@ -229,6 +233,8 @@ def test_tree_sampling_follows_the_target_exactly(small_target, case):
     report = exactness_report(small_target, case)
     assert report.passed, report.verdict
     assert report.accepted > SAMPLES / 4  # both the accept and the reject paths ran
+    assert report.tree_rounds >= SAMPLES  # every sample's first round verified a tree
+    assert report.sibling_accepts > SAMPLES / 50  # and later siblings were kept (the residual path of a tree)
 
 
 @pytest.mark.parametrize("bug", ["update_residual", "remove_tried"])

@@ -327,11 +327,13 @@ class SpeculativeDecoder:
                 target_probs, draft.probs, draft.tokens, draft.parents, request.generator
             )
         t2 = time.perf_counter()
-        rejected = bool(children(draft.parents)[accepted[-1] + 1 if accepted else 0])  # the path stopped at a fork
+        kids = children(draft.parents)  # kids[0]: the root's children, kids[i + 1]: node i's
+        rejected = bool(kids[accepted[-1] + 1 if accepted else 0])  # the path stopped at a fork
+        siblings = sum(node != kids[int(draft.parents[node]) + 1][0] for node in accepted)
         nodes_per_depth = torch.bincount(pending.positions[1:] - pending.positions[0])[1:].tolist()
         stats.draft_seconds += pending.draft_seconds
         stats.verify_seconds += t2 - started
-        stats.record_tree_round(nodes_per_depth, len(accepted), rejected)
+        stats.record_tree_round(nodes_per_depth, len(accepted), rejected, siblings)
         if controller is not None:
             controller.observe(len(accepted) + rejected, len(accepted))
             controller.observe_tree(len(draft) + 1, pending.draft_seconds)

@@ -190,6 +190,8 @@ class ExactnessReport:
     threshold: float
     drafted: int
     accepted: int
+    tree_rounds: int = 0  # rounds that verified a token tree
+    sibling_accepts: int = 0  # accepted tree nodes that were not their parent's first child
 
     @property
     def passed(self) -> bool:
@@ -249,7 +251,7 @@ def check_exactness(
     threshold = alpha / (2 * len(prompts))
     generator = torch.Generator().manual_seed(seed)
     tests: list[FitTest] = []
-    drafted = accepted = 0
+    drafted = accepted = tree_rounds = sibling_accepts = 0
     for index, prompt_ids in enumerate(prompts):
         first = first_token_law(target, prompt_ids, params)
         pairs = pair_law(target, prompt_ids, params, cap)
@@ -262,8 +264,10 @@ def check_exactness(
             pair_counts[pairs.cell(out.token_ids[:2])] += 1
             drafted += out.stats.drafted
             accepted += out.stats.accepted
+            tree_rounds += out.stats.tree_rounds
+            sibling_accepts += out.stats.sibling_accepts
             if on_sample is not None:
                 on_sample()
         tests.append(fit_test(first, first_counts, threshold, generator, index, 1))
         tests.append(fit_test(pairs.probs, pair_counts, threshold, generator, index, 2))
-    return ExactnessReport(tuple(tests), alpha, threshold, drafted, accepted)
+    return ExactnessReport(tuple(tests), alpha, threshold, drafted, accepted, tree_rounds, sibling_accepts)

@@ -14,7 +14,9 @@ class DecodeStats:
     ``per_position[i] / per_position_reached[i]`` is the conditional acceptance a_{i+1}. For a token tree
     the position is the depth: depth i+1 is tested when the accepted path reaches a node with children, and
     ``drafted`` counts every node verified. ``per_depth_drafted[i]`` sums the nodes drafted at depth i+1 (1
-    per round for a chain reaching it); ``tree_rounds`` counts the rounds that verified a tree.
+    per round for a chain reaching it); ``tree_rounds`` counts the rounds that verified a tree, and
+    ``sibling_accepts`` the accepted tree nodes that are not their parent's first child (a later sibling kept
+    after the first was rejected: the tree paid for its width).
     """
 
     generated: int = 0
@@ -26,6 +28,7 @@ class DecodeStats:
     per_position_reached: list[int] = field(default_factory=list)
     per_depth_drafted: list[int] = field(default_factory=list)
     tree_rounds: int = 0
+    sibling_accepts: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -76,10 +79,14 @@ class DecodeStats:
         """Count one target pass that checked a chain of ``drafted`` tokens and kept ``accepted`` of them."""
         self._record([1] * drafted, accepted, accepted < drafted)
 
-    def record_tree_round(self, nodes_per_depth: list[int], accepted: int, rejected: bool) -> None:
+    def record_tree_round(
+        self, nodes_per_depth: list[int], accepted: int, rejected: bool, sibling_accepts: int = 0
+    ) -> None:
         """Count one target pass over a tree (``nodes_per_depth[i]`` nodes at depth i+1) whose accepted path
-        has ``accepted`` nodes; ``rejected``: the path's last node (or the root) has children, all rejected."""
+        has ``accepted`` nodes, ``sibling_accepts`` of them not their parent's first child; ``rejected``: the
+        path's last node (or the root) has children, all rejected."""
         self.tree_rounds += 1
+        self.sibling_accepts += sibling_accepts
         self._record(nodes_per_depth, accepted, rejected)
 
     def _record(self, nodes_per_depth: list[int], accepted: int, rejected: bool) -> None:
@@ -117,6 +124,7 @@ class DecodeStats:
             per_position_reached=add(self.per_position_reached, other.per_position_reached),
             per_depth_drafted=add(self.per_depth_drafted, other.per_depth_drafted),
             tree_rounds=self.tree_rounds + other.tree_rounds,
+            sibling_accepts=self.sibling_accepts + other.sibling_accepts,
             prefill_seconds=self.prefill_seconds + other.prefill_seconds,
             draft_seconds=self.draft_seconds + other.draft_seconds,
             verify_seconds=self.verify_seconds + other.verify_seconds,
