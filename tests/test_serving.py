@@ -375,6 +375,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(http, server):
     metrics = _idle(http, before)
     assert metrics["specdecode:num_requests_running"] == 0
     assert metrics["specdecode:request_aborted_total"] == before + 1
+    _assert_slots_pooled(metrics)
+
+
+def _assert_slots_pooled(metrics: dict[str, float]) -> None:
+    """Idle: every slot back in the pool with an empty cache, and never more slots than the batch holds."""
+    assert 1 <= metrics["specdecode:kv_slots"] <= ServerConfig.__dataclass_fields__["max_batch"].default
+    assert metrics["specdecode:kv_slots_free"] == metrics["specdecode:kv_slots"]
+    assert metrics["specdecode:kv_cache_tokens"] == 0
 
 
 def test_a_client_that_gives_up_waiting_frees_its_slot(http, server):
@@ -385,6 +393,7 @@ def test_a_client_that_gives_up_waiting_frees_its_slot(http, server):
     metrics = _idle(http, before)
     assert metrics["specdecode:num_requests_running"] == 0
     assert metrics["specdecode:request_aborted_total"] == before + 1
+    _assert_slots_pooled(metrics)
 
 
 def test_a_request_that_raises_in_the_engine_fails_alone(http, target):
@@ -471,7 +480,12 @@ def test_32_concurrent_streaming_clients_lose_nothing(server, target):
     assert not record.errors and all(s.done for s in record.streams)
     assert all(s.text == expected[s.prompt_index] for s in record.streams)
     assert sum(s.tokens for s in record.streams) == 24 * len(record.streams)
-    assert scrape(server.url)["specdecode:num_requests_running"] == 0
+    idle = scrape(server.url)
+    assert idle["specdecode:num_requests_running"] == 0
+    _assert_slots_pooled(idle)  # 32 clients never made more than max_batch slots
+    # Memory: the 16 slots' KV caches of this tiny model are ~1 MiB in all; the rest is allocator and
+    # connection slack. A leak of a cache or a request's state per stream (hundreds of streams) would exceed it.
+    assert rss_after - rss_before < 64 * 2**20, f"RSS grew {(rss_after - rss_before) / 2**20:.0f} MiB"
 
 
 def test_engine_thread_batches_requests_of_mixed_prompt_lengths_in_one_pass(target, monkeypatch):

@@ -30,6 +30,13 @@ class ServerMetrics:
             "specdecode:num_requests_running", "Requests in the batch (each holds a KV cache).", registry=r
         )
         self.waiting = Gauge("specdecode:num_requests_waiting", "Requests queued for a free slot.", registry=r)
+        self.slots = Gauge(
+            "specdecode:kv_slots", "Slots created (a runner with its KV cache each): at most max_batch.", registry=r
+        )
+        self.free_slots = Gauge("specdecode:kv_slots_free", "Slots pooled, their caches empty.", registry=r)
+        self.cache_tokens = Gauge(
+            "specdecode:kv_cache_tokens", "Tokens held in the slots' KV caches (0 when idle).", registry=r
+        )
         self.prompt_tokens = Counter("specdecode:prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("specdecode:generation_tokens", "Tokens generated.", registry=r)
         self.finished = Counter(

@@ -120,6 +120,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
         self._free: list[Slot] = []  # every slot is either in a job or here: at most max_batch
+        self._slots = 0  # slots created
         self._acceptance: dict[str, Acceptance] = {}
         self._draft_seconds: dict[str, float] = {}
         self._stopping = False
@@ -165,6 +166,7 @@ class Scheduler:
                     self._fail(job, "internal error in the engine step")
             self.metrics.running.set(len(self._active))
             self.metrics.waiting.set(len(self._waiting))
+            self._count_slots()
         for job in [*self._active, *self._waiting]:
             self._fail(job, "the server is shutting down")
 
@@ -193,7 +195,7 @@ class Scheduler:
         while self._waiting and len(self._active) < self.max_batch and budget > 0:
             job = self._waiting.popleft()
             budget -= len(job.request.prompt_ids)
-            job.slot = self._free.pop() if self._free else Slot(self.target.new_runner())
+            job.slot = self._free.pop() if self._free else self._new_slot()
             self._active.append(job)
             try:
                 name = job.speculation.proposer
@@ -209,6 +211,20 @@ class Scheduler:
                 self._fail(job, exc)
                 continue
             self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+
+    def _new_slot(self) -> Slot:
+        self._slots += 1
+        return Slot(self.target.new_runner())
+
+    def _count_slots(self) -> None:
+        """The slot gauges. Invariant: every slot is in exactly one running job or in the pool (so at most
+        ``max_batch`` exist), and a pooled slot's cache is empty."""
+        held = [job.slot for job in self._active if job.slot is not None]
+        if len(held) + len(self._free) != self._slots:
+            log.error("slot pool lost track: %d created, %d held, %d free", self._slots, len(held), len(self._free))
+        self.metrics.slots.set(self._slots)
+        self.metrics.free_slots.set(len(self._free))
+        self.metrics.cache_tokens.set(sum(slot.runner.length for slot in (*held, *self._free)))
 
     def _candidate(self, job: Job) -> Candidate:
         if job.proposer is None:
