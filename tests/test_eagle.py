@@ -232,3 +232,65 @@ def test_bench_runs_eagle_chains_and_trees_with_plain_output(large_target, head_
     assert len(result.records) == 2 * 3 and all(r.identical for r in result.records)
     with pytest.raises(ValueError, match="no EAGLE head is shipped"):
         build_methods(large_target, ["eagle"], [3], transformers=False)
+
+
+def _drafts_from_scratch(proposer: EagleProposer, target: sd.LoadedModel, context: list[int], depth: int, shift=0):
+    """The head's greedy chain for ``context`` recomputed from nothing: the target's features of every context
+    position from a fresh runner, the head over all of them in one pass, then ``depth`` guesses. ``shift``
+    misaligns the features by that many positions (the negative control). Returns (tokens, logits per depth)."""
+    runner = target.new_runner()
+    runner.capture_hidden = True
+    runner.forward(torch.tensor(context))
+    features = runner.hidden.to(proposer.parts.dtype)
+    if shift:
+        features = torch.cat([features[:shift], features[:-shift]])
+    head, parts = proposer.head, proposer.parts
+    n = len(context) - 1  # entry t reads (f_t, token t+1)
+    cos, sin = parts.rope(torch.arange(n))
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    out, keys, values = head(features[:n], parts.embed(torch.tensor(context[1:])), cos, sin, mask)
+    feature, tokens, all_logits = out[-1], [], []
+    for d in range(1, depth + 1):
+        logits = parts.logits(feature[None])[0]
+        token = parts.to_vocab(logits.argmax()[None])
+        tokens.append(int(token))
+        all_logits.append(logits)
+        cos, sin = parts.rope(torch.tensor([n + d - 1]))
+        mask = torch.ones(1, keys.shape[1] + 1, dtype=torch.bool)
+        step, k, v = head(feature[None], parts.embed(token), cos, sin, mask, (keys, values))
+        feature, keys, values = step[0], torch.cat([keys, k], 1), torch.cat([values, v], 1)
+    return tokens, torch.stack(all_logits)
+
+
+@pytest.mark.parametrize("tree_nodes", [None, 4])
+def test_the_head_drafts_from_the_right_feature_rows(large_target, head_dir, tree_nodes):
+    """A silent failure guard: every draft the proposer makes during decoding (its features handed over by the
+    verify passes, its cache kept across rounds) is the head's output recomputed from scratch from the target's
+    features of the same context — the whole chain, or a tree's first level (the head's top guesses); the same
+    features shifted by one position give other logits (the control)."""
+    proposer = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, dtype=torch.float32, int8=False)
+    seen = []
+    inner = proposer.propose
+
+    def recording(context, k, params, generator):
+        draft = inner(context, k, params, generator)
+        seen.append((list(context), draft))
+        return draft
+
+    proposer.propose = recording
+    out = sd.SpeculativeDecoder(large_target, proposer, gamma=4).generate(PROMPTS[2], GREEDY)
+    assert out.token_ids == sd.autoregressive_generate(large_target, PROMPTS[2], GREEDY).token_ids
+    assert len(seen) >= 5 and out.stats.accepted > 0
+    for context, draft in seen:
+        if not len(draft.tokens):  # nothing drafted (the last token's round)
+            continue
+        if tree_nodes is None:
+            tokens, logits = _drafts_from_scratch(proposer, large_target, context, len(draft.tokens))
+            assert tokens == draft.tokens.tolist(), f"after {len(context)} tokens"
+        else:
+            _, logits = _drafts_from_scratch(proposer, large_target, context, 1)
+            first_level = draft.tokens[draft.parents == -1]
+            top = proposer.parts.to_vocab(logits[0].topk(len(first_level)).indices)
+            assert first_level.tolist() == top.tolist(), f"after {len(context)} tokens"
+        _, shifted = _drafts_from_scratch(proposer, large_target, context, logits.shape[0], shift=1)
+        assert not torch.allclose(shifted, logits, atol=1e-3)
