@@ -242,3 +242,34 @@ def test_describe_names_family_engine_and_formats():
     assert f"native runner (Gemma 3 family, {engine})" in line
     assert "28 int4/32" in line and "1 int8 head" in line  # 4 layers x 7 matrices; the head int8 per row
     assert "weights dense float32" in sd.load_model(qwen3()).describe()
+
+
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
+def test_every_instruction_set_runs_the_gemma_and_qwen_options_to_the_same_bits(variant, monkeypatch):
+    """The AVX2 and plain-C builds of the compiled decoder (query/key norms, sandwich norms, GELU, windows,
+    per-layer RoPE tables) give bitwise this machine's build's logits, a chain past the window and a tree."""
+    import copy
+
+    from test_kernels import _variant
+
+    from specdecode.models.kernels import ops
+
+    _variant(variant)  # skips where that build is unavailable
+    ids = _ids(40, seed=13)
+    parents = torch.tensor([-1, -1, 0, 1, 2])
+    for family in FAMILIES.values():
+        model = family()
+        runners = []
+        for build in ("native", variant):
+            monkeypatch.setenv("SPECDECODE_KERNELS", build)
+            runners.append(sd.load_model(copy.deepcopy(model), quantization="int8").new_runner())
+        monkeypatch.delenv("SPECDECODE_KERNELS")
+        assert all(r.uses_kernels for r in runners)
+        assert [r._lm_head.handle.kernels for r in runners] == [ops("native"), ops(variant)]  # two builds ran
+        chains = [r.forward(torch.tensor(ids[:30])) for r in runners]
+        trees = []
+        for runner in runners:
+            positions = 30 + torch.cat([torch.zeros(1, dtype=torch.int64), depths(parents)])
+            mask = attention_mask(parents, 30)
+            trees.append(runner.forward(torch.tensor(ids[30:36]), positions=positions, attn_mask=mask))
+        assert torch.equal(chains[0], chains[1]) and torch.equal(trees[0], trees[1])
