@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import resample_from_target
@@ -13,10 +14,12 @@ import specdecode as sd
 from specdecode import cli, commands, engine
 from specdecode.exactness import (
     check_exactness,
+    detectable_tv,
     first_token_law,
     fit_test,
     pair_law,
     pool_cells,
+    samples_for_tv,
     tv_upper_bound,
 )
 
@@ -110,3 +113,42 @@ def test_check_exact_command_with_lookup_trees(small_target, monkeypatch, tmp_pa
     assert report["passed"] and report["tree_width"] == 3 and report["drafted"] >= 3 * 200
     bad = CliRunner().invoke(cli.app, [*args, "--proposer", "draft", "--draft", "tiny", "--tree-width", "2"])
     assert bad.exit_code != 0 and "tree-width" in bad.output
+
+
+def _rejection_rate(law, biased, samples: int, threshold: float, replicates: int = 400, seed: int = 0) -> float:
+    """How often the level-``threshold`` chi-square test on ``samples`` draws from ``biased`` rejects ``law``."""
+    from scipy.stats import chi2
+
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(samples, biased, size=replicates)
+    statistic = ((counts - samples * law) ** 2 / (samples * law)).sum(axis=1)
+    return float((chi2.sf(statistic, len(law) - 1) < threshold).mean())
+
+
+def test_the_stated_power_is_the_power_against_the_worst_biased_law():
+    """detectable_tv's promise, checked by simulation: at N = samples_for_tv(0.05) the worst law at TV 0.05
+    (q − p = ±2·TV·p on two halves of p's mass) is caught ~90% of the time, other directions at that TV more
+    often, and a correct law at the false-alarm rate."""
+    law = np.array([0.25, 0.15, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])  # halves: {0, 1, 2} and {3 .. 7}
+    threshold, tv = 1e-3, 0.05
+    samples = samples_for_tv(tv, len(law) - 1, threshold)
+    assert detectable_tv(samples, len(law) - 1, threshold) == pytest.approx(tv, rel=1e-3)
+    sign = np.where(np.arange(8) < 3, 1.0, -1.0)
+    worst = law + 2 * tv * law * sign
+    assert 0.5 * np.abs(worst - law).sum() == pytest.approx(tv)
+    assert _rejection_rate(law, worst, samples, threshold) == pytest.approx(0.9, abs=0.06)  # 400 runs: SE 0.015
+    other = law.copy()
+    other[0] += tv
+    other[7] -= tv  # the same TV, all on two cells: a larger chi-square distance
+    assert _rejection_rate(law, other, samples, threshold) > 0.95
+    assert _rejection_rate(law, law, samples, threshold) < 0.02
+    assert samples_for_tv(0.02, 7, threshold) > 6 * samples  # a fifth of the TV needs ~6.25 times the draws
+
+
+def test_reports_state_their_power(small_target):
+    params = sd.SamplingParams(temperature=1.0)
+    report = check_exactness(small_target, sd.PromptLookupProposer(), [PROMPT], params, samples=200, gamma=2)
+    for test in report.tests:
+        assert 0 < test.detectable_tv <= 1 and "at 90% power" in test.verdict
+        assert test.detectable_tv >= detectable_tv(test.samples, test.dof, test.threshold)  # + pooled mass
+    assert all("detectable_tv" in t for t in report.to_dict()["tests"])

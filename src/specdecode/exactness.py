@@ -9,7 +9,9 @@ Each law is tested with Pearson's chi-square after pooling the cells whose expec
 pooling depends on the law and N only, never on the data), Bonferroni-corrected over prompts × K so that
 ``alpha`` is the family's false-alarm rate. A token the law gives probability 0 is a violation on its own.
 The total-variation distance over the test's cells is reported with its expectation under exactness (the
-empirical TV is biased upward) and a 1 − δ upper bound on the true TV (see ``tv_upper_bound``).
+empirical TV is biased upward) and a 1 − δ upper bound on the true TV (see ``tv_upper_bound``), and each test's
+power is stated: the smallest TV it detects with probability 0.9 whatever the biased law (``detectable_tv``);
+``samples_for_tv`` inverts it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from scipy.stats import chi2
+from scipy.optimize import brentq
+from scipy.stats import chi2, ncx2
 
 from .engine import SpeculativeDecoder
 from .models.loader import LoadedModel
@@ -112,6 +115,34 @@ def tv_upper_bound(tv: float, cells: int, samples: int, delta: float) -> float:
     return min(1.0, tv + 0.5 * math.sqrt(max(cells - 1, 0) / samples) + math.sqrt(math.log(1 / delta) / (2 * samples)))
 
 
+POWER = 0.9
+
+
+def _noncentrality(dof: int, threshold: float, power: float) -> float:
+    """λ* with P(χ²_dof(λ*) > the level-``threshold`` critical value) = ``power``."""
+    critical = chi2.isf(threshold, dof)
+    return float(brentq(lambda lam: ncx2.sf(critical, dof, lam) - power, 1e-9, 1e7))
+
+
+def detectable_tv(samples: int, dof: int, threshold: float, power: float = POWER, hidden: float = 0.0) -> float:
+    """The smallest TV(q, p) that the level-``threshold`` chi-square test on ``samples`` draws detects with
+    probability ≥ ``power`` for every biased law q.
+
+    Under q, Pearson's statistic is approximately noncentral χ²_dof(λ), λ = N Σ (q − p)²/p. By Cauchy–Schwarz
+    (Σ|q − p|)² ≤ Σ (q − p)²/p · Σ p, so λ ≥ 4 N TV² (equal for q − p = ±2 TV · p on two halves of p's mass):
+    every q with TV ≥ √(λ*/4N) is detected with probability ≥ ``power``. ``hidden``: the TV a law can move inside
+    the pooled cells, unseen (half their mass), added on top.
+    """
+    if dof < 1:
+        return 1.0
+    return min(1.0, math.sqrt(_noncentrality(dof, threshold, power) / (4 * samples)) + hidden)
+
+
+def samples_for_tv(tv: float, dof: int, threshold: float, power: float = POWER) -> int:
+    """Draws the chi-square test needs to detect every law at TV ≥ ``tv`` with probability ``power``."""
+    return math.ceil(_noncentrality(dof, threshold, power) / (4 * tv * tv))
+
+
 def null_tv(probs: torch.Tensor, samples: int, generator: torch.Generator, replicates: int = NULL_REPLICATES) -> float:
     """E TV(p̂, p) when the N samples really come from p (Monte Carlo): the empirical TV's bias."""
     draws = torch.multinomial(probs.float(), samples * replicates, replacement=True, generator=generator)
@@ -136,6 +167,12 @@ class FitTest:
     tv_null: float
     tv_upper: float
     threshold: float
+    hidden_tv: float = 0.0  # the TV a law could move inside the pooled cells (half their mass)
+
+    @property
+    def detectable_tv(self) -> float:
+        """Every law at least this far from the target (TV) fails this test with probability ≥ 0.9."""
+        return detectable_tv(self.samples, self.dof, self.threshold, POWER, self.hidden_tv)
 
     @property
     def rejected(self) -> bool:
@@ -150,7 +187,7 @@ class FitTest:
         return (
             f"prompt {self.prompt_index} K={self.k}: {word} (χ²={self.statistic:.1f}, df={self.dof}, "
             f"p={self.p_value:.3g}{extra}; TV={self.tv:.3f} vs {self.tv_null:.3f} expected, "
-            f"true TV ≤ {self.tv_upper:.3f})"
+            f"true TV ≤ {self.tv_upper:.3f}; detects TV ≥ {self.detectable_tv:.3f} at 90% power)"
         )
 
 
@@ -176,9 +213,12 @@ def fit_test(
     tv = 0.5 * float((observed - expected).abs().sum() / samples) + 0.5 * impossible / samples
     tv_null = null_tv(expected / samples, samples, generator)
     upper = tv_upper_bound(tv, n_groups + bool(impossible), samples, threshold)
+    sizes = torch.bincount(groups[kept], minlength=n_groups)
+    hidden = 0.5 * float(probs[kept][sizes[groups[kept]] > 1].sum())  # mass in cells pooled together
     return FitTest(
-        prompt_index, k, samples, n_groups, statistic, dof, p_value, impossible, tv, tv_null, upper, threshold
-    )
+        prompt_index, k, samples, n_groups, statistic, dof, p_value, impossible, tv, tv_null, upper, threshold,
+        hidden,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -211,7 +251,10 @@ class ExactnessReport:
 
     def to_dict(self) -> dict:
         """Plain data for ``--json``."""
-        tests = [{**dataclasses.asdict(t), "rejected": t.rejected, "verdict": t.verdict} for t in self.tests]
+        tests = [
+            {**dataclasses.asdict(t), "rejected": t.rejected, "detectable_tv": t.detectable_tv, "verdict": t.verdict}
+            for t in self.tests
+        ]
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return {
             "passed": self.passed,
