@@ -556,6 +556,25 @@ def test_bench_serve_writes_a_report_and_plots(cli_target, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_bench_serve_rotates_the_policy_order_and_starts_each_run_fresh(target):
+    """Bench fairness: no policy always runs first (or after the same one), with one repeat too, and each run
+    starts without the acceptance priors and draft costs the run before it taught the engine."""
+    from specdecode.commands.bench_serve import run_order
+
+    runs = run_order([1, 4, 16], 1, ["always", "never", "auto"])
+    firsts = [runs[i][2] for i in range(0, len(runs), 3)]
+    assert firsts == ["always", "never", "auto"]
+    assert sorted(runs) == sorted((n, 0, p) for n in (1, 4, 16) for p in ("always", "never", "auto"))
+    assert [p for _, r, p in run_order([1], 2, ["always", "never"])] == ["always", "never", "never", "always"]
+    with LocalServer(create_app(ServerConfig(target=target, policy="always"))) as running:
+        body = body_for("completions", REPEATING, max_tokens=16, temperature=0)
+        assert httpx.post(f"{running.url}/v1/completions", json=body).status_code == 200
+        scheduler = running.app.state.server.scheduler
+        assert scheduler._acceptance  # learned from that request
+        scheduler.forget_learned()
+        assert not scheduler._acceptance and not scheduler._draft_seconds
+
+
 @pytest.mark.parametrize("scope", ["global", "request"])
 def test_suffix_history_is_shared_by_requests_only_in_global_scope_and_saved_at_shutdown(target, tmp_path, scope):
     cache = tmp_path / "history.bin"

@@ -152,7 +152,7 @@ def bench_serve(
         if temperature > 0:
             body["seed"] = i
         bodies.append(body)
-    runs = [(n, r, p) for n in counts for r in range(repeats) for p in _rotated(chosen, r)]
+    runs = run_order(counts, repeats, chosen)
     cells: dict[tuple[int, str], list] = {}
     columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with LocalServer(create_app(server)) as local, Progress(*columns, console=console) as progress:
@@ -163,7 +163,8 @@ def bench_serve(
             _wait_idle(local.url)
         for n, _, policy in runs:
             progress.update(task, description=f"{n} clients, policy {policy}")
-            server.scheduler.policy = SpeculationPolicy(policy)
+            server.scheduler.policy = SpeculationPolicy(policy)  # a fresh policy: no pass costs carried over
+            server.scheduler.forget_learned()  # nor acceptance priors and draft costs learned by the run before
             before = scrape(local.url)
             record = run_load(local.url, bodies, n, duration)
             _wait_idle(local.url)
@@ -199,6 +200,16 @@ def bench_serve(
         )
     Console().print(table)
     console.print(f"wrote {', '.join(p.name for p in written)} in {out}")
+
+
+def run_order(counts: list[int], repeats: int, policies: list[str]) -> list[tuple[int, int, str]]:
+    """(clients, repeat, policy) in the order they run: for each client count and repeat the policies in turn,
+    the order rotated by one at every (count, repeat) so that no policy always runs first or after the same one."""
+    runs = []
+    for i, n in enumerate(counts):
+        for r in range(repeats):
+            runs += [(n, r, p) for p in _rotated(policies, i * repeats + r)]
+    return runs
 
 
 def _rotated(items: list[str], shift: int) -> list[str]:

@@ -145,6 +145,12 @@ class Scheduler:
             raise ValueError(f"unknown proposer {job.speculation.proposer!r}")
         self._inbox.put(job)
 
+    def forget_learned(self) -> None:
+        """Drop what the engine has learned across requests (each proposer's acceptance prior and draft cost):
+        the next requests start as the first ones did. For benchmarks that compare policies one after another
+        (call it while idle)."""
+        self._acceptance, self._draft_seconds = {}, {}
+
     def cancel(self, job: Job) -> None:
         """The client went away: free the job's slot and KV cache at the next step boundary."""
         job.cancelled = True
