@@ -19,16 +19,11 @@ from conftest import LARGE_VOCAB, SMALL_VOCAB, tiny_llama  # noqa: E402
 from test_engine import LOOKUP_PROMPT, WARPS, exact_two_token_law  # noqa: E402
 
 import specdecode as sd  # noqa: E402
-from specdecode.exactness import detectable_tv, first_token_law, pair_law, pool_cells, samples_for_tv  # noqa: E402
+from specdecode.exactness import detectable_tv, first_token_law, pair_law, pooled_shape, samples_for_tv  # noqa: E402
 
 
 def _row(name: str, law: torch.Tensor, samples: int, threshold: float) -> str:
-    groups = pool_cells(law, samples)
-    kept = groups >= 0
-    cells = int(groups.max()) + 1
-    sizes = torch.bincount(groups[kept], minlength=cells)
-    hidden = 0.5 * float(law[kept][sizes[groups[kept]] > 1].sum())
-    dof = cells - 1
+    dof, hidden = pooled_shape(law, samples)
     tv = detectable_tv(samples, dof, threshold, hidden=hidden)
     need = [samples_for_tv(t, dof, threshold) for t in (0.05, 0.02)]
     return (

@@ -14,7 +14,6 @@ import os
 import random
 
 import pytest
-import torch
 from conftest import LARGE_VOCAB, SMALL_VOCAB, TreeProposer, perturbed, tiny_llama, word_tokenizer
 from test_eagle import WORDS
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
@@ -22,7 +21,7 @@ from test_tree import informed_table
 
 import specdecode as sd
 import specdecode.verify
-from specdecode.exactness import check_exactness, first_token_law, pair_law, pool_cells, samples_for_tv
+from specdecode.exactness import check_exactness, first_token_law, pair_law, pooled_shape, samples_for_tv
 from specdecode.proposers.eagle import EagleProposer
 from specdecode.proposers.suffix import SuffixHistory, SuffixProposer
 
@@ -51,21 +50,13 @@ def large() -> sd.LoadedModel:
     return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
 
 
-def _pooled(law: torch.Tensor, samples: int) -> tuple[int, float]:
-    """(df, the TV a law can hide in the cells pooled together) of a law's test at ``samples`` draws."""
-    groups = pool_cells(law, samples)
-    kept = groups >= 0
-    sizes = torch.bincount(groups[kept])
-    return int(groups.max()), 0.5 * float(law[kept][sizes[groups[kept]] > 1].sum())
-
-
 def strong_samples(target: sd.LoadedModel, prompt: list[int]) -> int:
     """N at which both tests (first token, pairs) detect TV ≥ 0.02 with probability 0.9, what the pooled cells
     can hide included (pooling redone at N until it settles)."""
     laws = first_token_law(target, prompt, T1), pair_law(target, prompt, T1, 64).probs
     samples = 20_000
     for _ in range(4):
-        pooled = [_pooled(law, samples) for law in laws]
+        pooled = [pooled_shape(law, samples) for law in laws]
         samples = max(samples_for_tv(TV - hidden, dof, THRESHOLD) for dof, hidden in pooled)
     return int(samples * 1.02)  # a margin for the last re-pooling
 

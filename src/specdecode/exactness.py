@@ -106,6 +106,18 @@ def pool_cells(probs: torch.Tensor, samples: int, min_expected: float = MIN_EXPE
     return groups
 
 
+def pooled_shape(probs: torch.Tensor, samples: int) -> tuple[int, float]:
+    """(degrees of freedom, hidden TV) of the chi-square test of ``probs`` at ``samples`` draws after
+    ``pool_cells``: the cells kept minus one, and half the mass of the cells pooled together (a law may move that
+    much TV among them unseen)."""
+    groups = pool_cells(probs, samples)
+    kept = groups >= 0
+    if not kept.any():
+        return 0, 0.0
+    sizes = torch.bincount(groups[kept])
+    return int(groups.max()), 0.5 * float(probs[kept][sizes[groups[kept]] > 1].sum())
+
+
 def tv_upper_bound(tv: float, cells: int, samples: int, delta: float) -> float:
     """1 − δ bound on TV(q, p) over ``cells`` cells: TV(p̂, p) + ½√((C−1)/N) + √(ln(1/δ) / 2N).
 
@@ -213,8 +225,7 @@ def fit_test(
     tv = 0.5 * float((observed - expected).abs().sum() / samples) + 0.5 * impossible / samples
     tv_null = null_tv(expected / samples, samples, generator)
     upper = tv_upper_bound(tv, n_groups + bool(impossible), samples, threshold)
-    sizes = torch.bincount(groups[kept], minlength=n_groups)
-    hidden = 0.5 * float(probs[kept][sizes[groups[kept]] > 1].sum())  # mass in cells pooled together
+    _, hidden = pooled_shape(probs, samples)
     return FitTest(
         prompt_index, k, samples, n_groups, statistic, dof, p_value, impossible, tv, tv_null, upper, threshold,
         hidden,
