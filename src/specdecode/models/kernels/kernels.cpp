@@ -1329,12 +1329,25 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   float* xp = x.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  std::vector<float> h(m * hidden), q(m * q_width), attn(m * q_width), qkv, gu, act, out;
-  // y = x + norm(z) (a sandwich norm's residual add), elementwise
-  const auto add_normed = [&](const float* z, const at::Tensor& w) {
-    out.resize(m * hidden);
-    rms_norm_rows(z, m, hidden, w.data_ptr<float>(), e, out.data());
-    for (int64_t i = 0; i < m * hidden; i += kLanes) vf_store(xp + i, vf_add(vf_load(xp + i), vf_load(out.data() + i)));
+  std::vector<float> h(m * hidden), q(m * q_width), attn(m * q_width), qkv, gu, act, normed;
+  // x += parts(in), or x += norm(parts(in)) when the layer norms that output first (Gemma's sandwich norms);
+  // `h` is free scratch at both call sites
+  const auto residual_add = [&](const std::vector<std::shared_ptr<const Matrix>>& parts, const float* in,
+                                int64_t ld, const at::Tensor& norm) {
+    if (!norm.defined()) {
+      PhaseTimer timer(kMatrices);
+      apply_parts(parts, in, ld, m, xp, hidden, xp, hidden);
+      return;
+    }
+    {
+      PhaseTimer timer(kMatrices);
+      apply_parts(parts, in, ld, m, h.data(), hidden, nullptr, 0);
+    }
+    PhaseTimer timer(kNorm);
+    normed.resize(m * hidden);
+    rms_norm_rows(h.data(), m, hidden, norm.data_ptr<float>(), e, normed.data());
+    for (int64_t i = 0; i < m * hidden; i += kLanes)
+      vf_store(xp + i, vf_add(vf_load(xp + i), vf_load(normed.data() + i)));
   };
   for (size_t li = 0; li < layers.size(); ++li) {
     const Layer& layer = *layers[li];
@@ -1372,17 +1385,7 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
       PhaseTimer timer(kAttention);
       attention_rows(rows, caches, static_cast<int64_t>(li), layer_shape, q.data(), attn.data());
     }
-    if (layer.attn_out_norm.defined()) {
-      {
-        PhaseTimer timer(kMatrices);
-        apply_parts(layer.o, attn.data(), q_width, m, h.data(), hidden, nullptr, 0);
-      }
-      PhaseTimer timer(kNorm);
-      add_normed(h.data(), layer.attn_out_norm);
-    } else {
-      PhaseTimer timer(kMatrices);
-      apply_parts(layer.o, attn.data(), q_width, m, xp, hidden, xp, hidden);
-    }
+    residual_add(layer.o, attn.data(), q_width, layer.attn_out_norm);
     {
       PhaseTimer timer(kNorm);
       rms_norm_rows(xp, m, hidden, layer.post_norm.data_ptr<float>(), e, h.data());
@@ -1398,17 +1401,7 @@ void decoder(const at::Tensor& x, at::IntArrayRef layer_ids, std::vector<at::Ten
       else
         silu_mul_rows(gu.data(), m, inter, act.data());
     }
-    if (layer.mlp_out_norm.defined()) {
-      {
-        PhaseTimer timer(kMatrices);
-        apply_parts(layer.down, act.data(), inter, m, h.data(), hidden, nullptr, 0);
-      }
-      PhaseTimer timer(kNorm);
-      add_normed(h.data(), layer.mlp_out_norm);
-    } else {
-      PhaseTimer timer(kMatrices);
-      apply_parts(layer.down, act.data(), inter, m, xp, hidden, xp, hidden);
-    }
+    residual_add(layer.down, act.data(), inter, layer.mlp_out_norm);
   }
 }
 
