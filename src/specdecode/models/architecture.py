@@ -72,7 +72,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "no decoder (.model) with a linear LM head"
     activation = _activation(config)
     if activation is None or (family != "gemma3") != (activation == "silu"):
-        return f"activation {getattr(config, 'hidden_activation', None) or config.hidden_act!r} is not the family's"
+        name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        return f"activation {name!r} is not the family's"
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
             return f"{name} is set"
