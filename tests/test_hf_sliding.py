@@ -43,11 +43,7 @@ def tiny_gemma3(seed: int, layer_types: tuple[str, ...] = HYBRID, attention: str
         pad_token_id=None,
         attn_implementation=attention,
     )
-    torch.manual_seed(seed)
-    model = randomized(Gemma3ForCausalLM(config).eval(), seed, weight_std=0.2)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    return model
+    return _random(Gemma3ForCausalLM, config, seed)
 
 
 def tiny_mistral(seed: int, attention: str = "sdpa") -> MistralForCausalLM:
@@ -67,8 +63,13 @@ def tiny_mistral(seed: int, attention: str = "sdpa") -> MistralForCausalLM:
         pad_token_id=None,
         attn_implementation=attention,
     )
+    return _random(MistralForCausalLM, config, seed)
+
+
+def _random(model_cls, config, seed: int):
+    """Random weights large enough to move every logit; the head scaled up so the law is far from uniform."""
     torch.manual_seed(seed)
-    model = randomized(MistralForCausalLM(config).eval(), seed, weight_std=0.2)
+    model = randomized(model_cls(config).eval(), seed, weight_std=0.2)
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
     return model

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native_llama import SETTING_NAMES, SETTINGS, _build, _ids, _loaded
+from test_native_llama import SETTING_NAMES, SETTINGS, _assert_rows_equal_single_steps, _build, _ids, _loaded
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 import specdecode as sd
@@ -96,16 +96,6 @@ def test_last_visible_keeps_each_rows_last_window_keys():
     expected = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 0, 1], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
     assert torch.equal(last_visible(mask, 2), expected)
     assert torch.equal(last_visible(mask, 0), mask)
-
-
-def _assert_rows_equal_single_steps(runner, context: list[int], tokens: list[int]) -> None:
-    runner.reset()
-    runner.prefill(torch.tensor(context))
-    together = runner.forward(torch.tensor(tokens))
-    runner.rollback_to(len(context))
-    for row, token in enumerate(tokens):
-        single = runner.forward(torch.tensor([token]))[0]
-        assert torch.equal(together[row], single), f"row {row} of {len(tokens)} after {len(context)} tokens"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -25,15 +25,13 @@ def _single_steps(runner, context: list[int], tokens: list[int]) -> torch.Tensor
     return torch.cat([runner.forward(torch.tensor([t])) for t in tokens])
 
 
-@pytest.mark.parametrize("family", list(MODELS))
-@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
-def test_a_144_row_batch_gives_each_request_its_own_steps_bitwise(family, dtype, quantization, group_size, kernels):
-    target = _loaded(MODELS[family](), dtype, quantization, group_size, kernels)
-    ids = _ids(700, seed=11)
-    lengths = [1, 3, 15, 16, 17, 31, 64, 100, 127, 128, 129, 200, 255, 256, 300, 400]  # around tile/chunk edges
-    assert len(lengths) == REQUESTS
+def _assert_batch_is_each_requests_own(target, ids: list[int], lengths: list[int], first_chunk: int) -> None:
+    """REQUESTS runners with caches of ``lengths`` (contexts taken from ``ids``), one 144-row batched pass of
+    ROWS_PER_REQUEST tokens each (from ``ids[first_chunk:]``): every request's logits bitwise its own steps."""
+    assert len(lengths) == REQUESTS and len(ids) >= first_chunk + REQUESTS * ROWS_PER_REQUEST
     contexts = [ids[i : i + n] for i, n in enumerate(lengths)]
-    chunks = [ids[500 + ROWS_PER_REQUEST * i : 500 + ROWS_PER_REQUEST * (i + 1)] for i in range(REQUESTS)]
+    starts = [first_chunk + ROWS_PER_REQUEST * i for i in range(REQUESTS)]
+    chunks = [ids[s : s + ROWS_PER_REQUEST] for s in starts]
     batch = [target.new_runner() for _ in contexts]
     for runner, context in zip(batch, contexts, strict=True):
         runner.prefill(torch.tensor(context))
@@ -42,6 +40,14 @@ def test_a_144_row_batch_gives_each_request_its_own_steps_bitwise(family, dtype,
     alone = target.new_runner()
     for index, (context, chunk, logits) in enumerate(zip(contexts, chunks, together, strict=True)):
         assert torch.equal(logits, _single_steps(alone, context, chunk)), f"request {index} (cache {len(context)})"
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
+def test_a_144_row_batch_gives_each_request_its_own_steps_bitwise(family, dtype, quantization, group_size, kernels):
+    target = _loaded(MODELS[family](), dtype, quantization, group_size, kernels)
+    lengths = [1, 3, 15, 16, 17, 31, 64, 100, 127, 128, 129, 200, 255, 256, 300, 400]  # around tile/chunk edges
+    _assert_batch_is_each_requests_own(target, _ids(700, seed=11), lengths, 500)
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -75,13 +81,4 @@ def test_the_bundled_models_144_row_batch_is_each_requests_own_steps(name, quant
     target = sd.load_model(name, quantization=quantization, dtype=dtype)
     ids = target.encode(" ".join(f"Line {i}: the tide came in at {i % 12} o'clock." for i in range(120)))
     lengths = [1, 5, 16, 17, 40, 64, 100, 127, 128, 129, 180, 256, 300, 384, 450, 520]
-    assert len(ids) >= 600 + REQUESTS * ROWS_PER_REQUEST
-    contexts = [ids[i : i + n] for i, n in enumerate(lengths)]
-    chunks = [ids[600 + ROWS_PER_REQUEST * i : 600 + ROWS_PER_REQUEST * (i + 1)] for i in range(REQUESTS)]
-    batch = [target.new_runner() for _ in contexts]
-    for runner, context in zip(batch, contexts, strict=True):
-        runner.prefill(torch.tensor(context))
-    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
-    alone = target.new_runner()
-    for index, (context, chunk, logits) in enumerate(zip(contexts, chunks, together, strict=True)):
-        assert torch.equal(logits, _single_steps(alone, context, chunk)), f"request {index} (cache {len(context)})"
+    _assert_batch_is_each_requests_own(target, ids, lengths, 600)
