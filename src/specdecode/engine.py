@@ -6,7 +6,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from .output import OutputSink
 from .params import SamplingParams
 from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
 from .proposers.prompt_lookup import PromptLookupProposer
+from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
 from .sampling import probs_from_logits
 from .stats import DecodeStats
 from .tree import attention_mask, children, depths, prune_depth
@@ -36,7 +37,8 @@ TextCallback = Callable[[str], None]
 
 @dataclass
 class GenerationOutput:
-    """Result of one request: generated ids (EOS included if it ended generation), text, seed and stats."""
+    """Result of one request: generated ids (EOS included if it ended generation), text, seed and stats;
+    per token its source (an accepted guess or the target's own) and, if asked for, its logprobs."""
 
     token_ids: list[int]
     text: str
@@ -44,6 +46,8 @@ class GenerationOutput:
     stats: DecodeStats
     finish_reason: str
     prompt_ids: list[int]
+    sources: list[TokenSource] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -80,9 +84,17 @@ def _check_context_window(target: LoadedModel, prompt_tokens: int, max_new_token
     )
 
 
+def _check_logprobs(logprobs: int | None) -> None:
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+    ):
+        raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {logprobs!r}")
+
+
 class Request:
     """Per-request state shared by both loops (and the server's scheduler): context, output sink, generator,
-    stats, stream callback."""
+    stats, stream callback; each kept token's source and (``logprobs`` not None: with that many alternatives)
+    its logprobs."""
 
     def __init__(
         self,
@@ -90,9 +102,11 @@ class Request:
         prompt: str | list[int],
         params: SamplingParams,
         on_text: TextCallback | None,
+        logprobs: int | None = None,
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        _check_logprobs(logprobs)
         if params.stop and target.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         self.prompt_ids = target.encode(prompt)
@@ -109,6 +123,9 @@ class Request:
         self.started = time.perf_counter()
         # The target's verified features, in position order (rows of passes over a capture_hidden runner).
         self.target_hidden: list[torch.Tensor] = []
+        self.sources: list[TokenSource] = []
+        self.top_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
 
     def prefill(self, runner) -> None:
         """Fill the cache with every prompt token but the last, which leads the first round."""
@@ -124,10 +141,15 @@ class Request:
         if getattr(runner, "capture_hidden", False):
             self.target_hidden.append(runner.hidden[rows])
 
-    def emit(self, tokens: list[int]) -> int:
-        """Append tokens up to the first stop condition; stream new text; return how many were kept."""
+    def emit(self, tokens: list[int], sources: list[TokenSource], rows: torch.Tensor) -> int:
+        """Append tokens up to the first stop condition, with their ``sources`` and (if asked) the logprobs
+        from ``rows``, the target's logits row that chose each token; stream new text; return how many were
+        kept."""
         kept = self.sink.push(tokens)
         self.context.extend(self.sink.token_ids[len(self.sink.token_ids) - kept :])
+        self.sources.extend(sources[:kept])
+        if self.logprobs is not None:
+            self.logprobs.extend(token_logprobs(rows[:kept], tokens[:kept], self.top_logprobs))
         if self.on_text is not None:
             delta = self.sink.take_delta()
             if delta:
@@ -148,6 +170,8 @@ class Request:
             self.stats,
             self.sink.finish_reason or "length",
             self.prompt_ids,
+            list(self.sources),
+            None if self.logprobs is None else list(self.logprobs),
         )
 
 
@@ -216,20 +240,24 @@ class SpeculativeDecoder:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         on_text: TextCallback | None = None,
+        logprobs: int | None = None,
     ) -> GenerationOutput:
-        """Generate from ``prompt``; ``on_text`` receives text as soon as tokens are accepted."""
+        """Generate from ``prompt``; ``on_text`` receives text as soon as tokens are accepted; ``logprobs``
+        (0..20 alternatives) records each token's logprobs under the target (``provenance``)."""
         params = SamplingParams() if params is None else params
-        request = self._start(prompt, params, on_text)
+        request = self._start(prompt, params, on_text, logprobs)
         while not request.done:
             self._round(request)
         self.end_request(request, self.proposer)
         return request.finish()
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, logprobs: int | None = None
+    ) -> Iterator[str]:
         """Yield text pieces as they are accepted; afterwards ``last_output`` holds the full result."""
         chunks: list[str] = []
         params = SamplingParams() if params is None else params
-        request = self._start(prompt, params, chunks.append)
+        request = self._start(prompt, params, chunks.append, logprobs)
         while not request.done:
             self._round(request)
             yield from chunks
@@ -237,8 +265,10 @@ class SpeculativeDecoder:
         self.end_request(request, self.proposer)
         self.last_output = request.finish()
 
-    def _start(self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None) -> Request:
-        request = Request(self.target, prompt, params, on_text)
+    def _start(
+        self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None, logprobs: int | None
+    ) -> Request:
+        request = Request(self.target, prompt, params, on_text, logprobs)
         if self.gamma == "auto":
             request.controller = AdaptiveGamma(self.max_gamma, self.costs)
         request.prefill(self._runner)
@@ -307,7 +337,8 @@ class SpeculativeDecoder:
             controller.observe(n_drafted, n_accepted)
             self.costs.observe(n_drafted + 1, t2 - started, n_drafted, pending.draft_seconds)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
-        request.emit(draft.tokens[:n_accepted].tolist() + [token])
+        sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
+        request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
         runner.rollback_to(len(context) - 1)
 
     def _settle_tree(
@@ -339,8 +370,10 @@ class SpeculativeDecoder:
             controller.observe_tree(len(draft) + 1, pending.draft_seconds)
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), pending.draft_seconds)
         start = len(context)  # node i sits at slot start + i
-        request.keep_hidden(runner, [0] + [node + 1 for node in accepted])
-        request.emit(draft.tokens[accepted].tolist() + [token])
+        path_rows = [0] + [node + 1 for node in accepted]  # the rows that chose the emitted tokens
+        request.keep_hidden(runner, path_rows)
+        sources = round_sources(len(accepted), True, rejected)
+        request.emit(draft.tokens[accepted].tolist() + [token], sources, logits[path_rows])
         runner.retain(start, [start + node for node in accepted])
 
 
@@ -350,13 +383,15 @@ def autoregressive_generate(
     params: SamplingParams | None = None,
     on_text: TextCallback | None = None,
     runner: ModelRunner | None = None,
+    logprobs: int | None = None,
 ) -> GenerationOutput:
     """Plain decoding, one target pass per token, through the same runner, sampling and stop handling.
 
-    ``runner``: one of ``target``'s runners to reuse (emptied first), instead of a fresh one per call."""
+    ``runner``: one of ``target``'s runners to reuse (emptied first), instead of a fresh one per call;
+    ``logprobs``: as for ``SpeculativeDecoder.generate``."""
     target = load_model(target)
     params = SamplingParams() if params is None else params
-    request = Request(target, prompt, params, on_text)
+    request = Request(target, prompt, params, on_text, logprobs)
     if runner is None:
         runner = target.new_runner()
     else:
@@ -364,9 +399,9 @@ def autoregressive_generate(
     request.prefill(runner)
     while not request.done:
         t0 = time.perf_counter()
-        logits = runner.forward(torch.tensor(request.context[-1:], dtype=torch.int64))[0]
-        token = request.noise.token(logits, params, len(request.context))
+        logits = runner.forward(torch.tensor(request.context[-1:], dtype=torch.int64))
+        token = request.noise.token(logits[0], params, len(request.context))
         request.stats.verify_seconds += time.perf_counter() - t0
         request.stats.record_round(0, 0)
-        request.emit([token])
+        request.emit([token], round_sources(0, False, False), logits)
     return request.finish()
