@@ -1,9 +1,11 @@
 """The FastAPI app: OpenAI-compatible routes over one ``Scheduler`` (the engine thread).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``),
-``GET /v1/models``, ``GET /health`` (no key needed), ``GET /metrics`` (Prometheus). Handlers validate and
-tokenize on the event loop, hand the request to the engine thread and await its events; a client that goes
-away (mid-stream, or while waiting) is cancelled at the engine's next step, which frees its slot and cache.
+``GET /v1/models``, ``GET /v1/speculation`` (what the server offers and is doing), ``GET /health``,
+``GET /metrics`` (Prometheus), and the page at ``GET /`` (``static/``; the page and /health need no key).
+Handlers validate and tokenize on the event loop, hand the request to the engine thread and await its events; a
+client that goes away (mid-stream, or while waiting) is cancelled at the engine's next step, which frees its
+slot and cache.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -46,8 +50,11 @@ from .protocol import (
     validation_message,
 )
 from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
+from .tokens import TokenTrack
 
 log = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = ("/health", "/", "/favicon.ico")  # and /static/...: the page holds no data; its API calls need the key
 DISCONNECT_POLL_SECONDS = 0.25
 SUFFIX_SCOPES = ("global", "request")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
@@ -168,6 +175,19 @@ class Server:
             self.suffix.save(config.suffix_cache)
             log.info("suffix history saved to %s (%d tokens)", config.suffix_cache, len(self.suffix.history))
 
+    def speculation_state(self) -> dict[str, Any]:
+        """``GET /v1/speculation``: the proposers a request may pick, the defaults, and whether the engine's last
+        step speculated (with the running and waiting request counts)."""
+        return {
+            "model": self.model_name,
+            "proposers": [PLAIN, *self.scheduler.proposers],
+            "default": {"proposer": self.default.proposer, "gamma": self.default.gamma},
+            "max_gamma": self.config.max_gamma,
+            "mode": self.config.mode,
+            "policy": self.config.policy,
+            **self.scheduler.status(),
+        }
+
     # --- turning a body into a job --------------------------------------------------------------------
 
     def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[Request, Speculation, Shape]:
@@ -186,12 +206,14 @@ class Server:
         temperature = 1.0 if body.temperature is None else body.temperature
         top_k = 0 if body.top_k in (None, -1) else body.top_k
         top_p = 1.0 if body.top_p is None else body.top_p
+        logprobs = body.logprob_alternatives()
         try:
             params = SamplingParams(temperature, top_k, top_p, max_tokens, body.seed, body.stop_strings())
-            request = Request(self.target, ids, params, None)
+            request = Request(self.target, ids, params, None, logprobs)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        return request, self._speculation(body.speculative), Shape(chat, self.model_name, len(ids))
+        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs)
+        return request, self._speculation(body.speculative), shape
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt_value()
@@ -268,7 +290,7 @@ class Server:
     async def respond(self, body: CompletionRequest | ChatCompletionRequest, http: HTTPRequest) -> Response:
         request, speculation, shape = self.prepare(body)
         inbox = Inbox(asyncio.get_running_loop())
-        job = Job(request, speculation, inbox.put)
+        job = Job(request, speculation, inbox.put, shape.wants_tokens)
         self.scheduler.submit(job)
         try:
             event = await inbox.next(http)
@@ -284,7 +306,13 @@ class Server:
                 event = await inbox.next(http)
             if event.kind == "error":
                 return _error_response(500, f"generation failed: {event.error}")
-            return JSONResponse(shape.response(event.output))
+            output = event.output
+            records = None
+            if shape.wants_tokens:
+                track = TokenTrack(self.target.decode)
+                track.add(output.token_ids, output.sources, output.logprobs)
+                records = track.finish(output.text)
+            return JSONResponse(shape.response(output, records))
         except (ClientGone, asyncio.CancelledError):
             self.scheduler.cancel(job)
             raise
@@ -294,18 +322,27 @@ class Server:
     ) -> AsyncIterator[str]:
         options = body.stream_options
         continuous = options is not None and options.continuous_usage_stats
+        track = TokenTrack(self.target.decode) if shape.wants_tokens else None
+        sent = 0  # characters of text streamed so far
         finished = False
         try:
             if shape.chat:
                 yield shape.chunk("", role=True, usage_=usage(shape.prompt_tokens, 0) if continuous else None)
             while True:
                 if event.kind == "text":
-                    running = usage(shape.prompt_tokens, event.completion_tokens) if continuous else None
-                    yield shape.chunk(event.text, usage_=running)
+                    sent += len(event.text)
+                    records = None
+                    if track is not None:  # the tokens whose text has been streamed
+                        track.add(event.token_ids, event.sources, event.logprobs)
+                        records = track.take(sent)
+                    if event.text or records:
+                        running = usage(shape.prompt_tokens, event.completion_tokens) if continuous else None
+                        yield shape.chunk(event.text, usage_=running, records=records)
                 elif event.kind == "done":
                     output = event.output
                     final = usage(shape.prompt_tokens, len(output.token_ids), output) if continuous else None
-                    yield shape.chunk("", finish_reason(output), usage_=final)
+                    records = None if track is None else track.finish(output.text)
+                    yield shape.chunk("", finish_reason(output), usage_=final, records=records)
                     if options is not None and options.include_usage:
                         yield shape.usage_chunk(output)
                     finished = True
@@ -376,7 +413,8 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope.get("path") != "/health":
+        path = scope.get("path", "")
+        if self.expected is not None and path not in OPEN_PATHS and not path.startswith("/static/"):
             given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
@@ -456,6 +494,17 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: HTTPRequest) -> Response:
         return Response(request.app.state.server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/speculation")
+    async def speculation(request: HTTPRequest) -> dict[str, Any]:
+        """What the server offers (proposers, defaults) and what the engine is doing now."""
+        return request.app.state.server.speculation_state()
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:

@@ -2,10 +2,13 @@
 and errors (``{"error": {"message", "type", "param", "code"}}``).
 
 Bodies are parsed strictly (a string where a number belongs is an error, not a coercion); unknown fields are
-ignored, as OpenAI's own server does. Fields we cannot honour (n > 1, logprobs, echo, penalties) are refused
-with a 400 rather than silently ignored. Extensions: ``top_k``; ``speculative`` (``false``, ``true`` or
-``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every chunk, as vLLM);
-``usage`` also counts drafted and accepted tokens.
+ignored, as OpenAI's own server does. Fields we cannot honour (n > 1, echo, penalties) are refused with a 400
+rather than silently ignored. ``logprobs`` (and chat's ``top_logprobs``) are the target's own log-softmax,
+before temperature, top-k and top-p (``provenance``). Extensions: ``top_k``; ``speculative`` (``false``,
+``true`` or ``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every
+chunk, as vLLM); ``include_sources`` (top level or in ``stream_options``: each choice or chunk lists its tokens'
+sources, ``tokens.sources_json``); ``usage`` also counts drafted and accepted tokens and, in the final usage,
+what speculation did (``speculation``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from ..engine import GenerationOutput
+from ..provenance import MAX_TOP_LOGPROBS
+from .tokens import TokenRecord, chat_logprobs_json, completion_logprobs_json, sources_json
 
 MAX_STOP_STRINGS = 4
 MAX_GAMMA = 16
@@ -79,6 +84,7 @@ class SpeculativeOptions(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_sources: bool = False
 
 
 class _Sampling(_Strict):
@@ -95,6 +101,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     speculative: bool | SpeculativeOptions | None = None
+    include_sources: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -139,6 +146,14 @@ class _Sampling(_Strict):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def wants_sources(self) -> bool:
+        """Each token's source in the choice (or every chunk): top-level or ``stream_options.include_sources``."""
+        return self.include_sources or (self.stream_options is not None and self.stream_options.include_sources)
+
+    def logprob_alternatives(self) -> int | None:
+        """How many alternatives each token's logprobs list (None: no logprobs)."""
+        return None
+
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions. ``prompt``: a string, token ids, or a one-element list of either."""
@@ -153,12 +168,15 @@ class CompletionRequest(_Sampling):
         super().check()
         if self.echo:
             raise APIError(400, "echo is not supported", "echo")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}", "logprobs")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     def prompt_value(self) -> str | list[int]:
         """The one prompt: a non-empty string or a non-empty list of token ids."""
@@ -204,6 +222,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
 
     def checked_max_tokens(self) -> int | None:
@@ -219,10 +238,18 @@ class ChatCompletionRequest(_Sampling):
         super().check()
         if not self.messages:
             raise APIError(400, "messages is empty: give at least one message", "messages")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(
+                    400, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}", "top_logprobs"
+                )
         if self.tools:
             raise APIError(400, "tools are not supported", "tools")
+
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def finish_reason(output: GenerationOutput) -> str:
@@ -245,18 +272,50 @@ def usage(prompt_tokens: int, completion_tokens: int, output: GenerationOutput |
             "accepted_prediction_tokens": stats.accepted,
             "rejected_prediction_tokens": stats.drafted - stats.accepted,
         }
+        out["speculation"] = {
+            "rounds": stats.rounds,
+            "tokens_per_round": stats.tokens_per_round,
+            "acceptance_by_depth": stats.per_position_rate,
+            "draft_seconds": stats.draft_seconds,
+            "verify_seconds": stats.verify_seconds,
+            "total_seconds": stats.total_seconds,
+        }
     return out
 
 
 class Shape:
-    """Responses and stream chunks of one request, in the shape of its route."""
+    """Responses and stream chunks of one request, in the shape of its route; with ``sources`` or
+    ``logprobs`` (not None), each choice also carries its tokens' records (``tokens``)."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+    def __init__(
+        self, chat: bool, model: str, prompt_tokens: int, sources: bool = False, logprobs: int | None = None
+    ) -> None:
         self.chat = chat
         self.model = model
         self.prompt_tokens = prompt_tokens
+        self.sources = sources
+        self.logprobs = logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._text_offset = 0  # completions' logprobs: where the next chunk's tokens start in the answer
+
+    @property
+    def wants_tokens(self) -> bool:
+        return self.sources or self.logprobs is not None
+
+    def _extras(self, choice: dict[str, Any], records: list[TokenRecord] | None) -> dict[str, Any]:
+        """Put the records' logprobs (in the route's shape) and sources into ``choice``."""
+        if records is None:
+            return choice
+        if self.logprobs is not None:
+            if self.chat:
+                choice["logprobs"] = chat_logprobs_json(records)
+            else:
+                choice["logprobs"] = completion_logprobs_json(records, self._text_offset)
+                self._text_offset += sum(len(r.text) for r in records)
+        if self.sources:
+            choice["sources"] = sources_json(records)
+        return choice
 
     def _envelope(self, kind: str, choice: dict[str, Any], usage_: dict[str, Any] | None) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -270,8 +329,8 @@ class Shape:
             body["usage"] = usage_
         return body
 
-    def response(self, output: GenerationOutput) -> dict[str, Any]:
-        """The non-streaming body."""
+    def response(self, output: GenerationOutput, records: list[TokenRecord] | None = None) -> dict[str, Any]:
+        """The non-streaming body (``records``: every token's, when the request asked for them)."""
         reason = finish_reason(output)
         if self.chat:
             message = {"role": "assistant", "content": output.text}
@@ -280,16 +339,22 @@ class Shape:
             choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
         body = self._envelope(
             "chat.completion" if self.chat else "text_completion",
-            choice,
+            self._extras(choice, records),
             usage(self.prompt_tokens, len(output.token_ids), output),
         )
         body["seed"] = output.seed
         return body
 
     def chunk(
-        self, text: str, reason: str | None = None, usage_: dict[str, Any] | None = None, role: bool = False
+        self,
+        text: str,
+        reason: str | None = None,
+        usage_: dict[str, Any] | None = None,
+        role: bool = False,
+        records: list[TokenRecord] | None = None,
     ) -> str:
-        """One server-sent event: a text delta (chat: the first carries the role), or the finish reason."""
+        """One server-sent event: a text delta (chat: the first carries the role) with its tokens' ``records``,
+        or the finish reason."""
         if self.chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
@@ -297,6 +362,7 @@ class Shape:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = self._extras(choice, records)
         return sse(self._envelope("chat.completion.chunk" if self.chat else "text_completion", choice, usage_))
 
     def usage_chunk(self, output: GenerationOutput) -> str:

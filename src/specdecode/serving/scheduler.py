@@ -31,6 +31,7 @@ from ..engine import GenerationOutput, Request, Round, SpeculativeDecoder
 from ..models.base import ModelRunner
 from ..models.batch import forward_batch
 from ..proposers.base import Proposer
+from ..provenance import TokenLogprob, TokenSource
 from .metrics import ServerMetrics
 from .policy import Acceptance, Candidate, SpeculationPolicy, blended_acceptance
 
@@ -50,22 +51,34 @@ class Speculation:
 
 @dataclass(frozen=True)
 class Event:
-    """What a job reports: ``text`` (a delta; ``completion_tokens`` so far), ``done`` (the output) or ``error``."""
+    """What a job reports: ``text`` (a delta; ``completion_tokens`` so far; for a job that wants them, the new
+    tokens with their sources and logprobs), ``done`` (the output) or ``error``."""
 
     kind: str
     text: str = ""
     completion_tokens: int = 0
     output: GenerationOutput | None = None
     error: str = ""
+    token_ids: tuple[int, ...] = ()
+    sources: tuple[TokenSource, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Job:
-    """One request inside the scheduler: the engine's request, how it speculates, where its events go."""
+    """One request inside the scheduler: the engine's request, how it speculates, where its events go;
+    ``wants_tokens``: every text event also carries its tokens (their sources, logprobs)."""
 
-    def __init__(self, request: Request, speculation: Speculation, deliver: Callable[[Event], None]) -> None:
+    def __init__(
+        self,
+        request: Request,
+        speculation: Speculation,
+        deliver: Callable[[Event], None],
+        wants_tokens: bool = False,
+    ) -> None:
         self.request = request
         self.speculation = speculation
         self.deliver = deliver
+        self.wants_tokens = wants_tokens
         self.cancelled = False
         self.arrived = time.perf_counter()
         self.slot: Slot | None = None
@@ -124,6 +137,7 @@ class Scheduler:
         self._acceptance: dict[str, Acceptance] = {}
         self._draft_seconds: dict[str, float] = {}
         self._stopping = False
+        self._speculated = False  # whether the last step drafted anything
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
 
     # --- any thread ---------------------------------------------------------------------------------
@@ -144,6 +158,10 @@ class Scheduler:
         if job.speculation.proposer != PLAIN and job.speculation.proposer not in self.proposers:
             raise ValueError(f"unknown proposer {job.speculation.proposer!r}")
         self._inbox.put(job)
+
+    def status(self) -> dict[str, bool | int]:
+        """Whether the last step speculated, and the running and waiting request counts (a snapshot)."""
+        return {"speculating": self._speculated, "running": len(self._active), "waiting": len(self._waiting)}
 
     def forget_learned(self) -> None:
         """Drop what the engine has learned across requests (each proposer's acceptance prior and draft cost):
@@ -259,7 +277,7 @@ class Scheduler:
         if all(x is not None for x in logits):
             self.policy.costs.observe(rows, seconds)
             self.metrics.pass_seconds.labels(str(rows)).set(self.policy.costs.seconds[rows])
-        speculating = rows > len(rounds)
+        speculating = self._speculated = rows > len(rounds)
         self.metrics.speculating.set(int(speculating))
         self.metrics.steps.labels(str(speculating).lower()).inc()
         self.metrics.planned_draft_tokens.set(plan.rows - len(plan.draft_lengths))
@@ -318,10 +336,13 @@ class Scheduler:
             self._finish(job)
 
     def _emit(self, job: Job) -> None:
-        """Send the text accepted this step; record time to first token and inter-token latency."""
+        """Send the text accepted this step (and, if wanted, its tokens); record time to first token and
+        inter-token latency."""
         now = time.perf_counter()
-        total = len(job.request.sink.token_ids)
-        new = total - job.sent_tokens
+        request = job.request
+        total = len(request.sink.token_ids)
+        sent = job.sent_tokens
+        new = total - sent
         if new <= 0:
             return
         if job.last_token_at is None:
@@ -333,7 +354,15 @@ class Scheduler:
         self.metrics.generation_tokens.inc(new)
         job.sent_tokens, job.last_token_at = total, now
         text = job.take_text()
-        if text:
+        if job.wants_tokens:
+            logprobs = None if request.logprobs is None else tuple(request.logprobs[sent:total])
+            tokens = tuple(request.sink.token_ids[sent:total])
+            job.deliver(
+                Event(
+                    "text", text, total, token_ids=tokens, sources=tuple(request.sources[sent:total]), logprobs=logprobs
+                )
+            )
+        elif text:
             job.deliver(Event("text", text, total))
 
     def _finish(self, job: Job) -> None:
