@@ -94,3 +94,22 @@ class Detokenizer:
         self._start, self._read = self._read, len(self.ids)
         self._prefix = self._decode(self.ids[self._start : self._read])
         return piece
+
+
+def fit_pieces(pieces: Sequence[str], text: str) -> list[str]:
+    """``pieces`` cut (or the last one completed) so that they concatenate to ``text``: the answer's final text
+    drops a matched stop string, and may end in a character whose last bytes no token completed."""
+    out, offset = [], 0
+    for piece in pieces:
+        fitted = text[offset : offset + len(piece)]
+        offset += len(fitted)
+        out.append(fitted)
+    if out and offset < len(text):
+        out[-1] += text[offset:]
+    return out
+
+
+def token_pieces(decode: Callable[[list[int]], str], token_ids: Sequence[int], text: str) -> list[str]:
+    """Each token's piece of ``text``, the answer decoded from ``token_ids`` (``Detokenizer``, ``fit_pieces``)."""
+    detok = Detokenizer(decode)
+    return fit_pieces([detok.push(t) for t in token_ids], text)

@@ -212,7 +212,7 @@ class Server:
             request = Request(self.target, ids, params, None, logprobs)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs)
+        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs, request.seed)
         return request, self._speculation(body.speculative), shape
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:

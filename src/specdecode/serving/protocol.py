@@ -288,9 +288,16 @@ class Shape:
     ``logprobs`` (not None), each choice also carries its tokens' records (``tokens``)."""
 
     def __init__(
-        self, chat: bool, model: str, prompt_tokens: int, sources: bool = False, logprobs: int | None = None
+        self,
+        chat: bool,
+        model: str,
+        prompt_tokens: int,
+        sources: bool = False,
+        logprobs: int | None = None,
+        seed: int | None = None,
     ) -> None:
         self.chat = chat
+        self.seed = seed  # the request's seed, in every body and chunk (a run can be replayed)
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.sources = sources
@@ -327,6 +334,8 @@ class Shape:
         }
         if usage_ is not None:
             body["usage"] = usage_
+        if self.seed is not None:
+            body["seed"] = self.seed
         return body
 
     def response(self, output: GenerationOutput, records: list[TokenRecord] | None = None) -> dict[str, Any]:

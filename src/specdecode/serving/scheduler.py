@@ -160,8 +160,10 @@ class Scheduler:
         self._inbox.put(job)
 
     def status(self) -> dict[str, bool | int]:
-        """Whether the last step speculated, and the running and waiting request counts (a snapshot)."""
-        return {"speculating": self._speculated, "running": len(self._active), "waiting": len(self._waiting)}
+        """Whether the engine is speculating (its last step drafted, and requests are running), and the running
+        and waiting request counts (a snapshot)."""
+        running = len(self._active)
+        return {"speculating": self._speculated and running > 0, "running": running, "waiting": len(self._waiting)}
 
     def forget_learned(self) -> None:
         """Drop what the engine has learned across requests (each proposer's acceptance prior and draft cost):

@@ -8,11 +8,12 @@ describe the text sent so far; at the end, the pieces are cut or completed to co
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..provenance import Detokenizer, TokenLogprob, TokenSource
+from ..provenance import Detokenizer, TokenLogprob, TokenSource, fit_pieces
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for log(0)
 
@@ -57,22 +58,12 @@ class TokenTrack:
         return self._records[start : self._taken]
 
     def finish(self, text: str) -> list[TokenRecord]:
-        """Every record not taken yet, the pieces cut to end with ``text`` (the last one gets any rest)."""
+        """Every record not taken yet, the pieces fitted to end the answer's final ``text`` (``fit_pieces``)."""
         rest = self._records[self._taken :]
         offset = self._ends[self._taken - 1] if self._taken else 0
         self._taken = len(self._records)
-        out = []
-        for record in rest:
-            piece = text[offset : offset + len(record.text)]
-            offset += len(piece)
-            out.append(_with_text(record, piece))
-        if out and offset < len(text):
-            out[-1] = _with_text(out[-1], out[-1].text + text[offset:])
-        return out
-
-
-def _with_text(record: TokenRecord, text: str) -> TokenRecord:
-    return TokenRecord(record.token, text, record.source, record.logprob, record.alternatives)
+        pieces = fit_pieces([r.text for r in rest], text[offset:])
+        return [dataclasses.replace(record, text=piece) for record, piece in zip(rest, pieces, strict=True)]
 
 
 def sources_json(records: Sequence[TokenRecord]) -> list[dict[str, Any]]:
