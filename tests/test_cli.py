@@ -54,6 +54,31 @@ def test_generate_plain_and_speculative_print_the_same_text(tiny_target):
     assert plain.stdout == spec.stdout == selfspec.stdout
 
 
+def test_generate_show_colours_the_same_text_by_source(tiny_target):
+    import re
+
+    args = ["generate", "w4 w5 w6 w4 w5 w6 w4 w5", "--raw", "--max-new-tokens", "16", "--gamma", "3"]
+    plain = runner.invoke(cli.app, args)
+    shown = runner.invoke(cli.app, [*args, "--show"], env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
+    assert plain.exit_code == shown.exit_code == 0, shown.output
+    assert "\x1b[" in shown.stdout and "\x1b[" not in plain.stdout  # coloured only with --show
+    assert re.sub(r"\x1b\[[0-9;]*m", "", shown.stdout) == plain.stdout  # the same text, token for token
+    legend = re.sub(r"\x1b\[[0-9;]*m", "", shown.stderr)
+    accepted = json.loads(runner.invoke(cli.app, [*args, "--json"]).stdout)["stats"]["accepted"]
+    counts = [int(n) for n in re.findall(r" \d\+? \((\d+)\) ", legend)]
+    assert accepted > 0 and sum(counts) == accepted and "recovered after a rejection" in legend
+    refused = runner.invoke(cli.app, [*args, "--show", "--stream"])
+    assert refused.exit_code == 1 and "drop --stream" in refused.stderr
+
+
+def test_generate_json_lists_each_tokens_source(tiny_target):
+    args = ["generate", "w4 w5 w6 w4 w5 w6 w4 w5", "--raw", "--max-new-tokens", "16", "--json"]
+    data = json.loads(runner.invoke(cli.app, args).stdout)
+    kinds = [s["kind"] for s in data["sources"]]
+    assert len(kinds) == 16 and kinds.count("accepted") == data["stats"]["accepted"]
+    assert sum(k != "accepted" for k in kinds) == data["stats"]["rounds"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -52,6 +52,12 @@ def generate(
     max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable); it is cut from the output."),
     stream: bool = typer.Option(False, "--stream", help="Print text as tokens are accepted."),
+    show: bool = typer.Option(
+        False,
+        "--show",
+        help="Print the answer coloured by how each token was made: a guess the target accepted (green, by depth "
+        "in its round) or the target's own token (after a rejection, a bonus, or a plain step), with a legend.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, seed, stats)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     verbose: bool = typer.Option(
@@ -69,6 +75,8 @@ def generate(
     from specdecode.commands import build_proposer, load
     from specdecode.models.loader import resolve_dtype
 
+    if show and (stream or as_json):
+        raise ValueError("--show prints the coloured answer once it is complete: drop --stream and --json")
     if prompt == "-":
         prompt = sys.stdin.read()
     history_file = None if suffix_cache is None else Path(suffix_cache).expanduser()
@@ -128,10 +136,21 @@ def generate(
                     "token_ids": out.token_ids,
                     "seed": out.seed,
                     "finish_reason": out.finish_reason,
+                    "sources": [{"kind": s.kind, "depth": s.depth} for s in out.sources],
                     "stats": out.stats.to_dict(),
                 }
             )
         )
+    elif show:
+        from rich.console import Console
+
+        from specdecode.commands.show import coloured, legend
+        from specdecode.provenance import token_pieces
+
+        console = Console(highlight=False, soft_wrap=True)
+        console.print(coloured(token_pieces(target_model.decode, out.token_ids, out.text), out.sources))
+        err.print(legend(out.sources), highlight=False, soft_wrap=True)
+        err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
     else:
         print("" if stream else out.text)
         err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
