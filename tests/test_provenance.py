@@ -128,3 +128,15 @@ def test_pieces_concatenate_to_the_decoded_text(text):
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert "" in pieces  # a token inside a character: its piece waits for the token that completes it
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_pieces_concatenate_to_the_text_with_the_bundled_tokenizers(name):
+    tokenizer = sd.load_model(name).tokenizer
+    text = "Grüße aus Köln — 東京タワー 🗼🎉 naïve café\n\n  indented\tcode() {}"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731 as LoadedModel.decode
+    detok = Detokenizer(decode)
+    pieces = [detok.push(t) for t in ids]
+    assert "".join(pieces) == decode(ids)
