@@ -8,12 +8,10 @@ node i, so the row of a node's parent is ``parents[i] + 1``.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .proposers.base import Draft
+from .draft import Draft
 
 
 def children(parents: torch.Tensor) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""The CLI's commands, one module each (registered by ``specdecode.cli``), and the helpers they share."""
+"""The CLI's commands, one module each (registered by ``specdecode.cli``), and the helpers they share (models and
+proposers from CLI words come from ``specdecode.factory``, re-exported here)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from specdecode import factory
 from specdecode.errors import SpecDecodeError
+from specdecode.factory import load as load
+from specdecode.factory import parse_quantization as parse_quantization
+from specdecode.factory import suffix_proposer as suffix_proposer
 
 err = Console(stderr=True)
 USER_ERRORS = (SpecDecodeError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
@@ -102,79 +107,7 @@ def parse_gamma(text: str) -> int | str:
     return int(text)
 
 
-def parse_quantization(text: str) -> str | None:
-    """``--quantization`` words: ``none`` = dense, else auto / gguf / int8 / int4."""
-    from specdecode.models.quantize import QUANTIZATIONS
-
-    if text == "none":
-        return None
-    if text not in ("auto", *QUANTIZATIONS):
-        raise ValueError(f"--quantization must be auto, {', '.join(QUANTIZATIONS)} or none, got {text!r}")
-    return text
-
-
-def load(name: str, dtype: str, quantization: str = "auto", group_size: int = 32):
-    """A model from CLI words (``--quantization`` as the CLI spells it)."""
-    from specdecode.models.loader import load_model
-
-    return load_model(name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size)
-
-
-def build_proposer(
-    kind: str,
-    target,
-    draft: str | None,
-    dtype: str = "float32",
-    quantization: str = "auto",
-    group_size: int = 32,
-    head: str | None = None,
-    tree_nodes: int | None = None,
-    tree_width: int = 1,
-    suffix_cache: str | None = None,
-):
-    """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
-    0 = a chain), ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a
-    path or ``self:N``; ``tree_width`` > 1: lookup offers that many distinct matches as a token tree."""
-    from specdecode.proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, PromptLookupProposer
-
-    if tree_width < 1:
-        raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
-    if suffix_cache is not None and kind != "suffix":
-        raise ValueError(f"--suffix-cache applies to the suffix proposer, not {kind}")
-    if tree_width > 1 and kind != "lookup":
-        raise ValueError(f"--tree-width applies to the lookup proposer, not {kind}")
-    if kind == "lookup":
-        return PromptLookupProposer(branches=tree_width)
-    if kind == "eagle":
-        if tree_nodes is not None and tree_nodes < 0:
-            raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
-        shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
-        return EagleProposer(target, head=head, **shape)
-    if kind == "suffix":
-        return suffix_proposer(suffix_cache, tree_nodes)
-    if kind != "draft":
-        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, suffix or none")
-    if draft is None:
-        raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
-    if draft.startswith("self:"):
-        layers = draft.removeprefix("self:")
-        if not layers.isdigit():
-            raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}")
-        return LayerSkipProposer(target, int(layers))
-    return DraftModelProposer(load(draft, dtype, quantization, group_size))
-
-
-def suffix_proposer(cache: str | None, tree_nodes: int | None = None, remember: bool = True):
-    """A SuffixProposer over the history file ``cache`` (loaded if it exists; a new history otherwise)."""
-    from pathlib import Path
-
-    from specdecode.proposers import SuffixProposer
-
-    if tree_nodes is not None and tree_nodes < 0:
-        raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
-    shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes}
-    if cache is not None and Path(cache).expanduser().is_dir():
-        raise IsADirectoryError(f"--suffix-cache must be a file, got the folder {cache}")
-    if cache is not None and Path(cache).expanduser().exists():
-        return SuffixProposer.load(Path(cache).expanduser(), remember=remember, **shape)
-    return SuffixProposer(remember=remember, **shape)
+def build_proposer(*args: Any, **kwargs: Any) -> Any:
+    """``factory.build_proposer``, a draft model loading with this package's ``load`` (so that what replaces
+    ``commands.load``, as tests do, loads the draft too)."""
+    return factory.build_proposer(*args, loader=load, **kwargs)

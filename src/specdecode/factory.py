@@ -1,0 +1,93 @@
+"""Models and proposers from their names: the words the CLI's options and the server's config share.
+
+Messages name the CLI's flags (``--tree-width``): the CLI is where those words are typed; the server passes its
+config's fields through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .models.loader import LoadedModel
+    from .proposers import Proposer, SuffixProposer
+
+
+def parse_quantization(text: str) -> str | None:
+    """``--quantization`` words: ``none`` = dense, else auto / gguf / int8 / int4."""
+    from .models.quantize import QUANTIZATIONS
+
+    if text == "none":
+        return None
+    if text not in ("auto", *QUANTIZATIONS):
+        raise ValueError(f"--quantization must be auto, {', '.join(QUANTIZATIONS)} or none, got {text!r}")
+    return text
+
+
+def load(name: str, dtype: str, quantization: str = "auto", group_size: int = 32) -> LoadedModel:
+    """A model from CLI words (``--quantization`` as the CLI spells it)."""
+    from .models.loader import load_model
+
+    return load_model(name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size)
+
+
+def build_proposer(
+    kind: str,
+    target: LoadedModel,
+    draft: str | None,
+    dtype: str = "float32",
+    quantization: str = "auto",
+    group_size: int = 32,
+    head: str | None = None,
+    tree_nodes: int | None = None,
+    tree_width: int = 1,
+    suffix_cache: str | None = None,
+    loader: Callable[[str, str, str, int], LoadedModel] | None = None,
+) -> Proposer:
+    """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
+    0 = a chain), ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a
+    path or ``self:N``; ``tree_width`` > 1: lookup offers that many distinct matches as a token tree. A draft
+    model loads with ``loader`` (default ``load``)."""
+    from .proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, PromptLookupProposer
+
+    if tree_width < 1:
+        raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
+    if suffix_cache is not None and kind != "suffix":
+        raise ValueError(f"--suffix-cache applies to the suffix proposer, not {kind}")
+    if tree_width > 1 and kind != "lookup":
+        raise ValueError(f"--tree-width applies to the lookup proposer, not {kind}")
+    if kind == "lookup":
+        return PromptLookupProposer(branches=tree_width)
+    if kind == "eagle":
+        if tree_nodes is not None and tree_nodes < 0:
+            raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
+        shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
+        return EagleProposer(target, head=head, **shape)
+    if kind == "suffix":
+        return suffix_proposer(suffix_cache, tree_nodes)
+    if kind != "draft":
+        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, suffix or none")
+    if draft is None:
+        raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
+    if draft.startswith("self:"):
+        layers = draft.removeprefix("self:")
+        if not layers.isdigit():
+            raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}")
+        return LayerSkipProposer(target, int(layers))
+    return DraftModelProposer((loader or load)(draft, dtype, quantization, group_size))
+
+
+def suffix_proposer(cache: str | None, tree_nodes: int | None = None, remember: bool = True) -> SuffixProposer:
+    """A SuffixProposer over the history file ``cache`` (loaded if it exists; a new history otherwise)."""
+    from .proposers import SuffixProposer
+
+    if tree_nodes is not None and tree_nodes < 0:
+        raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
+    shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes}
+    if cache is not None and Path(cache).expanduser().is_dir():
+        raise IsADirectoryError(f"--suffix-cache must be a file, got the folder {cache}")
+    if cache is not None and Path(cache).expanduser().exists():
+        return SuffixProposer.load(Path(cache).expanduser(), remember=remember, **shape)
+    return SuffixProposer(remember=remember, **shape)
