@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
 
 import httpx
 import openai
@@ -324,6 +325,30 @@ def test_oversized_body_is_refused_with_413(http):
     assert http.get("/health").json() == {"status": "ok"}
 
 
+def stdlib_post(port: int, path: str, body: bytes, chunked: bool, **headers: str) -> tuple[int, dict]:
+    """POST as Python's standard library does: the whole body is sent before the answer is read; with
+    ``Connection: close``, as urllib.request sends it (the server closes after answering)."""
+    connection = HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        content = iter([body[i : i + 2**16] for i in range(0, len(body), 2**16)]) if chunked else body
+        headers = {"Content-Type": "application/json", "Connection": "close", **headers}
+        connection.request("POST", path, body=content, headers=headers)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_8_mb_body_from_the_standard_library_client_gets_the_413_not_a_reset(server, http, chunked):
+    body = json.dumps({"prompt": "w1 " * 2_700_000, "max_tokens": 2}).encode()
+    assert len(body) > 8_000_000
+    status, answer = stdlib_post(server.port, "/v1/completions", body, chunked)
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+    assert "100000 bytes" in answer["error"]["message"]
+    assert http.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 2}).status_code == 200
+
+
 def test_models_health_and_metrics(http):
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
@@ -432,6 +457,8 @@ def test_api_key_is_checked_on_every_route_but_health(locked_server):
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     ok = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
     assert ok.status_code == 200
+    status, answer = stdlib_post(locked_server.port, "/v1/completions", b" " * 8_000_000, chunked=False)
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"  # the body read first: no reset
 
 
 def test_the_official_openai_client_works_unchanged(locked_server, target):
@@ -509,10 +536,11 @@ def test_engine_thread_batches_requests_of_mixed_prompt_lengths_in_one_pass(targ
 
 @pytest.fixture
 def cli_target(monkeypatch, target):
-    """Every model name the CLI loads is the tiny target."""
-    from specdecode import commands
+    """Every model name the CLI (or the server it builds) loads is the tiny target."""
+    from specdecode import commands, factory
 
     monkeypatch.setattr(commands, "load", lambda name, *settings: target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: target)
     return target
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -41,7 +41,9 @@ from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     Shape,
+    SpeculationState,
     SpeculativeOptions,
     error_body,
     finish_reason,
@@ -59,6 +61,11 @@ DISCONNECT_POLL_SECONDS = 0.25
 SUFFIX_SCOPES = ("global", "request")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
 CHAT_DEFAULT_MAX_TOKENS = 1024  # for a model that states no context window
+# A refused request's body (401, 413) is read and dropped up to this much, within this time, before the answer:
+# a client that reads only after sending all of it (Python's http.client) then gets the error, not a reset. Past
+# either bound the connection is closed: reading more would spend the server's bandwidth on a refused request.
+DRAIN_BYTES = 64 * 2**20
+DRAIN_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +139,7 @@ class Server:
     """The loaded model, the engine thread and the request handling behind the routes."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from ..commands import build_proposer, load, suffix_proposer
+        from ..factory import build_proposer, load, suffix_proposer
 
         if config.threads is not None:
             import torch
@@ -401,7 +408,11 @@ def _error_response(status: int, message: str, param: str | None = None, code: s
 
 
 class Guard:
-    """ASGI middleware: the API key (every route but /health) and the request-body size limit (413)."""
+    """ASGI middleware: the API key (every route but /health) and the request-body size limit (413).
+
+    The body is read here, before the app sees it (up to the limit: the app then reads it from memory). A refused
+    request's body is read and dropped first (``_drain``), so that a client that sends its whole body before
+    reading the answer (Python's ``http.client``) gets the error rather than a reset connection."""
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -418,25 +429,107 @@ class Guard:
             given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
-                await _error_response(401, message, None, "invalid_api_key")(scope, receive, send)
+                await _refuse(401, message, "invalid_api_key", scope, receive, send, _drainable(headers))
                 return
         limit = self.max_body_bytes
+        too_large = (413, _too_large(limit), "request_too_large", scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _error_response(413, _too_large(limit), None, "request_too_large")(scope, receive, send)
+            await _refuse(*too_large, _drainable(headers))
             return
-        received = 0
+        messages: list[dict] = []  # the body's messages, up to its end (or a disconnect)
+        received, more = 0, True
+        while more:
+            messages.append(message := await receive())
+            more = message["type"] == "http.request" and message.get("more_body", False)
+            received += len(message.get("body", b""))
+            if received > limit:  # no Content-Length (a chunked body), or a body longer than it said
+                await _refuse(*too_large, more)
+                return
+        replay = deque(messages)
 
-        async def counted() -> dict:
-            nonlocal received
+        async def replayed() -> dict:
+            return replay.popleft() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+
+def _drainable(headers: dict[bytes, bytes]) -> bool:
+    """Whether to read a refused request's unread body: not when the client waits for ``100 Continue`` (it sends
+    nothing unless asked), nor when it says the body is longer than ``DRAIN_BYTES``."""
+    length = headers.get(b"content-length", b"")
+    return headers.get(b"expect", b"").lower() != b"100-continue" and not (
+        length.isdigit() and int(length) > DRAIN_BYTES
+    )
+
+
+async def _refuse(
+    status: int, message: str, code: str, scope: dict, receive: Callable, send: Callable, drain: bool
+) -> None:
+    """Answer ``status`` without running the app; with ``drain``, once the rest of the body has been read and
+    dropped (``_drain``). Without it, or past the drain's bounds, the answer closes the connection."""
+    response = _error_response(status, message, None, code)
+    if not (drain and await _drain(receive)):
+        response.headers["Connection"] = "close"
+    await response(scope, receive, send)
+
+
+async def _drain(receive: Callable) -> bool:
+    """Read and drop the request body up to its end: True if it ended within ``DRAIN_BYTES`` and ``DRAIN_SECONDS``."""
+
+    async def read() -> bool:
+        dropped = 0
+        while dropped <= DRAIN_BYTES:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise HTTPException(413, _too_large(limit))
-            return message
+            if message["type"] != "http.request":
+                return False  # the client went away
+            dropped += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return True
+        return False
 
-        await self.app(scope, counted, send)
+    try:
+        return await asyncio.wait_for(read(), DRAIN_SECONDS)
+    except asyncio.TimeoutError:
+        return False
+
+
+ERROR_MEANINGS = {
+    400: "A field the server cannot take or honour (``param`` names it).",
+    401: "A missing or wrong API key (when the server has one).",
+    404: "A model this server does not serve.",
+    413: "A body larger than the server's limit (max_body_bytes).",
+    500: "Generation failed.",
+    "default": "Any other error (e.g. 405 for a wrong method, with an Allow header).",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses``: these statuses and any other error, each with OpenAI's error body."""
+    return {s: {"model": ErrorResponse, "description": ERROR_MEANINGS[s]} for s in (*statuses, "default")}
+
+
+GENERATION_RESPONSES = {
+    200: {
+        "description": "The answer; with ``stream``, server-sent events (``data: <chunk>``, last ``data: [DONE]``).",
+        "content": {  # one event's schema, as FastAPI documents its own event streams
+            "text/event-stream": {
+                "itemSchema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string", "description": "A chunk as JSON, or [DONE]."}},
+                    "required": ["data"],
+                }
+            }
+        },
+    },
+    **_errors(400, 401, 404, 413, 500),
+}
+
+
+METRICS_RESPONSE = {
+    "description": "Prometheus' text format.",
+    "content": {"text/plain": {"schema": {"type": "string"}}},
+}
 
 
 def _too_large(limit: int) -> str:
@@ -471,19 +564,21 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(exc.status_code, str(exc.detail))
+        response = _error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # 405's Allow: the methods the route takes
+        return response
 
     @app.exception_handler(Exception)
     async def server_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return _error_response(500, f"internal error: {type(exc).__name__}")
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "The engine thread has stopped."}})
     async def health(request: HTTPRequest) -> JSONResponse:
         alive = request.app.state.server.scheduler.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models(request: HTTPRequest) -> dict[str, Any]:
         server: Server = request.app.state.server
         card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "specdecode"}
@@ -491,11 +586,11 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
             card["max_model_len"] = server.window
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: METRICS_RESPONSE, **_errors(401)})
     async def metrics(request: HTTPRequest) -> Response:
         return Response(request.app.state.server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/speculation")
+    @app.get("/v1/speculation", response_model=SpeculationState, responses=_errors(401))
     async def speculation(request: HTTPRequest) -> dict[str, Any]:
         """What the server offers (proposers, defaults) and what the engine is doing now."""
         return request.app.state.server.speculation_state()
@@ -506,11 +601,11 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: HTTPRequest) -> Response:
         return await _answer(request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest) -> Response:
         return await _answer(request, body)
 

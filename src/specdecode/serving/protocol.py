@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine import GenerationOutput
 from ..provenance import MAX_TOP_LOGPROBS
@@ -27,6 +27,7 @@ from .tokens import TokenRecord, chat_logprobs_json, completion_logprobs_json, s
 MAX_STOP_STRINGS = 4
 MAX_GAMMA = 16
 MAX_SEED = 2**63
+SOURCES = "Each token's source (a draft guess accepted at its depth, or the target's own token) with its text."
 
 
 class APIError(Exception):
@@ -69,6 +70,44 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"invalid {where}: {first.get('msg')}", param
 
 
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What is wrong and how to fix it.")
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error or server_error.")
+    param: str | None = Field(description="The request field at fault, if one is.")
+    code: str | None = Field(description="A machine-readable reason (e.g. invalid_api_key, model_not_found).")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every error status carries it."""
+
+    error: ErrorDetail
+
+
+class DefaultSpeculation(BaseModel):
+    proposer: str
+    gamma: int | Literal["auto"]
+
+
+class SpeculationState(BaseModel):
+    """``GET /v1/speculation``: what the server offers and what its engine is doing now."""
+
+    model: str = Field(description="The model id requests name.")
+    proposers: list[str] = Field(description="What ``speculative.proposer`` may name (none = plain decoding).")
+    default: DefaultSpeculation = Field(description="What a request without ``speculative`` gets.")
+    max_gamma: int = Field(description="The most tokens one round drafts.")
+    mode: Literal["reproducible", "exact"] = Field(description="The verification rule.")
+    policy: Literal["auto", "always", "never"] = Field(description="When the engine speculates.")
+    speculating: bool = Field(description="Whether the engine's last step drafted (with requests running).")
+    running: int = Field(description="Requests being decoded.")
+    waiting: int = Field(description="Requests waiting for a slot.")
+
+
+def documented(default: Any = None, description: str | None = None, **schema: Any) -> Any:
+    """A field whose JSON-schema keywords (``minimum``, ``minItems``, ...) state what ``check()`` refuses with its
+    own message naming the field (pydantic does not enforce them: its wording would replace ours)."""
+    return Field(default, description=description, json_schema_extra=schema or None)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -77,34 +116,47 @@ class SpeculativeOptions(_Strict):
     """Per-request speculation: a proposer name and/or gamma (an integer or ``auto``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    proposer: str | None = None
-    gamma: int | Literal["auto"] | None = None
+    proposer: str | None = Field(None, description="A name GET /v1/speculation lists (default: the server's).")
+    gamma: int | Literal["auto"] | None = documented(
+        description="The most tokens a round drafts, or auto.", minimum=1, maximum=MAX_GAMMA
+    )
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-    include_sources: bool = False
+    include_usage: bool = Field(False, description="A last chunk with the usage (and no choices).")
+    continuous_usage_stats: bool = Field(False, description="The usage so far in every chunk.")
+    include_sources: bool = Field(False, description=SOURCES)
 
 
 class _Sampling(_Strict):
     """Fields both routes share."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: str | None = Field(None, description="The served model's id (another is a 404); default: it.")
+    max_tokens: int | None = documented(minimum=1)
+    temperature: float | None = documented(description="0 = greedy (default 1).", minimum=0)
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = documented(description="0 or -1 = off.", minimum=-1)
+    seed: int | None = documented(
+        description="The same seed gives the same text.", minimum=0, exclusiveMaximum=MAX_SEED
+    )
+    stop: str | list[str] | None = documented(
+        description=f"Up to {MAX_STOP_STRINGS} stop strings.",
+        anyOf=[
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+            {"type": "null"},
+        ],
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    speculative: bool | SpeculativeOptions | None = None
-    include_sources: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: int = documented(1, "One choice per request.", minimum=1, maximum=1)
+    speculative: bool | SpeculativeOptions | None = Field(
+        None, description="false: plain decoding; true or an object: speculate (default: the server's policy)."
+    )
+    include_sources: bool = Field(False, description=SOURCES)
+    presence_penalty: float | None = documented(description="Not supported: 0 or absent.", minimum=0, maximum=0)
+    frequency_penalty: float | None = documented(description="Not supported: 0 or absent.", minimum=0, maximum=0)
+    logit_bias: dict[str, float] | None = documented(description="Not supported: empty or absent.", maxProperties=0)
     user: str | None = None
 
     def checked_max_tokens(self) -> int | None:
@@ -155,14 +207,34 @@ class _Sampling(_Strict):
         return None
 
 
+PROMPT_SCHEMAS = [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},  # token ids
+]
+
+
+def _prompt_required(schema: dict[str, Any]) -> None:
+    """The schema requires ``prompt``; the model does not, so that a missing one gets ``prompt is required``."""
+    schema["required"] = [*schema.get("required", []), "prompt"]
+    schema["properties"]["prompt"].pop("default", None)
+
+
 class CompletionRequest(_Sampling):
     """POST /v1/completions. ``prompt``: a string, token ids, or a one-element list of either."""
 
-    prompt: Any = None
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    model_config = ConfigDict(json_schema_extra=_prompt_required)
+    prompt: Any = documented(
+        description="A string or token ids (each below the vocabulary size), or a list of one of either.",
+        anyOf=[*PROMPT_SCHEMAS, {"type": "array", "items": {"anyOf": PROMPT_SCHEMAS}, "minItems": 1, "maxItems": 1}],
+    )
+    echo: bool = documented(False, "Not supported: false.", enum=[False])
+    logprobs: int | None = documented(
+        description="Each token's logprob and this many most likely alternatives (the target's own log-softmax).",
+        minimum=0,
+        maximum=MAX_TOP_LOGPROBS,
+    )
+    best_of: int | None = documented(minimum=1, maximum=1)
+    suffix: str | None = documented(description="Not supported: empty or absent.", maxLength=0)
 
     def check(self) -> None:
         super().check()
@@ -216,14 +288,25 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)
 
 
+def _top_logprobs_need_logprobs(schema: dict[str, Any]) -> None:
+    """The schema says what ``check()`` refuses: ``top_logprobs`` (a number) without ``logprobs: true``."""
+    schema["if"] = {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]}
+    schema["then"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    model_config = ConfigDict(json_schema_extra=_top_logprobs_need_logprobs)
+    messages: list[ChatMessage] = documented(..., minItems=1)
+    max_completion_tokens: int | None = documented(description="Overrides max_tokens.", minimum=1)
+    logprobs: bool | None = Field(
+        None, description="Each token's logprob (the target's own log-softmax, before temperature, top-k, top-p)."
+    )
+    top_logprobs: int | None = documented(
+        description="With logprobs: this many most likely alternatives per token.", minimum=0, maximum=MAX_TOP_LOGPROBS
+    )
+    tools: list[Any] | None = documented(description="Not supported: empty or absent.", maxItems=0)
 
     def checked_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
