@@ -6,8 +6,9 @@ HTTP proxy, which routes each request to a replica. The OpenAI routes are unchan
     from specdecode.serving.ray_app import application
     serve.run(application(ServerConfig(target="smollm2"), replicas=2))     # http://127.0.0.1:8000/v1/...
 
-or ``specdecode serve --ray --replicas 2``. On several machines: ``ray start --head --port 6379`` on one,
-``ray start --address HEAD_IP:6379`` on each of the others, then ``specdecode serve --ray --replicas N
+or ``specdecode serve --ray --replicas 2``: without RAY_ADDRESS that starts a new Ray on this machine, registered
+as 127.0.0.1 so that its traffic stays on loopback (``init_ray``). On several machines: ``ray start --head --port
+6379`` on one, ``ray start --address HEAD_IP:6379`` on each of the others, then ``specdecode serve --ray --replicas N
 --host 0.0.0.0 --api-key KEY`` on the head (with RAY_ADDRESS=auto); Ray places the replicas on the nodes'
 CPUs and runs a proxy on every node, so clients may call any node's port. Each replica loads the model on
 its own node (the bundled model ships with the package; a path must exist on every node).
@@ -21,6 +22,11 @@ from dataclasses import replace
 from typing import Any
 
 from .app import ServerConfig, create_app
+
+LOOPBACK = "127.0.0.1"
+# On Linux, Ray rewrites a loopback node address to the machine's interface address, unless this switch (read when
+# ray is imported, here and by the processes Ray starts) puts it in the one-machine mode macOS and Windows default to.
+ONE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def application(config: ServerConfig, replicas: int = 1, threads: int | None = None) -> Any:
@@ -49,12 +55,25 @@ def application(config: ServerConfig, replicas: int = 1, threads: int | None = N
     return SpecDecodeReplica.bind()
 
 
+def init_ray(**options: Any) -> None:
+    """Join the Ray cluster at RAY_ADDRESS, or start a new Ray on this machine that registers 127.0.0.1 (its
+    traffic stays on loopback). Call it before anything in this process imports ray."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        os.environ.update(ONE_MACHINE)
+    import ray
+
+    if address:
+        ray.init(address=address, **options)
+    else:
+        ray.init(address="local", _node_ip_address=LOOPBACK, **options)
+
+
 def run(config: ServerConfig, replicas: int, host: str, port: int) -> None:
     """Start (or join, with RAY_ADDRESS) a Ray cluster, deploy the app and serve until interrupted."""
-    import ray
+    init_ray(include_dashboard=False)
     from ray import serve
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(config, replicas), name="specdecode", route_prefix="/")
     print(f"serving on http://{host}:{port} with {replicas} Ray Serve replica(s); Ctrl-C stops", flush=True)
