@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specdecode as sd
+from specdecode.choices import as_choices
 
 torch.set_num_threads(1)
 
@@ -194,7 +195,7 @@ def draw_tree(
             if sampled:
                 left, drawn = q.clone(), []
                 for _ in range(width):
-                    drawn.append(int(torch.multinomial(left, 1, generator=generator)))
+                    drawn.append(as_choices(generator).draw(left, emitted=False))
                     left[drawn[-1]] = 0.0
             else:
                 drawn = torch.sort(q, descending=True, stable=True).indices[:width].tolist()

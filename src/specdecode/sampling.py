@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .choices import Choices
 from .params import SamplingParams
 
 
@@ -41,7 +42,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.softmax(warp_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token id per row of ``probs`` ([..., V]), drawn with the request's generator."""
+def sample(probs: torch.Tensor, generator: torch.Generator | Choices) -> torch.Tensor:
+    """One token id per row of ``probs`` ([..., V]), drawn with the request's generator (or ``Choices``)."""
     flat = probs.reshape(-1, probs.shape[-1])
+    if not isinstance(generator, torch.Generator):
+        drawn = [generator.draw(row, emitted=False) for row in flat]
+        return torch.tensor(drawn, dtype=torch.int64).reshape(probs.shape[:-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .choices import Choices, as_choices
 from .tree import children
 
 RESIDUAL_EPS = 1e-12
@@ -47,7 +48,7 @@ def speculative_sample(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | Choices,
 ) -> tuple[int, int]:
     """Return ``(n_accepted, next_token)`` for ``k`` drafted tokens.
 
@@ -55,7 +56,9 @@ def speculative_sample(
     token (q_i(x_i) = 1). Token i is accepted iff u_i < p_i(x_i) / q_i(x_i) with u_i a float64 uniform from
     ``generator`` (strict, so p = 0 never passes; q_i(x_i) = 0 rejects). The next token is drawn from
     norm(max(0, p_n − q_n)) after a rejection at n (from p_n when that mass is ≤ eps), or from p_k (bonus).
+    ``generator`` may also be any ``choices.Choices`` (``exactness.enumerate_law`` enumerates the decisions).
     """
+    choices = as_choices(generator)
     k = int(draft_tokens.shape[0])
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs needs k+1 = {k + 1} rows, got {target_probs.shape[0]}")
@@ -64,17 +67,13 @@ def speculative_sample(
         rows = torch.arange(k)
         p_x = target_probs[rows, draft_tokens].double()
         q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[rows, draft_tokens].double()
-        u = torch.rand(k, dtype=torch.float64, generator=generator)
-        accepted = (q_x > 0) & (u < p_x / q_x.clamp_min(torch.finfo(torch.float64).tiny))
-        rejected_at = torch.nonzero(~accepted)
-        if rejected_at.numel():
-            n_accepted = int(rejected_at[0, 0])
+        ratios = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+        n_accepted = choices.accept_run(ratios, draft_tokens.tolist())
     p = target_probs[n_accepted].double()
     if n_accepted < k:
         draft = None if draft_probs is None else draft_probs[n_accepted].double()
         p = _residual(p, draft, int(draft_tokens[n_accepted]))
-    next_token = int(torch.multinomial(p, 1, generator=generator))
-    return n_accepted, next_token
+    return n_accepted, choices.draw(p)
 
 
 def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
@@ -136,7 +135,7 @@ def tree_speculative_sample(
     draft_probs: torch.Tensor | None,
     draft_tokens: torch.Tensor,
     parents: torch.Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | Choices,
 ) -> tuple[list[int], int]:
     """Recursive rejection sampling over siblings; every emitted token follows the target (module docstring).
 
@@ -148,6 +147,7 @@ def tree_speculative_sample(
     """
     if target_probs.shape[0] != len(draft_tokens) + 1:
         raise ValueError(f"target_probs needs n+1 = {len(draft_tokens) + 1} rows, got {target_probs.shape[0]}")
+    choices = as_choices(generator)
     kids = children(parents)
     tokens = draft_tokens.tolist()
     accepted: list[int] = []
@@ -159,8 +159,7 @@ def tree_speculative_sample(
         for node in kids[row]:
             token = tokens[node]
             q_x = 1.0 if draft is None else float(draft[token])
-            u = float(torch.rand((), dtype=torch.float64, generator=generator))
-            if q_x > 0 and u < float(residual[token]) / q_x:
+            if choices.accept(float(residual[token]) / q_x if q_x > 0 else 0.0, token):
                 accepted.append(node)
                 row = node + 1
                 break
@@ -172,4 +171,4 @@ def tree_speculative_sample(
                 mass = draft.sum()
                 draft = draft / mass if mass > 0 else draft
         else:
-            return accepted, int(torch.multinomial(residual, 1, generator=generator))
+            return accepted, choices.draw(residual)

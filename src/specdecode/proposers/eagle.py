@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..choices import as_choices
 from ..heads.model import TargetParts
 from ..heads.saved import load_head, shipped_head
 from ..keyed_noise import KeyedNoise
@@ -131,7 +132,7 @@ class EagleProposer:
             probs = probs_from_logits(logits, params)
             width = min(self._width(), int((probs > 0).sum()))
             # without replacement, in draw order (torch draws successively from the renormalised rest)
-            return torch.multinomial(probs, width, replacement=False, generator=generator), self._full(probs)
+            return as_choices(generator).draw_distinct(probs, width), self._full(probs)
 
         return self._draft(context, k, children)
 

@@ -1,0 +1,61 @@
+"""The random decisions of exact speculative decoding, behind one small interface.
+
+Every random step of the exact rules (``verify``) and of the proposers that sample (``sampling.sample``, EAGLE's
+draws without replacement) is one of: accept a run of guesses (each with probability min(1, ratio)), accept one
+guess, draw a token from a distribution, draw distinct tokens in order. ``GeneratorChoices`` makes them with a
+``torch.Generator`` — a uniform u, accepted iff u < ratio; ``torch.multinomial`` — and is what a plain
+generator means everywhere. ``exactness.enumerate_law`` passes an enumerator instead, which takes every branch
+in turn with its exact probability, so the engine's output law can be computed rather than sampled.
+
+The decisions also say which token they emit (``token`` / ``tokens``): an enumerator stops a run as soon as the
+tokens it is asked about are decided.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Choices(Protocol):
+    def accept_run(self, ratios: torch.Tensor, tokens: list[int]) -> int:
+        """How many of the guesses ``tokens`` are accepted in a row, guess i with probability
+        min(1, ``ratios[i]``) (float64 ``[k]``) given the earlier ones."""
+
+    def accept(self, ratio: float, token: int) -> bool:
+        """Accept the guess ``token`` with probability min(1, ``ratio``)."""
+
+    def draw(self, probs: torch.Tensor, emitted: bool = True) -> int:
+        """A token from ``probs`` (``[V]``, any positive mass); ``emitted``: the token is output (not a guess)."""
+
+    def draw_distinct(self, probs: torch.Tensor, count: int) -> torch.Tensor:
+        """``count`` distinct tokens drawn in order from ``probs``, each from the renormalised rest."""
+
+
+class GeneratorChoices:
+    """The decisions made with a ``torch.Generator``: float64 uniforms (accept iff u < ratio, strict, so a ratio
+    of 0 never passes) and ``torch.multinomial``."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def accept_run(self, ratios: torch.Tensor, tokens: list[int]) -> int:
+        u = torch.rand(len(ratios), dtype=torch.float64, generator=self.generator)
+        rejected = torch.nonzero(~(u < ratios))
+        return int(rejected[0, 0]) if rejected.numel() else len(ratios)
+
+    def accept(self, ratio: float, token: int) -> bool:
+        return float(torch.rand((), dtype=torch.float64, generator=self.generator)) < ratio
+
+    def draw(self, probs: torch.Tensor, emitted: bool = True) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def draw_distinct(self, probs: torch.Tensor, count: int) -> torch.Tensor:
+        return torch.multinomial(probs, count, replacement=False, generator=self.generator)
+
+
+def as_choices(source: torch.Generator | Choices) -> Choices:
+    """``source`` itself if it makes the decisions, else ``GeneratorChoices`` over the generator."""
+    return GeneratorChoices(source) if isinstance(source, torch.Generator) else source
