@@ -314,16 +314,26 @@ ENUMERATED = sd.SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4)
 
 @pytest.mark.parametrize(
     ("case", "tree_nodes", "prompt"),
-    [("chain", None, PROMPTS[0]), ("tree", 4, PROMPTS[1]), ("misstated-law-control", None, PROMPTS[0])],
+    [
+        ("chain", None, PROMPTS[0]),
+        ("tree", 4, PROMPTS[1]),
+        ("misstated-law-control", None, PROMPTS[0]),
+        ("tree-residual-control", 4, PROMPTS[1]),
+    ],
 )
-def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes, prompt):
+def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes, prompt, monkeypatch):
     """The engine's exact law of the first two tokens (every decision enumerated, ``enumeration.engine_law``):
     EAGLE's sampled chain and its top-k tree give the target's to float32 rounding (TV < 1e-6, measured ~2e-8).
-    The control — a head misstating its law by 3% — is off by TV ≈ 6e-4, far below what sampling could see
-    (the strong tier detects 0.02) and 300× over the bound."""
+    The controls — a head misstating its law by 3%; the tree's residuals mixed 1% with the target's law — are
+    off by TV ≈ 6e-4 and 1e-3, far below what sampling could see (the strong tier detects 0.02)."""
     from specdecode.enumeration import engine_law, prefix_law, total_variation
 
-    kind = MisreportedDraftLaw if case.endswith("control") else EagleProposer
+    if case == "tree-residual-control":
+        correct = sd.verify._residual
+        monkeypatch.setattr(
+            sd.verify, "_residual", lambda p, q, x: 0.99 * (r := correct(p, q, x)) / r.sum() + 0.01 * p / p.sum()
+        )
+    kind = MisreportedDraftLaw if case == "misstated-law-control" else EagleProposer
     decoder = sd.SpeculativeDecoder(large_target, kind(large_target, head=head_dir, tree_nodes=tree_nodes), gamma=1)
     if tree_nodes:
         decoder.gamma = 3

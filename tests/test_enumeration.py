@@ -143,17 +143,31 @@ def test_a_depth_3_tree_gives_the_targets_law_of_three_tokens(target):
     assert total_variation(result.law, prefix_law(target, prompt, T1, tokens=3)) < BOUND and result.runs > 1000
 
 
+class MisstatedDraftModel(sd.DraftModelProposer):
+    """WRONG (the control): guesses drawn from the draft's law q, verified against 0.97 q + 0.03 uniform."""
+
+    def propose(self, context, k, params, generator):
+        draft = super().propose(context, k, params, generator)
+        misstated = None if draft.probs is None else 0.97 * draft.probs + 0.03 / draft.probs.shape[-1]
+        return sd.Draft(draft.tokens, misstated, draft.parents)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sampled", ["draft-model", "sampled-star"])
+@pytest.mark.parametrize("sampled", ["draft-model", "sampled-star", "misstated-draft-model-control"])
 def test_sampled_drafts_give_the_targets_law(target, sampled):
     """Sampled guesses (a draft model's chain; siblings drawn without replacement) enumerated too: V branches
-    per guess, thousands of runs."""
-    if sampled == "draft-model":
-        proposer = sd.DraftModelProposer(sd.load_model(perturbed(target.model, seed=1, noise=0.15)))
-        decoder, prompt, tokens = sd.SpeculativeDecoder(target, proposer, gamma=1), LOOKUP_PROMPT, 2
-    else:
+    per guess, thousands of runs. The control, a draft model misstating its law by 3%, must miss it."""
+    if sampled == "sampled-star":
         proposer = TreeProposer((2,), guided_tables(target, 1, 3), sampled=True)
         decoder, prompt, tokens = sd.SpeculativeDecoder(target, proposer, gamma=1), [1, 2, 3], 1
+    else:
+        kind = sd.DraftModelProposer if sampled == "draft-model" else MisstatedDraftModel
+        proposer = kind(sd.load_model(perturbed(target.model, seed=1, noise=0.15)))
+        decoder, prompt, tokens = sd.SpeculativeDecoder(target, proposer, gamma=1), LOOKUP_PROMPT, 2
     result = engine_law(decoder, prompt, T1, tokens=tokens)
-    assert total_variation(result.law, prefix_law(target, prompt, T1, tokens=tokens)) < BOUND and result.runs > 200
-    assert result.accepted_mass > 0.05
+    tv = total_variation(result.law, prefix_law(target, prompt, T1, tokens=tokens))
+    assert result.runs > 200 and result.accepted_mass > 0.05
+    if sampled.endswith("control"):
+        assert tv > 100 * BOUND, tv
+    else:
+        assert tv < BOUND, tv
