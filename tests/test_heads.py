@@ -229,6 +229,37 @@ def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word
     assert resumed.exit_code == 0, resumed.output
 
 
+def test_one_long_text_file_trains_as_windows_of_max_length(tmp_path, monkeypatch, word_target):
+    """A user's own 30,000-character text is cut into consecutive windows, not one sample cut short."""
+    from typer.testing import CliRunner
+
+    import specdecode.cli as cli
+    from specdecode import commands
+    from specdecode.heads.train import read_samples
+
+    generator = torch.Generator().manual_seed(4)
+    text = " ".join(WORDS[t] for t in torch.randint(0, 64, (8000,), generator=generator).tolist())[:30_000]
+    (tmp_path / "mine.txt").write_text(text)
+    held, train, stats = read_samples(word_target, settings(tmp_path / "mine.txt", held_out=2))
+    words = len(text.split())
+    assert stats.samples == 1 and stats.sequences == len(held) + len(train) == -(-words // 48)
+    assert [t for ids in held + train for t in ids] == word_target.encode(text)  # every token, in order, once
+    monkeypatch.setattr(commands, "load", lambda name, *settings: word_target)
+    args = ["train-head", "--data", str(tmp_path / "mine.txt"), "--out", str(tmp_path / "h"), "--held-out", "2"]
+    result = CliRunner().invoke(cli.app, [*args, "--limit", "8", "--max-length", "40", "--batch-tokens", "80"])
+    assert result.exit_code == 0, result.output
+    assert "1 samples read" in result.stderr and "10 sequences of at most 40 tokens" in result.stderr
+
+
+def test_help_names_the_train_extra_for_sharegpt():
+    from typer.testing import CliRunner
+
+    import specdecode.cli as cli
+
+    help_text = CliRunner().invoke(cli.app, ["train-head", "--help"], env={"COLUMNS": "300"}).stdout
+    assert "pip install 'specdecode[train]'" in help_text  # rich markup would eat an unescaped [train]
+
+
 def test_unrolled_training_passes_compute_what_drafting_computes(word_target):
     """Pass j at row t of the packed training forward = the head drafting j guesses deep after true rows up to
     t-j, step by step with its cache (as the proposer does); a second packed sequence does not leak in."""

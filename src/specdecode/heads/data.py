@@ -165,6 +165,7 @@ class DataStats:
     samples: int = 0
     excluded: int = 0
     spec_bench_checked: bool = False
+    sequences: int = 0  # token sequences made of them (a long text gives several windows)
 
 
 def iter_samples(

@@ -114,35 +114,43 @@ class TrainResult:
 def tokenize(target: LoadedModel, sample: Sample, max_length: int) -> list[int]:
     """Token ids of a chat (the target's chat template, or the turns' text joined by newlines without one) or a
     text, cut to ``max_length``."""
+    return token_windows(target, sample, max_length)[0]
+
+
+def token_windows(target: LoadedModel, sample: Sample, max_length: int) -> list[list[int]]:
+    """A chat's token ids cut to ``max_length`` (one window), or a text's ids in consecutive windows of
+    ``max_length`` tokens: a long document (a user's own text file) trains as many samples, not one cut short."""
     tokenizer = target.tokenizer
     if isinstance(sample, str):
-        ids = tokenizer(sample, add_special_tokens=True)["input_ids"]
-    elif getattr(tokenizer, "chat_template", None):
+        ids = [int(t) for t in tokenizer(sample, add_special_tokens=True, verbose=False)["input_ids"]]
+        return [ids[start : start + max_length] for start in range(0, len(ids), max_length)] or [[]]
+    if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(sample, tokenize=True)
         ids = ids if isinstance(ids, list) else ids["input_ids"]
     else:
         ids = tokenizer("\n".join(m["content"] for m in sample), add_special_tokens=True)["input_ids"]
-    return [int(t) for t in ids[:max_length]]
+    return [[int(t) for t in ids[:max_length]]]
 
 
 def read_samples(target: LoadedModel, settings: TrainSettings) -> tuple[list[list[int]], list[list[int]], DataStats]:
-    """(held-out sequences, training sequences, reader stats): the first ``held_out`` usable samples are held out,
-    the next ``limit`` train. Sequences shorter than 4 tokens are skipped."""
+    """(held-out sequences, training sequences, reader stats): the first ``held_out`` usable sequences are held
+    out, the next ``limit`` train (a text gives one per ``max_length`` window). Sequences shorter than 4 tokens
+    are skipped."""
     if target.tokenizer is None:
         raise ValueError("training a head needs the target's tokenizer")
     stats = DataStats()
     wanted = None if settings.limit is None else settings.held_out + settings.limit
     sequences: list[list[int]] = []
     for sample in iter_samples(settings.data, spec_bench_questions(settings.spec_bench), stats):
-        ids = tokenize(target, sample, settings.max_length)
-        if len(ids) >= 4:
-            sequences.append(ids)
+        sequences.extend(ids for ids in token_windows(target, sample, settings.max_length) if len(ids) >= 4)
         if wanted is not None and len(sequences) >= wanted:
+            del sequences[wanted:]
             break
+    stats.sequences = len(sequences)
     if len(sequences) <= settings.held_out:
         raise ValueError(
-            f"{settings.data} gave {len(sequences)} usable samples: not enough for {settings.held_out} held out "
-            "plus training (lower --held-out or add data)"
+            f"{settings.data} gave {len(sequences)} usable sequences of at most {settings.max_length} tokens: not "
+            f"enough for {settings.held_out} held out plus training (lower --held-out or add data)"
         )
     return sequences[: settings.held_out], sequences[settings.held_out :], stats
 
