@@ -11,6 +11,7 @@ from .commands.check_exact import check_exact
 from .commands.demo import demo
 from .commands.generate import generate
 from .commands.index import index
+from .commands.make_data import make_data
 from .commands.plan import plan
 from .commands.quality import quality
 from .commands.serve import serve
@@ -31,6 +32,7 @@ for _name, _command in (
     ("quality", quality),
     ("serve", serve),
     ("bench-serve", bench_serve),
+    ("make-data", make_data),
     ("train-head", train_head),
     ("index", index),
 ):

