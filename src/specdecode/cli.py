@@ -16,6 +16,7 @@ from .commands.plan import plan
 from .commands.quality import quality
 from .commands.serve import serve
 from .commands.train_head import train_head
+from .commands.train_medusa import train_medusa
 
 app = typer.Typer(
     help="Speculative decoding that makes generation faster without changing its output.",
@@ -34,6 +35,7 @@ for _name, _command in (
     ("bench-serve", bench_serve),
     ("make-data", make_data),
     ("train-head", train_head),
+    ("train-medusa", train_medusa),
     ("index", index),
 ):
     app.command(_name)(friendly(_command))

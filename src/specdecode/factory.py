@@ -42,15 +42,17 @@ def build_proposer(
     group_size: int = 32,
     head: str | None = None,
     tree_nodes: int | None = None,
+    heads: str | None = None,
     tree_width: int = 1,
     suffix_cache: str | None = None,
     loader: Callable[[str, str, str, int], LoadedModel] | None = None,
 ) -> Proposer:
     """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
-    0 = a chain), ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a
-    path or ``self:N``; ``tree_width`` > 1: lookup offers that many distinct matches as a token tree. A draft
-    model loads with ``loader`` (default ``load``)."""
-    from .proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, PromptLookupProposer
+    0 = a chain), ``medusa`` (with a ``heads`` folder or the shipped heads; ``tree_nodes`` as for eagle),
+    ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a path or
+    ``self:N``; ``tree_width`` > 1: lookup offers that many distinct matches as a token tree. A draft model loads
+    with ``loader`` (default ``load``)."""
+    from .proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, MedusaProposer, PromptLookupProposer
 
     if tree_width < 1:
         raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
@@ -58,17 +60,21 @@ def build_proposer(
         raise ValueError(f"--suffix-cache applies to the suffix proposer, not {kind}")
     if tree_width > 1 and kind != "lookup":
         raise ValueError(f"--tree-width applies to the lookup proposer, not {kind}")
+    if heads is not None and kind != "medusa":
+        raise ValueError(f"--heads applies to the medusa proposer, not {kind}")
     if kind == "lookup":
         return PromptLookupProposer(branches=tree_width)
-    if kind == "eagle":
+    if kind in ("eagle", "medusa"):
         if tree_nodes is not None and tree_nodes < 0:
             raise ValueError(f"--tree-nodes must be >= 0 (0 = a chain), got {tree_nodes}")
         shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
+        if kind == "medusa":
+            return MedusaProposer(target, heads=heads, **shape)
         return EagleProposer(target, head=head, **shape)
     if kind == "suffix":
         return suffix_proposer(suffix_cache, tree_nodes)
     if kind != "draft":
-        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, suffix or none")
+        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, medusa, suffix or none")
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
     if draft.startswith("self:"):

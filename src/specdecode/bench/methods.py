@@ -18,6 +18,7 @@ from ..proposers import (
     DraftModelProposer,
     EagleProposer,
     LayerSkipProposer,
+    MedusaProposer,
     PromptLookupProposer,
     Proposer,
     SuffixHistory,
@@ -28,7 +29,7 @@ from ..stats import DecodeStats
 PLAIN = "ours:plain"
 HF_PLAIN = "hf:plain"
 HF_PROMPT_LOOKUP_TOKENS = 10
-PROPOSERS = ("lookup", "draft", "eagle", "suffix")
+PROPOSERS = ("lookup", "draft", "eagle", "medusa", "suffix")
 
 
 @dataclass(frozen=True)
@@ -223,12 +224,14 @@ def build_methods(
     setting: str | None = None,
     head: str | None = None,
     tree_nodes: Sequence[int] = (),
+    heads: str | None = None,
 ) -> list[Method]:
     """Ours plain; ours speculative for each proposer × gamma; transformers plain / prompt lookup / assisted.
 
     The ``draft`` proposer and transformers' assisted generation need ``draft``; without it they are left out.
     ``eagle`` uses ``head`` (default: the head shipped for the target), one method per ``tree_nodes`` entry
-    (0 = a chain; none given: the proposer's default tree), named ``eagle``, ``eagle-chain``, ``eagle-t8``.
+    (0 = a chain; none given: the proposer's default tree), named ``eagle``, ``eagle-chain``, ``eagle-t8``;
+    ``medusa`` likewise, with the Medusa heads in ``heads`` (default: the shipped ones).
     ``setting`` names our methods' target weights (``ours:plain@int4``) when several are compared.
     """
     unknown = [p for p in proposers if p not in PROPOSERS]
@@ -249,7 +252,9 @@ def build_methods(
         elif proposer == "lookup":
             makers.append((proposer, PromptLookupProposer))
         elif proposer == "eagle":
-            makers += [(_eagle_name(n), _eagle_factory(target, head, n)) for n in tree_nodes or [None]]
+            makers += [(_tree_name("eagle", n), _eagle_factory(target, head, n)) for n in tree_nodes or [None]]
+        elif proposer == "medusa":
+            makers += [(_tree_name("medusa", n), _medusa_factory(target, heads, n)) for n in tree_nodes or [None]]
         elif proposer == "suffix":
             for m in modes:
                 for g in gammas:
@@ -273,16 +278,26 @@ def suffix_factory() -> tuple[Callable[[], Proposer], Callable[[], None]]:
     return (lambda: SuffixProposer(state["history"])), forget
 
 
-def _eagle_name(tree_nodes: int | None) -> str:
-    return "eagle" if tree_nodes is None else "eagle-chain" if tree_nodes == 0 else f"eagle-t{tree_nodes}"
+def _tree_name(proposer: str, tree_nodes: int | None) -> str:
+    return proposer if tree_nodes is None else f"{proposer}-chain" if tree_nodes == 0 else f"{proposer}-t{tree_nodes}"
+
+
+def _tree_shape(tree_nodes: int | None) -> dict[str, int | None]:
+    if tree_nodes is not None and tree_nodes < 0:
+        raise ValueError(f"tree sizes must be >= 0 (0 = a chain), got {tree_nodes}")
+    return {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
 
 
 def _eagle_factory(target: LoadedModel, head: str | None, tree_nodes: int | None) -> Callable[[], Proposer]:
-    if tree_nodes is not None and tree_nodes < 0:
-        raise ValueError(f"tree sizes must be >= 0 (0 = a chain), got {tree_nodes}")
+    shape = _tree_shape(tree_nodes)
     EagleProposer(target, head=head)  # fail early: no head for this target, or a head for another one
-    shape = {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
     return lambda: EagleProposer(target, head=head, **shape)
+
+
+def _medusa_factory(target: LoadedModel, heads: str | None, tree_nodes: int | None) -> Callable[[], Proposer]:
+    shape = _tree_shape(tree_nodes)
+    MedusaProposer(target, heads=heads, **shape)  # fail early: no heads for this target, or for another one
+    return lambda: MedusaProposer(target, heads=heads, **shape)
 
 
 def transformers_methods(

@@ -57,6 +57,7 @@ class ProposerChoice(str, Enum):
     draft = "draft"
     lookup = "lookup"
     eagle = "eagle"
+    medusa = "medusa"
     suffix = "suffix"
     none = "none"
 
@@ -87,7 +88,13 @@ HeadOption = Annotated[
 ]
 TreeNodesOption = Annotated[
     int | None,
-    typer.Option(help="--proposer eagle or suffix: nodes of the token tree, 0 = a chain (default: the proposer's)."),
+    typer.Option(
+        help="--proposer eagle, medusa or suffix: nodes of the token tree, 0 = a chain (default: the proposer's)."
+    ),
+]
+HeadsOption = Annotated[
+    str | None,
+    typer.Option(help="--proposer medusa: heads trained with train-medusa (default: the ones shipped for the target)."),
 ]
 SuffixCacheOption = Annotated[
     str | None,

@@ -81,15 +81,19 @@ def bench(
     proposer: Annotated[
         str,
         typer.Option(
-            help="Comma list of our proposers: lookup, draft (draft needs --draft), eagle, suffix (remembers the "
-            "run's earlier questions and answers, as a server does)."
+            help="Comma list of our proposers: lookup, draft (draft needs --draft), eagle, medusa, suffix "
+            "(remembers the run's earlier questions and answers, as a server does)."
         ),
     ] = "lookup,draft",
     head: Annotated[
         str | None, typer.Option(help="eagle: a head trained with train-head (default: the one shipped).")
     ] = None,
     tree_nodes: Annotated[
-        str | None, typer.Option(help="eagle: comma list of token-tree sizes, one method each (0 = a chain).")
+        str | None,
+        typer.Option(help="eagle, medusa: comma list of token-tree sizes, one method each (0 = a chain)."),
+    ] = None,
+    heads: Annotated[
+        str | None, typer.Option(help="medusa: heads trained with train-medusa (default: the ones shipped).")
     ] = None,
     gamma: Annotated[
         str, typer.Option(help="Comma list of gammas for each proposer; auto = adaptive (may pick 0).")
@@ -208,6 +212,7 @@ def bench(
                     setting=setting,
                     head=head,
                     tree_nodes=trees,
+                    heads=heads,
                 )
             if hf:  # on dense weights, as before quantized targets existed: figures stay comparable
                 dense = next((t for t in targets.values() if t.quantization is None), None)

@@ -12,7 +12,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from specdecode.commands import DtypeOption, GroupSizeOption, HeadOption, QuantizationOption, TreeNodesOption
+from specdecode.commands import (
+    DtypeOption,
+    GroupSizeOption,
+    HeadOption,
+    HeadsOption,
+    QuantizationOption,
+    TreeNodesOption,
+)
 
 DEFAULT_PROMPTS = (
     "Write one sentence about the sea.",
@@ -33,7 +40,9 @@ def check_exact(
     ] = None,
     proposer: Annotated[
         str | None,
-        typer.Option(help="draft (needs --draft), lookup, eagle or suffix; default: draft if --draft is given."),
+        typer.Option(
+            help="draft (needs --draft), lookup, eagle, medusa or suffix; default: draft if --draft is given."
+        ),
     ] = None,
     gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")] = 4,
     tree_width: Annotated[
@@ -59,6 +68,7 @@ def check_exact(
     group_size: GroupSizeOption = 32,
     head: HeadOption = None,
     tree_nodes: TreeNodesOption = None,
+    heads: HeadsOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Test that speculative decoding samples the first 1 and 2 tokens exactly as the target does."""
@@ -84,6 +94,7 @@ def check_exact(
             head=head,
             tree_nodes=tree_nodes,
             tree_width=tree_width,
+            heads=heads,
         )
     prompt_ids = [
         text if isinstance(text, list) else target_model.encode(text) if raw else target_model.chat_prompt(text)

@@ -12,6 +12,7 @@ from specdecode.commands import (
     DtypeOption,
     GroupSizeOption,
     HeadOption,
+    HeadsOption,
     QuantizationOption,
     TreeNodesOption,
     parse_gamma,
@@ -31,7 +32,7 @@ PROMPT = (
     "Return only the rewritten passage.\n\n" + PASSAGE
 )
 ROUNDS = 2
-NAMES = {"lookup": "prompt lookup", "eagle": "EAGLE head", "suffix": "suffix decoding"}
+NAMES = {"lookup": "prompt lookup", "eagle": "EAGLE head", "medusa": "Medusa heads", "suffix": "suffix decoding"}
 
 
 def demo(
@@ -41,8 +42,8 @@ def demo(
     ),
     proposer: str = typer.Option(
         "lookup",
-        help="lookup (prompt lookup), eagle (a trained draft head) or suffix (suffix decoding; here it does not "
-        "remember earlier runs, which repeat the same prompt).",
+        help="lookup (prompt lookup), eagle (a trained draft head), medusa (trained Medusa heads) or suffix (suffix "
+        "decoding; here it does not remember earlier runs, which repeat the same prompt).",
     ),
     max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
     dtype: DtypeOption = "float32",
@@ -50,6 +51,7 @@ def demo(
     group_size: GroupSizeOption = 32,
     head: HeadOption = None,
     tree_nodes: TreeNodesOption = None,
+    heads: HeadsOption = None,
 ) -> None:
     """Edit a pasted passage plainly and speculatively; show the outputs match and the measured speedup."""
     from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
@@ -58,14 +60,14 @@ def demo(
     quiet_transformers()
     parsed_gamma = parse_gamma(gamma)  # validate before the slow load
     if proposer not in NAMES:
-        raise ValueError(f"--proposer must be lookup, eagle or suffix, got {proposer!r}")
+        raise ValueError(f"--proposer must be lookup, eagle, medusa or suffix, got {proposer!r}")
     console = Console()
     with console.status(f"loading {target} (the first load dequantizes and caches it)…"):
         model = load(target, dtype, quantization, group_size)
         if proposer == "suffix":  # each run alone: remembering the last run's answer would copy it whole
             chosen = suffix_proposer(None, tree_nodes, remember=False)
         else:
-            chosen = build_proposer(proposer, model, None, head=head, tree_nodes=tree_nodes)
+            chosen = build_proposer(proposer, model, None, head=head, tree_nodes=tree_nodes, heads=heads)
     ids = model.chat_prompt(PROMPT)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     decoder = SpeculativeDecoder(model, chosen, gamma=parsed_gamma)

@@ -12,6 +12,7 @@ from specdecode.commands import (
     DtypeOption,
     GroupSizeOption,
     HeadOption,
+    HeadsOption,
     ProposerChoice,
     QuantizationOption,
     SuffixCacheOption,
@@ -36,8 +37,8 @@ def generate(
     proposer: ProposerChoice | None = typer.Option(
         None,
         help="Where guesses come from: draft (needs --draft), "
-        "lookup (prompt lookup), eagle (a trained draft head), suffix (earlier answers too, with --suffix-cache) "
-        "or none (plain decoding). Default: draft if --draft is given, else lookup.",
+        "lookup (prompt lookup), eagle (a trained draft head), medusa (trained Medusa heads), suffix (earlier "
+        "answers too, with --suffix-cache) or none (plain decoding). Default: draft if --draft is given, else lookup.",
     ),
     gamma: str = typer.Option(
         "auto", help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain)."
@@ -68,6 +69,7 @@ def generate(
     group_size: GroupSizeOption = 32,
     head: HeadOption = None,
     tree_nodes: TreeNodesOption = None,
+    heads: HeadsOption = None,
     suffix_cache: SuffixCacheOption = None,
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
@@ -110,6 +112,7 @@ def generate(
                 group_size,
                 head=head,
                 tree_nodes=tree_nodes,
+                heads=heads,
                 suffix_cache=suffix_cache,
             )
         )

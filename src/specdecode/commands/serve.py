@@ -9,6 +9,7 @@ import typer
 from specdecode.commands import (
     DtypeOption,
     GroupSizeOption,
+    HeadsOption,
     ProposerChoice,
     QuantizationOption,
     err,
@@ -55,6 +56,7 @@ def serve(
         help="--proposer suffix: global (drafts from every earlier request's prompt and answer) or request (from "
         "the request's own tokens and --suffix-cache only: no timing hints about other users' text).",
     ),
+    heads: HeadsOption = None,
 ) -> None:
     """Serve TARGET over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
     from specdecode.serving.app import ServerConfig
@@ -78,6 +80,7 @@ def serve(
         threads=threads,
         suffix_cache=suffix_cache,
         suffix_scope=suffix_scope,
+        heads=heads,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can reach it may use it")

@@ -66,8 +66,9 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     return config
 
 
-def check_target(config: dict[str, Any], target: LoadedModel, folder: str | Path) -> None:
-    """Raise ValueError unless the head in ``folder`` was trained for a target like ``target``."""
+def check_target(config: dict[str, Any], target: LoadedModel, folder: str | Path, command: str = "train-head") -> None:
+    """Raise ValueError unless the head in ``folder`` was trained for a target like ``target`` (the message names
+    ``command``, which trains one)."""
     trained, given = config["target"], target_identity(target)
     same_config = trained["config_fingerprint"] == given["config_fingerprint"]
     vocabs = trained.get("vocab_fingerprint"), given["vocab_fingerprint"]
@@ -77,7 +78,7 @@ def check_target(config: dict[str, Any], target: LoadedModel, folder: str | Path
         raise ValueError(
             f"the head in {folder} was trained for {trained['name']!r}, not for {target.name!r}: their {what} "
             f"fingerprints differ ({trained['config_fingerprint']}/{vocabs[0]} vs "
-            f"{given['config_fingerprint']}/{vocabs[1]}); train a head for this model with specdecode train-head"
+            f"{given['config_fingerprint']}/{vocabs[1]}); train one for this model with specdecode {command}"
         )
 
 

@@ -4,6 +4,7 @@ from .base import Draft, Proposer
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
 from .layer_skip import LayerSkipProposer
+from .medusa import MedusaProposer
 from .prompt_lookup import PromptLookupProposer
 from .suffix import SuffixHistory, SuffixProposer
 
@@ -12,6 +13,7 @@ __all__ = [
     "DraftModelProposer",
     "EagleProposer",
     "LayerSkipProposer",
+    "MedusaProposer",
     "PromptLookupProposer",
     "Proposer",
     "SuffixHistory",

@@ -101,6 +101,7 @@ class ServerConfig:
     proposers: Mapping[str, Callable[[], Proposer]] = field(default_factory=dict)
     suffix_cache: str | None = None
     suffix_scope: str = "global"
+    heads: str | None = None  # proposer medusa: a folder of trained heads (default: the shipped ones)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -119,6 +120,8 @@ class ServerConfig:
             raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_scope!r}")
         if self.suffix_cache is not None and self.proposer != "suffix":
             raise ValueError("--suffix-cache applies to --proposer suffix")
+        if self.heads is not None and self.proposer != "medusa":
+            raise ValueError("--heads applies to --proposer medusa")
 
 
 def replicate(proposer: Proposer) -> Callable[[], Proposer]:
@@ -156,7 +159,13 @@ class Server:
             prototype = suffix_proposer(config.suffix_cache, remember=config.suffix_scope == "global")
         elif config.proposer != PLAIN:
             prototype = build_proposer(
-                config.proposer, target, config.draft, config.dtype, config.quantization, config.group_size
+                config.proposer,
+                target,
+                config.draft,
+                config.dtype,
+                config.quantization,
+                config.group_size,
+                heads=config.heads,
             )
         self.suffix = prototype if isinstance(prototype, SuffixProposer) else None
         factories: dict[str, Callable[[], Proposer]] = {"lookup": PromptLookupProposer}

@@ -1,0 +1,420 @@
+"""Medusa heads (Medusa-1, Cai et al. 2024): K residual blocks on the target's last hidden state, read out by
+the target's frozen final norm and LM head; their saved format and their training.
+
+Positions. f_t is the target's feature at position t (its last layer's output, before the final norm); the
+target's own read-out of f_t is its law of the token at t+1. Head i (i = 0..K-1) reads f_t alone and guesses
+the token at t+i+2: head 0 the token after the target's own next token. While decoding, the target has scored
+every context token but the newest (n = len(context); the newest, at n-1, leads the next pass), so the newest
+feature is f_{n-2}, whose read-out chose the newest token; head i then guesses the token at n+i, the draft's
+(i+1)-th. As in Medusa-1 the heads never see the newest token itself: at temperature 0 it is f_{n-2}'s argmax;
+when it was sampled or recovered from a rejection, the heads guess as if it were the target's likeliest.
+
+Head i: x = f_t / rms(f_t); y_i = x + SiLU(W_i x + b_i); logits_i = LM head(final norm(y_i)), the norm and LM
+head the target's (``TargetParts``, restricted to a drafting vocabulary). W_i and b_i start at zero, so that
+each head starts as the target's own next-token read-out. Only W and b are trained and stored.
+
+Training (self-distillation, teacher forcing over the data's text): at row t head i learns the target's own law
+at row t+i+1 (its read-out of f_{t+i+1}, from the same frozen forward), loss Σ_i decay^i · CE(p_target, q_i)
+over the drafting vocabulary. The data pipeline, feature cache, batching and schedule are ``heads.train``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..models.loader import LoadedModel, resolve_dtype
+from .data import DataStats
+from .model import TargetParts, lm_head_rows, text_config
+from .saved import SHIPPED, check_target, target_identity
+from .train import (
+    FeatureCache,
+    Progress,
+    batch_tensors,
+    choose_draft_vocab,
+    epoch_batches,
+    learning_rate,
+    rank_by_target,
+    read_samples,
+)
+
+FORMAT = "specdecode-medusa-heads"
+VERSION = 1
+SHIPPED_MEDUSA = SHIPPED / "medusa"
+RANKS = 10  # held-out accuracy of each head's 1st..RANKS-th choice (what a token tree's paths are chosen from)
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks y_i = x + SiLU(W_i x + b_i) over x = f / rms(f) (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, eps: float) -> None:
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"Medusa needs at least one head, got {num_heads}")
+        self.hidden_size, self.num_heads, self.eps = hidden_size, num_heads, eps
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+        self._int8 = None  # the K blocks as one int8 matrix [K·H, H] (``to_int8``)
+
+    def forward(self, features: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """The first ``heads`` (default all) heads' outputs [n, heads, H] for target features [n, H] (pre-norm);
+        the target's final norm and LM head read them out."""
+        k = self.num_heads if heads is None else heads
+        x = F.rms_norm(features, (self.hidden_size,), eps=self.eps)
+        if self._int8 is not None:
+            mixed = self._int8(x).float().view(-1, self.num_heads, self.hidden_size)[:, :k]
+        else:
+            mixed = torch.einsum("nh,koh->nko", x, self.weight[:k].to(x.dtype)) + self.bias[:k].to(x.dtype)
+        return x[:, None, :] + F.silu(mixed)
+
+    def to_int8(self) -> MedusaHeads:
+        """Run the K blocks as one int8 weight-only matrix product on bfloat16 activations (a quarter of float32's
+        bytes: drafting reads them after a target pass has evicted them from the caches); in place, drafting
+        only."""
+        from ..models.weights import Int8Linear
+
+        self._int8 = Int8Linear.quantize(self.weight.reshape(-1, self.hidden_size), self.bias.reshape(-1))
+        return self
+
+
+# --- the saved format -----------------------------------------------------------------------------------------
+
+
+def save_heads(
+    folder: str | Path,
+    heads: MedusaHeads,
+    draft_vocab: torch.Tensor,
+    target: LoadedModel,
+    training: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``heads.safetensors`` (W, b in bfloat16; the drafting vocabulary's ids, most useful first) and
+    ``config.json`` into ``folder``; return the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in heads.state_dict().items()}
+    tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
+    save_file(tensors, str(folder / "heads.safetensors"), metadata={"format": FORMAT})
+    config = {
+        "format": FORMAT,
+        "version": VERSION,
+        "target": target_identity(target),
+        "hidden_size": heads.hidden_size,
+        "num_heads": heads.num_heads,
+        "rms_norm_eps": heads.eps,
+        "draft_vocab_size": int(draft_vocab.numel()),
+        "training": training or {},
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def load_heads(folder: str | Path, target: LoadedModel) -> tuple[MedusaHeads, torch.Tensor, dict[str, Any]]:
+    """(heads in float32, eval mode; drafting vocabulary ids; config) from ``folder``, checked against ``target``."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file() or not (folder / "heads.safetensors").is_file():
+        raise FileNotFoundError(f"{folder} holds no Medusa heads (it needs config.json and heads.safetensors)")
+    config = json.loads(path.read_text())
+    if config.get("format") != FORMAT or config.get("version") != VERSION:
+        raise ValueError(f"{path} is not a {FORMAT} version {VERSION} config")
+    check_target(config, target, folder, command="train-medusa")
+    hidden = text_config(target.model).hidden_size
+    if config["hidden_size"] != hidden or config["target"]["vocab_size"] != target.vocab_size:
+        raise ValueError(
+            f"the Medusa heads in {folder} read hidden size {config['hidden_size']} and vocabulary "
+            f"{config['target']['vocab_size']}; the target has {hidden} and {target.vocab_size}"
+        )
+    tensors = load_file(str(folder / "heads.safetensors"))
+    draft_vocab = tensors.pop("draft_vocab")
+    heads = MedusaHeads(hidden, config["num_heads"], config["rms_norm_eps"])
+    heads.load_state_dict({name: t.float() for name, t in tensors.items()})
+    return heads.eval().requires_grad_(False), draft_vocab, config
+
+
+def shipped_heads(target: LoadedModel) -> Path:
+    """The folder of the Medusa heads shipped for a bundled target; ValueError naming the fix when there are none."""
+    folder = SHIPPED_MEDUSA / target.name
+    if not (folder / "config.json").is_file():
+        found = [p.parent.name for p in SHIPPED_MEDUSA.glob("*/config.json")] if SHIPPED_MEDUSA.is_dir() else []
+        raise ValueError(
+            f"no Medusa heads are shipped for {target.name!r} (shipped: {', '.join(sorted(found)) or 'none'}); "
+            "train them with `specdecode train-medusa --target ... --out DIR` and pass heads=DIR (CLI: --heads DIR)"
+        )
+    return folder
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MedusaSettings:
+    """What a Medusa training run does; recorded in the checkpoint and the saved heads' config. The data fields
+    mean what they mean for ``heads.train.TrainSettings`` (the same reader, held-out split and batching)."""
+
+    data: str = "sharegpt"
+    limit: int | None = None  # training sequences (after the held-out ones); None = all
+    held_out: int = 32
+    max_length: int = 1024
+    epochs: int = 1
+    batch_tokens: int = 2048
+    heads: int = 3  # K: head i guesses the token i+2 positions past the feature's
+    head_decay: float = 0.8  # head i's loss weight decay**i
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    draft_vocab: int = 0  # most frequent training tokens the heads learn to draft; 0 = the whole vocabulary
+    extract_dtype: str = "bfloat16"
+    compute_dtype: str = "bfloat16"
+    checkpoint_every: int = 100
+    seed: int = 0
+    spec_bench: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("held_out", "max_length", "epochs", "batch_tokens", "heads", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+            raise ValueError(f"limit must be a positive integer or None, got {self.limit!r}")
+        if self.max_length > self.batch_tokens:
+            raise ValueError(f"max_length ({self.max_length}) must not exceed batch_tokens ({self.batch_tokens})")
+        if self.max_length < self.heads + 2:
+            raise ValueError(f"max_length must be at least heads + 2 = {self.heads + 2}, got {self.max_length}")
+        if not (self.lr > 0 and self.grad_clip > 0 and 0 < self.head_decay <= 1):
+            raise ValueError("lr and grad_clip must be > 0 and head_decay in (0, 1]")
+        if self.draft_vocab < 0 or self.warmup_steps < 0:
+            raise ValueError("draft_vocab and warmup_steps must be >= 0")
+        resolve_dtype(self.extract_dtype)
+        resolve_dtype(self.compute_dtype)
+
+
+@dataclass
+class MedusaResult:
+    folder: Path
+    steps: int
+    tokens: int
+    samples: int
+    elapsed: float
+    accuracy: list[float]  # held-out top-1 agreement of head i with the target's token at t+i+2
+    by_vocab: dict[int, dict[str, Any]] = field(default_factory=dict)  # per drafting vocabulary size N
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def future_rows(positions: torch.Tensor, offset: int) -> torch.Tensor:
+    """Rows t of a packed batch whose row t + ``offset`` belongs to the same sequence (``positions`` restart at 0
+    where a sequence begins)."""
+    n = positions.shape[0]
+    if offset >= n:
+        return torch.zeros(0, dtype=torch.int64)
+    start = torch.arange(n) - positions
+    same = start[offset:] == start[:-offset]
+    return same.nonzero().squeeze(1)
+
+
+def medusa_loss(
+    heads: MedusaHeads, parts: TargetParts, batch: tuple[torch.Tensor, ...], settings: MedusaSettings
+) -> tuple[torch.Tensor, list[float], torch.Tensor]:
+    """(loss, per-head top-1 agreement with the target over the drafting vocabulary, the target's argmax ids at
+    the batch's rows): head i at row t against the target's law at row t+i+1."""
+    features, _, positions = batch
+    with torch.no_grad():
+        teacher = F.log_softmax(parts.logits(features), dim=-1)  # row r: the target's law of the token at r+1
+    outputs = heads(features)
+    loss = features.new_zeros(())
+    accuracy = []
+    for i in range(heads.num_heads):
+        rows = future_rows(positions, i + 1)
+        if rows.numel() == 0:
+            accuracy.append(0.0)
+            continue
+        log_q = F.log_softmax(parts.logits(outputs[rows, i]), dim=-1)
+        wanted = teacher[rows + i + 1]
+        loss = loss + settings.head_decay**i * -(wanted.exp() * log_q).sum(-1).mean()
+        accuracy.append(float((log_q.argmax(-1) == wanted.argmax(-1)).float().mean()))
+    return loss, accuracy, parts.to_vocab(teacher.argmax(-1))
+
+
+@torch.no_grad()
+def held_out_figures(
+    heads: MedusaHeads,
+    parts: TargetParts,
+    full_rows: torch.Tensor,
+    cache: FeatureCache,
+    sequences: list[list[int]],
+    sizes: list[int],
+) -> dict[int, dict[str, Any]]:
+    """Per drafting vocabulary size N (the first N ids of ``parts.draft_vocab``): for each head, how often its
+    r-th choice (r = 1..RANKS) is the target's token (argmax over the whole vocabulary) i+2 positions past the
+    feature read, and the share of the target's tokens among the N ids."""
+    hits = {n: [[0] * RANKS for _ in range(heads.num_heads)] for n in sizes}
+    counts = [0] * heads.num_heads
+    inside = dict.fromkeys(sizes, 0)
+    rank = torch.full((full_rows.shape[0],), full_rows.shape[0], dtype=torch.int64)
+    rank[parts.draft_vocab] = torch.arange(parts.draft_vocab.numel())
+    for s in range(len(sequences)):
+        features, _, positions = batch_tensors(cache, "h", sequences, [s])
+        normed = F.rms_norm(features, (parts.hidden_size,), parts.norm_weight, parts.eps)
+        target_next = (normed @ full_rows.T).argmax(-1)  # row r: the target's token at r+1
+        outputs = heads(features)
+        for i in range(heads.num_heads):
+            rows = future_rows(positions, i + 1)
+            if rows.numel() == 0:
+                continue
+            wanted = target_next[rows + i + 1]
+            logits = parts.logits(outputs[rows, i])
+            counts[i] += rows.numel()
+            for n in sizes:
+                top = parts.to_vocab(logits[:, :n].topk(min(RANKS, n), dim=-1).indices)
+                for r in range(top.shape[1]):
+                    hits[n][i][r] += int((top[:, r] == wanted).sum())
+                if i == 0:
+                    inside[n] += int((rank[wanted] < n).sum())
+    figures = {}
+    for n in sizes:
+        by_rank = [[round(h / max(c, 1), 4) for h in per_head] for per_head, c in zip(hits[n], counts, strict=True)]
+        figures[n] = {
+            "top1_by_head": [r[0] for r in by_rank],
+            "rank_accuracy": by_rank,
+            "coverage": round(inside[n] / max(counts[0], 1), 4),
+        }
+    return figures
+
+
+def train_medusa(
+    target: LoadedModel,
+    settings: MedusaSettings,
+    out: str | Path,
+    resume: bool = False,
+    on_step: Callable[[Progress], None] | None = None,
+    on_start: Callable[[int, int, DataStats], None] | None = None,
+) -> MedusaResult:
+    """Train Medusa heads for ``target`` and save them in ``out`` (see the module docstring). Features are cached
+    in ``out/features``; ``out/checkpoint.pt`` is written every ``checkpoint_every`` steps and at each epoch's
+    end; ``resume`` continues it and ends with the weights of an uninterrupted run. ``on_step`` gets a
+    ``Progress`` (its ``accuracy``: head 0's top-1 on the step's batch)."""
+    out = Path(out)
+    checkpoint_path = out / "checkpoint.pt"
+    state = None
+    if resume:
+        if not checkpoint_path.is_file():
+            raise FileNotFoundError(f"nothing to resume: {checkpoint_path} does not exist")
+        state = torch.load(checkpoint_path, weights_only=False)
+        if state.get("format") != FORMAT:
+            raise ValueError(f"{checkpoint_path} is not a Medusa training checkpoint")
+        if state["settings"] != asdict(settings):
+            changed = sorted(k for k, v in asdict(settings).items() if state["settings"].get(k) != v)
+            raise ValueError(f"--resume needs the settings of the interrupted run; these differ: {', '.join(changed)}")
+        if state["target"] != target_identity(target):
+            raise ValueError(f"{checkpoint_path} trains heads for {state['target']['name']!r}, not for this target")
+    elif checkpoint_path.exists():
+        raise ValueError(f"{out} holds a training checkpoint: pass --resume to continue it, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+
+    held_out, train, stats = read_samples(target, settings)
+    lengths = [len(s) for s in train]
+    draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
+    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
+    eps = float(text_config(target.model).rms_norm_eps)
+    torch.manual_seed(settings.seed)
+    heads = MedusaHeads(parts.hidden_size, settings.heads, eps)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = [epoch_batches(lengths, settings, e) for e in range(settings.epochs)]
+    total_steps = sum(len(b) for b in schedule)
+    epoch, done_in_epoch, step, tokens, elapsed_before = 0, 0, 0, 0, 0.0
+    target_counts = torch.zeros(target.vocab_size, dtype=torch.int64)
+    if state is not None:
+        heads.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch, done_in_epoch, step = state["epoch"], state["batch"], state["step"]
+        tokens, elapsed_before, target_counts = state["tokens"], state["elapsed"], state["target_counts"]
+    if on_start is not None:
+        on_start(total_steps, step, stats)
+    started = time.perf_counter()
+
+    def checkpoint(next_epoch: int, next_batch: int) -> None:
+        cache.flush()
+        staging = checkpoint_path.with_suffix(".tmp")
+        torch.save(
+            {
+                "format": FORMAT,
+                "target": target_identity(target),
+                "heads": heads.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": next_epoch,
+                "batch": next_batch,
+                "step": step,
+                "tokens": tokens,
+                "elapsed": elapsed_before + time.perf_counter() - started,
+                "settings": asdict(settings),
+                "target_counts": target_counts,
+            },
+            staging,
+        )
+        os.replace(staging, checkpoint_path)
+
+    autocast = resolve_dtype(settings.compute_dtype) == torch.bfloat16
+    heads.train()
+    while epoch < settings.epochs:
+        batches = schedule[epoch]
+        for b in range(done_in_epoch, len(batches)):
+            batch = batch_tensors(cache, "t", train, batches[b])
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(settings, step, total_steps)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss, accuracy, target_ids = medusa_loss(heads, parts, batch, settings)
+            target_counts += torch.bincount(target_ids, minlength=target.vocab_size)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(heads.parameters(), settings.grad_clip)
+            optimizer.step()
+            step += 1
+            tokens += int(batch[1].shape[0])
+            last = b + 1 == len(batches)
+            save = last or step % settings.checkpoint_every == 0
+            if save:
+                checkpoint(epoch + 1 if last else epoch, 0 if last else b + 1)
+            if on_step is not None:
+                elapsed = elapsed_before + time.perf_counter() - started
+                on_step(Progress(step, total_steps, epoch, tokens, loss.item(), accuracy[0], elapsed, save))
+        epoch, done_in_epoch = epoch + 1, 0
+
+    heads.eval()
+    draft_vocab = rank_by_target(draft_vocab, target_counts)
+    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    sizes = [draft_vocab.numel(), *(n for n in (16384, 8192, 4096) if n < draft_vocab.numel())]
+    full_rows = lm_head_rows(target.model)[: target.vocab_size]
+    by_vocab = held_out_figures(heads, parts, full_rows, cache, held_out, sizes)
+    cache.flush()
+    elapsed = elapsed_before + time.perf_counter() - started
+    data = {
+        "samples_read": stats.samples,
+        "spec_bench_excluded": stats.excluded,
+        "spec_bench_checked": stats.spec_bench_checked,
+        "train_sequences": len(train),
+        "train_tokens_per_epoch": sum(lengths),
+        "held_out_sequences": len(held_out),
+        "held_out_tokens": sum(len(s) for s in held_out),
+    }
+    training = {
+        "settings": asdict(settings),
+        "steps": step,
+        "tokens_seen": tokens,
+        "wall_seconds": round(elapsed, 1),
+        "held_out_top1_by_head": by_vocab[sizes[0]]["top1_by_head"],
+        "held_out_by_draft_vocab": {str(n): v for n, v in by_vocab.items()},
+        "data": data,
+        "torch": torch.__version__,
+    }
+    save_heads(out, heads, draft_vocab, target, training)
+    return MedusaResult(out, step, tokens, len(train), elapsed, by_vocab[sizes[0]]["top1_by_head"], by_vocab, data)
