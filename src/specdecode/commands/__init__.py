@@ -118,3 +118,57 @@ def build_proposer(*args: Any, **kwargs: Any) -> Any:
     """``factory.build_proposer``, a draft model loading with this package's ``load`` (so that what replaces
     ``commands.load``, as tests do, loads the draft too)."""
     return factory.build_proposer(*args, loader=load, **kwargs)
+
+
+def progress_bar(label: str, info: str = ""):
+    """A rich bar on stderr (``label``, count, an ``info`` field, elapsed and remaining time), shown on a terminal
+    only; returns (bar, its one task)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn(f"[bold]{label}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
+    bar = Progress(*columns, TimeElapsedColumn(), TimeRemainingColumn(), console=err, disable=not err.is_terminal)
+    return bar, bar.add_task(label, total=None, info=info)
+
+
+def training_reporter(max_length: int, accuracy_label: str = "acc"):
+    """(bar, on_start, on_step) for a head trainer (``heads.train`` / ``heads.medusa`` callbacks): the data read,
+    then loss and accuracy per step on the bar, or a log line a minute (and at checkpoints) off a terminal."""
+    import time
+
+    bar, task = progress_bar("training", "reading data")
+    last_log = [0.0]
+
+    def on_start(total: int, done: int, stats) -> None:
+        bar.update(task, total=total, completed=done, info="")
+        excluded = (
+            f"{stats.excluded} Spec-Bench conversations excluded"
+            if stats.spec_bench_checked
+            else "Spec-Bench file not found: nothing excluded"
+        )
+        err.print(
+            f"{stats.samples} samples read ({excluded}), {stats.sequences} sequences of at most {max_length} tokens; "
+            f"{total} steps, {done} done",
+            soft_wrap=True,
+        )
+
+    def on_step(p) -> None:
+        info = f"loss {p.loss:.3f} {accuracy_label} {p.accuracy:.2f} {p.tokens:,} tok"
+        bar.update(task, completed=p.step, info=info)
+        if not err.is_terminal and (p.checkpointed or time.monotonic() - last_log[0] > 60):
+            last_log[0] = time.monotonic()
+            rate = p.tokens / max(p.elapsed, 1e-9)
+            err.print(f"step {p.step}/{p.total_steps} epoch {p.epoch} {info} {p.elapsed:.0f}s {rate:.0f} tok/s")
+
+    return bar, on_start, on_step

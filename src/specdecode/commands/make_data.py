@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import typer
 
-from specdecode.commands import err, quiet_transformers
+from specdecode.commands import err, progress_bar, quiet_transformers
 
 
 def make_data(
@@ -35,15 +33,6 @@ def make_data(
     ),
 ) -> None:
     """Write the target's own answers to training prompts (JSONL chats), for train-head --data."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     from specdecode.commands import load
     from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
 
@@ -61,18 +50,7 @@ def make_data(
     quiet_transformers()
     with err.status(f"loading {target}…"):
         model = load(target, "float32", quantization)
-    interactive = sys.stderr.isatty()
-    bar = Progress(
-        TextColumn("[bold]answering[/bold]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        disable=not interactive,
-    )
-    task = bar.add_task("answer", total=None, info="reading prompts")
+    bar, task = progress_bar("answering", "reading prompts")
 
     def on_start(stats) -> None:
         todo = stats.prompts - stats.already

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-import time
-
 import typer
 
-from specdecode.commands import err, quiet_transformers
+from specdecode.commands import err, quiet_transformers, training_reporter
 
 
 def train_head(
@@ -41,14 +38,6 @@ def train_head(
 ) -> None:
     """Train a draft head on a frozen target (teacher forcing, distilling the target's own outputs)."""
     import torch
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     from specdecode.commands import load
     from specdecode.heads.train import TrainSettings
@@ -72,41 +61,7 @@ def train_head(
     quiet_transformers()
     with err.status(f"loading {target}…"):
         model = load(target, "float32", "none")
-    interactive = sys.stderr.isatty()
-    bar = Progress(
-        TextColumn("[bold]training[/bold]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        disable=not interactive,
-    )
-    task = bar.add_task("train", total=None, info="reading data")
-    last_log = [0.0]
-
-    def on_start(total: int, done: int, stats) -> None:
-        bar.update(task, total=total, completed=done, info="")
-        excluded = (
-            f"{stats.excluded} Spec-Bench conversations excluded"
-            if stats.spec_bench_checked
-            else "Spec-Bench file not found: nothing excluded"
-        )
-        err.print(
-            f"{stats.samples} samples read ({excluded}), {stats.sequences} sequences of at most {max_length} tokens; "
-            f"{total} steps, {done} done",
-            soft_wrap=True,
-        )
-
-    def on_step(p) -> None:
-        info = f"loss {p.loss:.3f} acc {p.accuracy:.2f} {p.tokens:,} tok"
-        bar.update(task, completed=p.step, info=info)
-        if not interactive and (p.checkpointed or time.monotonic() - last_log[0] > 60):
-            last_log[0] = time.monotonic()
-            rate = p.tokens / max(p.elapsed, 1e-9)
-            err.print(f"step {p.step}/{p.total_steps} epoch {p.epoch} {info} {p.elapsed:.0f}s {rate:.0f} tok/s")
-
+    bar, on_start, on_step = training_reporter(max_length)
     with bar:
         result = run(model, settings, out, resume=resume, on_step=on_step, on_start=on_start)
     print(f"saved {result.folder}: {result.steps} steps, {result.tokens:,} tokens, {result.elapsed:.0f} s")
