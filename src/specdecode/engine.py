@@ -373,7 +373,8 @@ class SpeculativeDecoder:
         path_rows = [0] + [node + 1 for node in accepted]  # the rows that chose the emitted tokens
         request.keep_hidden(runner, path_rows)
         sources = round_sources(len(accepted), True, rejected)
-        request.emit(draft.tokens[accepted].tolist() + [token], sources, logits[path_rows])
+        chosen_by = logits[path_rows] if request.logprobs is not None else logits  # gather only when read
+        request.emit(draft.tokens[accepted].tolist() + [token], sources, chosen_by)
         runner.retain(start, [start + node for node in accepted])
 
 
