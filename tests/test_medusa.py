@@ -97,6 +97,13 @@ def test_resumed_training_ends_with_the_weights_of_an_uninterrupted_run(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_resume_refuses_another_kind_of_checkpoint_before_comparing_settings(tmp_path, corpus):
+    (tmp_path / "eagle").mkdir()
+    torch.save({"settings": {"passes": 2}}, tmp_path / "eagle" / "checkpoint.pt")  # an EAGLE head's: no "format"
+    with pytest.raises(ValueError, match="not a Medusa training checkpoint"):
+        train_medusa(word_target(), settings(corpus), tmp_path / "eagle", resume=True)
+
+
 def test_heads_for_another_target_are_refused(heads_dir):
     deeper = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10, num_layers=3), tokenizer=word_tokenizer(WORDS))
     with pytest.raises(ValueError, match="train-medusa"):

@@ -15,14 +15,13 @@ each head starts as the target's own next-token read-out. Only W and b are train
 
 Training (self-distillation, teacher forcing over the data's text): at row t head i learns the target's own law
 at row t+i+1 (its read-out of f_{t+i+1}, from the same frozen forward), loss Σ_i decay^i · CE(p_target, q_i)
-over the drafting vocabulary. The data pipeline, feature cache, batching and schedule are ``heads.train``'s.
+over the drafting vocabulary. The data pipeline, feature cache, batching, schedule and training loop (checkpoints,
+resume) are ``heads.train``'s.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,10 +41,10 @@ from .train import (
     Progress,
     batch_tensors,
     choose_draft_vocab,
-    epoch_batches,
-    learning_rate,
+    open_checkpoint,
     rank_by_target,
     read_samples,
+    training_loop,
 )
 
 FORMAT = "specdecode-medusa-heads"
@@ -304,117 +303,69 @@ def train_medusa(
     ``Progress`` (its ``accuracy``: head 0's top-1 on the step's batch)."""
     out = Path(out)
     checkpoint_path = out / "checkpoint.pt"
-    state = None
-    if resume:
-        if not checkpoint_path.is_file():
-            raise FileNotFoundError(f"nothing to resume: {checkpoint_path} does not exist")
-        state = torch.load(checkpoint_path, weights_only=False)
+
+    def check_format(state: dict[str, Any]) -> None:
         if state.get("format") != FORMAT:
             raise ValueError(f"{checkpoint_path} is not a Medusa training checkpoint")
-        if state["settings"] != asdict(settings):
-            changed = sorted(k for k, v in asdict(settings).items() if state["settings"].get(k) != v)
-            raise ValueError(f"--resume needs the settings of the interrupted run; these differ: {', '.join(changed)}")
-        if state["target"] != target_identity(target):
-            raise ValueError(f"{checkpoint_path} trains heads for {state['target']['name']!r}, not for this target")
-    elif checkpoint_path.exists():
-        raise ValueError(f"{out} holds a training checkpoint: pass --resume to continue it, or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+
+    state = open_checkpoint(checkpoint_path, settings, resume, check_format)
+    if state is not None and state["target"] != target_identity(target):
+        raise ValueError(f"{checkpoint_path} trains heads for {state['target']['name']!r}, not for this target")
 
     held_out, train, stats = read_samples(target, settings)
-    lengths = [len(s) for s in train]
     draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
     cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
     eps = float(text_config(target.model).rms_norm_eps)
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(parts.hidden_size, settings.heads, eps)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = [epoch_batches(lengths, settings, e) for e in range(settings.epochs)]
-    total_steps = sum(len(b) for b in schedule)
-    epoch, done_in_epoch, step, tokens, elapsed_before = 0, 0, 0, 0, 0.0
-    target_counts = torch.zeros(target.vocab_size, dtype=torch.int64)
-    if state is not None:
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        epoch, done_in_epoch, step = state["epoch"], state["batch"], state["step"]
-        tokens, elapsed_before, target_counts = state["tokens"], state["elapsed"], state["target_counts"]
-    if on_start is not None:
-        on_start(total_steps, step, stats)
-    started = time.perf_counter()
 
-    def checkpoint(next_epoch: int, next_batch: int) -> None:
-        cache.flush()
-        staging = checkpoint_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "format": FORMAT,
-                "target": target_identity(target),
-                "heads": heads.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "epoch": next_epoch,
-                "batch": next_batch,
-                "step": step,
-                "tokens": tokens,
-                "elapsed": elapsed_before + time.perf_counter() - started,
-                "settings": asdict(settings),
-                "target_counts": target_counts,
-            },
-            staging,
-        )
-        os.replace(staging, checkpoint_path)
+    def loss_of(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, float, torch.Tensor]:
+        loss, accuracy, target_ids = medusa_loss(heads, parts, batch, settings)
+        return loss, accuracy[0], target_ids
 
-    autocast = resolve_dtype(settings.compute_dtype) == torch.bfloat16
-    heads.train()
-    while epoch < settings.epochs:
-        batches = schedule[epoch]
-        for b in range(done_in_epoch, len(batches)):
-            batch = batch_tensors(cache, "t", train, batches[b])
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(settings, step, total_steps)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss, accuracy, target_ids = medusa_loss(heads, parts, batch, settings)
-            target_counts += torch.bincount(target_ids, minlength=target.vocab_size)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(heads.parameters(), settings.grad_clip)
-            optimizer.step()
-            step += 1
-            tokens += int(batch[1].shape[0])
-            last = b + 1 == len(batches)
-            save = last or step % settings.checkpoint_every == 0
-            if save:
-                checkpoint(epoch + 1 if last else epoch, 0 if last else b + 1)
-            if on_step is not None:
-                elapsed = elapsed_before + time.perf_counter() - started
-                on_step(Progress(step, total_steps, epoch, tokens, loss.item(), accuracy[0], elapsed, save))
-        epoch, done_in_epoch = epoch + 1, 0
+    trained = training_loop(
+        heads,
+        settings,
+        cache,
+        train,
+        loss_of,
+        target.vocab_size,
+        checkpoint_path,
+        state,
+        stats,
+        key="heads",
+        extra={"format": FORMAT, "target": target_identity(target)},
+        on_step=on_step,
+        on_start=on_start,
+    )
 
-    heads.eval()
-    draft_vocab = rank_by_target(draft_vocab, target_counts)
+    draft_vocab = rank_by_target(draft_vocab, trained.target_counts)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
     sizes = [draft_vocab.numel(), *(n for n in (16384, 8192, 4096) if n < draft_vocab.numel())]
     full_rows = lm_head_rows(target.model)[: target.vocab_size]
     by_vocab = held_out_figures(heads, parts, full_rows, cache, held_out, sizes)
+    top1 = by_vocab[sizes[0]]["top1_by_head"]
     cache.flush()
-    elapsed = elapsed_before + time.perf_counter() - started
+    elapsed = trained.elapsed()
     data = {
         "samples_read": stats.samples,
         "spec_bench_excluded": stats.excluded,
         "spec_bench_checked": stats.spec_bench_checked,
         "train_sequences": len(train),
-        "train_tokens_per_epoch": sum(lengths),
+        "train_tokens_per_epoch": sum(len(s) for s in train),
         "held_out_sequences": len(held_out),
         "held_out_tokens": sum(len(s) for s in held_out),
     }
     training = {
         "settings": asdict(settings),
-        "steps": step,
-        "tokens_seen": tokens,
+        "steps": trained.steps,
+        "tokens_seen": trained.tokens,
         "wall_seconds": round(elapsed, 1),
-        "held_out_top1_by_head": by_vocab[sizes[0]]["top1_by_head"],
+        "held_out_top1_by_head": top1,
         "held_out_by_draft_vocab": {str(n): v for n, v in by_vocab.items()},
         "data": data,
         "torch": torch.__version__,
     }
     save_heads(out, heads, draft_vocab, target, training)
-    return MedusaResult(out, step, tokens, len(train), elapsed, by_vocab[sizes[0]]["top1_by_head"], by_vocab, data)
+    return MedusaResult(out, trained.steps, trained.tokens, len(train), elapsed, top1, by_vocab, data)

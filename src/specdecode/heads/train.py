@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from ..models.loader import LoadedModel, resolve_dtype
 from .data import DataStats, Sample, iter_samples, spec_bench_questions
 from .model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
 from .saved import save_head
+
+if TYPE_CHECKING:
+    from .medusa import MedusaSettings
 
 EVAL_DEPTHS = 5
 
@@ -336,51 +339,82 @@ def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
     return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train_head(
-    target: LoadedModel,
-    settings: TrainSettings,
-    out: str | Path,
-    resume: bool = False,
-    on_step: Callable[[Progress], None] | None = None,
-    on_start: Callable[[int, int, DataStats], None] | None = None,
-) -> TrainResult:
-    """Train a head for ``target`` and save it in ``out`` (see the module docstring). ``on_start`` receives
-    (total steps, steps already done, reader stats) once the data is read."""
-    out = Path(out)
-    checkpoint_path = out / "checkpoint.pt"
+# --- the training loop (train_head's and heads.medusa.train_medusa's) -------------------------------------------
+
+
+def open_checkpoint(
+    path: Path,
+    settings: TrainSettings | MedusaSettings,
+    resume: bool,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` to resume (vetted by ``check``, then for the same settings), or None for a fresh
+    run, which a checkpoint already there refuses; makes ``path``'s folder."""
     state = None
     if resume:
-        if not checkpoint_path.is_file():
-            raise FileNotFoundError(f"nothing to resume: {checkpoint_path} does not exist")
-        state = torch.load(checkpoint_path, weights_only=False)
+        if not path.is_file():
+            raise FileNotFoundError(f"nothing to resume: {path} does not exist")
+        state = torch.load(path, weights_only=False)
+        if check is not None:
+            check(state)
         if state["settings"] != asdict(settings):
             changed = sorted(k for k, v in asdict(settings).items() if state["settings"].get(k) != v)
             raise ValueError(f"--resume needs the settings of the interrupted run; these differ: {', '.join(changed)}")
-    elif checkpoint_path.exists():
-        raise ValueError(f"{out} holds a training checkpoint: pass --resume to continue it, or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    elif path.exists():
+        raise ValueError(
+            f"{path.parent} holds a training checkpoint: pass --resume to continue it, or choose another --out"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return state
 
-    held_out, train, stats = read_samples(target, settings)
-    lengths = [len(s) for s in train]
-    draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
-    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
-    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
-    scale = feature_scale(cache, held_out)
-    torch.manual_seed(settings.seed)
-    head = EagleHead(HeadShape.of(target.model))
-    if settings.init_from_target:
-        head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale, target.model)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+@dataclass(frozen=True)
+class Trained:
+    """Where a finished ``training_loop`` stands."""
+
+    steps: int
+    tokens: int  # training tokens processed (all epochs)
+    target_counts: torch.Tensor  # how often each id was the target's argmax in training
+    elapsed_before: float  # seconds of the earlier runs of a resumed training
+    started: float  # time.perf_counter() when this run's loop began
+
+    def elapsed(self) -> float:
+        """Seconds of training so far, earlier runs included."""
+        return self.elapsed_before + time.perf_counter() - self.started
+
+
+def training_loop(
+    model: torch.nn.Module,
+    settings: TrainSettings | MedusaSettings,
+    cache: FeatureCache,
+    sequences: list[list[int]],
+    loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, float, torch.Tensor]],
+    vocab_size: int,
+    checkpoint_path: Path,
+    state: dict[str, Any] | None,
+    stats: DataStats,
+    key: str = "head",
+    extra: dict[str, Any] | None = None,
+    on_step: Callable[[Progress], None] | None = None,
+    on_start: Callable[[int, int, DataStats], None] | None = None,
+) -> Trained:
+    """Train ``model`` on ``sequences`` (their cached features, packed by ``epoch_batches``): AdamW at
+    ``learning_rate``, ``loss_of(batch)`` = (loss, the step's accuracy for ``Progress``, the target's argmax ids
+    at the rows trained on) under autocast per ``compute_dtype``, gradients clipped to ``grad_clip``. The
+    checkpoint (the ``extra`` entries, ``model``'s weights under ``key``, the optimizer's state, where the run
+    stands) is written every ``checkpoint_every`` steps and at each epoch's end; ``state``, one read back,
+    continues the run bit for bit. ``on_start`` gets (total steps, steps already done, ``stats``)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    lengths = [len(s) for s in sequences]
     schedule = [epoch_batches(lengths, settings, e) for e in range(settings.epochs)]
     total_steps = sum(len(b) for b in schedule)
     epoch, done_in_epoch, step, tokens, elapsed_before = 0, 0, 0, 0, 0.0
-    target_counts = torch.zeros(target.vocab_size, dtype=torch.int64)  # the target's argmax ids seen in training
+    target_counts = torch.zeros(vocab_size, dtype=torch.int64)
     if state is not None:
-        head.load_state_dict(state["head"])
+        model.load_state_dict(state[key])
         optimizer.load_state_dict(state["optimizer"])
         epoch, done_in_epoch, step = state["epoch"], state["batch"], state["step"]
-        tokens, elapsed_before = state["tokens"], state["elapsed"]
-        target_counts = state["target_counts"]
+        tokens, elapsed_before, target_counts = state["tokens"], state["elapsed"], state["target_counts"]
     if on_start is not None:
         on_start(total_steps, step, stats)
     started = time.perf_counter()
@@ -390,7 +424,8 @@ def train_head(
         staging = checkpoint_path.with_suffix(".tmp")
         torch.save(
             {
-                "head": head.state_dict(),
+                **(extra or {}),
+                key: model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "epoch": next_epoch,
                 "batch": next_batch,
@@ -404,21 +439,20 @@ def train_head(
         )
         os.replace(staging, checkpoint_path)
 
-    head.train()
+    autocast = resolve_dtype(settings.compute_dtype) == torch.bfloat16
+    model.train()
     while epoch < settings.epochs:
         batches = schedule[epoch]
         for b in range(done_in_epoch, len(batches)):
-            batch = batch_tensors(cache, "t", train, batches[b])
+            batch = batch_tensors(cache, "t", sequences, batches[b])
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings, step, total_steps)
-            with torch.autocast(
-                "cpu", dtype=torch.bfloat16, enabled=resolve_dtype(settings.compute_dtype) == torch.bfloat16
-            ):
-                loss, accuracy, target_ids = head_loss(head, parts, batch, settings, scale)
-            target_counts += torch.bincount(target_ids, minlength=target.vocab_size)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss, accuracy, target_ids = loss_of(batch)
+            target_counts += torch.bincount(target_ids, minlength=vocab_size)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
             optimizer.step()
             step += 1
             tokens += int(batch[1].shape[0])
@@ -430,29 +464,68 @@ def train_head(
                 elapsed = elapsed_before + time.perf_counter() - started
                 on_step(Progress(step, total_steps, epoch, tokens, loss.item(), accuracy, elapsed, save))
         epoch, done_in_epoch = epoch + 1, 0
+    model.eval()
+    return Trained(step, tokens, target_counts, elapsed_before, started)
 
-    head.eval()
-    draft_vocab = rank_by_target(draft_vocab, target_counts)
+
+def train_head(
+    target: LoadedModel,
+    settings: TrainSettings,
+    out: str | Path,
+    resume: bool = False,
+    on_step: Callable[[Progress], None] | None = None,
+    on_start: Callable[[int, int, DataStats], None] | None = None,
+) -> TrainResult:
+    """Train a head for ``target`` and save it in ``out`` (see the module docstring). ``on_start`` receives
+    (total steps, steps already done, reader stats) once the data is read."""
+    out = Path(out)
+    checkpoint_path = out / "checkpoint.pt"
+    state = open_checkpoint(checkpoint_path, settings, resume)
+
+    held_out, train, stats = read_samples(target, settings)
+    draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
+    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
+    scale = feature_scale(cache, held_out)
+    torch.manual_seed(settings.seed)
+    head = EagleHead(HeadShape.of(target.model))
+    if settings.init_from_target:
+        head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale, target.model)
+    trained = training_loop(
+        head,
+        settings,
+        cache,
+        train,
+        lambda batch: head_loss(head, parts, batch, settings, scale),
+        target.vocab_size,
+        checkpoint_path,
+        state,
+        stats,
+        on_step=on_step,
+        on_start=on_start,
+    )
+
+    draft_vocab = rank_by_target(draft_vocab, trained.target_counts)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
     sizes = [draft_vocab.numel(), *(n for n in (32768, 16384, 8192) if n < draft_vocab.numel())]
     by_vocab = held_out_accuracy(head, parts, lm_head_rows(target.model)[: target.vocab_size], cache, held_out, sizes)
     accuracy, coverage = by_vocab[sizes[0]]["top1_by_depth"], by_vocab[sizes[0]]["coverage"]
     cache.flush()
-    elapsed = elapsed_before + time.perf_counter() - started
+    elapsed = trained.elapsed()
     data = {
         "samples_read": stats.samples,
         "spec_bench_excluded": stats.excluded,
         "spec_bench_checked": stats.spec_bench_checked,
         "train_samples": len(train),
-        "train_tokens_per_epoch": sum(lengths),
+        "train_tokens_per_epoch": sum(len(s) for s in train),
         "held_out_samples": len(held_out),
         "held_out_tokens": sum(len(s) for s in held_out),
     }
     training = {
         "settings": asdict(settings),
         "feature_scale": round(scale, 4),
-        "steps": step,
-        "tokens_seen": tokens,
+        "steps": trained.steps,
+        "tokens_seen": trained.tokens,
         "wall_seconds": round(elapsed, 1),
         "held_out_top1_by_depth": accuracy,
         "held_out_draft_vocab_coverage": coverage,
@@ -461,4 +534,4 @@ def train_head(
         "torch": torch.__version__,
     }
     save_head(out, head, draft_vocab, target, training)
-    return TrainResult(out, step, tokens, len(train), elapsed, accuracy, coverage, by_vocab, data)
+    return TrainResult(out, trained.steps, trained.tokens, len(train), elapsed, accuracy, coverage, by_vocab, data)
