@@ -30,6 +30,14 @@ SMALL_VOCAB = 16
 LARGE_VOCAB = 64
 
 
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Rich wraps at the console's width (80 columns off a terminal, read from COLUMNS when it prints), so an
+    assertion on a phrase printed next to a tmp path failed once the path grew (pytest-99 → pytest-100). A
+    wide width makes what the tests read independent of the machine's path lengths."""
+    monkeypatch.setenv("COLUMNS", "400")
+
+
 def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers: int = 2) -> LlamaForCausalLM:
     """A random 2-layer Llama (hidden 32) whose logits are scaled by ``logit_scale`` (entropy ≈ 1.3 nats)."""
     config = LlamaConfig(

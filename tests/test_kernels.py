@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import platform
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -302,11 +303,24 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_path(monkeypatch, tmp_pa
 
 
 def test_the_build_is_cached_per_machine_and_source(monkeypatch, tmp_path):
+    """The cache logic, with g++'s compile replaced by a stand-in (the real compile, ~90 s from a cold cache, is
+    what every kernel test here loads)."""
+    real_run, compiles = kernels.subprocess.run, []
+
+    def run(command, *args, **kwargs):
+        if "-o" not in command:  # g++ --version, part of the cache key
+            return real_run(command, *args, **kwargs)
+        compiles.append(command)
+        Path(command[command.index("-o") + 1]).write_bytes(b"library")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(kernels.subprocess, "run", run)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     first = kernels.build("portable")
     stamp = first.stat().st_mtime_ns
     assert kernels.build("portable") == first and first.stat().st_mtime_ns == stamp  # no second build
-    assert first.parent.parent == tmp_path / "kernels"
+    assert len(compiles) == 1 and first.parent.parent == tmp_path / "kernels"
+    assert kernels.build("avx2").parent != first.parent and len(compiles) == 2  # one build per variant
 
 
 # --- the runner on every GGUF block type -------------------------------------------------------------------

@@ -8,6 +8,7 @@ they skip otherwise (no browser is ever downloaded).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,7 @@ API_KEY = "sekrit"
 PAGE_IDS = ("prompt", "send", "output", "stats", "speculative", "race", "race-plain", "race-spec", "api-key", "error")
 STATIC = Path(sd.__file__).parent / "serving" / "static"
 CHROMIUM = "/usr/bin/chromium"
-SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "page.png"
+SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "page.png"  # refreshed with SPECDECODE_SCREENSHOT=1
 FRUITS = "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango, nectarine"
 PROMPT = f"Here is a list of fruits: {FRUITS}. Write the same list again."
 MAX_TOKENS = 48
@@ -120,8 +121,8 @@ def test_the_page_streams_the_greedy_answer_token_by_token_and_races(browser, sm
         assert page.text_content("#race-plain") == page.text_content("#race-spec") == expected
         assert "identical" in page.text_content("#race-summary")
         page.wait_for_selector("#server-load:has-text('running 0')")  # the poll of /v1/speculation saw it end
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT), full_page=True)
+        if os.environ.get("SPECDECODE_SCREENSHOT") == "1":  # the README's picture; a test run leaves the tree as it is
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
         assert not page.script_errors
 
 

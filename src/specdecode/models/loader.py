@@ -152,10 +152,7 @@ def load_model(
         folder, name, gguf_path = _locate(str(source))
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(folder)
-            except (OSError, ValueError):
-                tokenizer = None
+            tokenizer = load_tokenizer(str(source))
     else:
         raise ValueError(f"cannot load a model from {type(source).__name__}: give a name, a path or a model")
     if quantization == "auto":
@@ -179,6 +176,16 @@ def load_model(
     loaded.quantization = quantization
     loaded.formats = formats
     return loaded
+
+
+def load_tokenizer(source: str) -> Any:
+    """The tokenizer ``load_model(source)`` attaches (a bundled name, a .gguf file or a folder), without loading
+    the weights; None when the folder has none."""
+    folder, _, _ = _locate(str(source))
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError):
+        return None
 
 
 def _locate(text: str) -> tuple[Path, str, Path | None]:
