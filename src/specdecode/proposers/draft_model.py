@@ -12,6 +12,11 @@ from ..params import SamplingParams
 from ..sampling import probs_from_logits, sample
 from .base import EMPTY_DRAFT, Draft, common_prefix_length
 
+# After a round the draft is behind by one token (a rejection: the target's correction) or two (all accepted:
+# its own last guess and the bonus). Feeding them in one forward costs about one step, as feeding one does
+# (the step is bound by reading the weights); a separate prefill call would cost another step.
+CATCH_UP_ROWS = 4
+
 Pick = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
 
 
@@ -20,7 +25,8 @@ class DraftModelProposer:
 
     Cache invariant: ``self._cached`` lists exactly the tokens in the draft's cache. Each ``propose`` rolls
     the cache back to the longest prefix it shares with the context and feeds the rest (after a fully
-    accepted round that is the draft's own last guess and the bonus token).
+    accepted round that is the draft's own last guess and the bonus token) in the same forward as the first
+    guess's, when it is a few tokens.
     """
 
     def __init__(self, model: LoadedModel) -> None:
@@ -52,9 +58,12 @@ class DraftModelProposer:
             return EMPTY_DRAFT
         keep = min(common_prefix_length(self._cached, context), len(context) - 1)
         self._runner.rollback_to(keep)
-        if len(context) - keep > 1:
-            self._runner.prefill(torch.tensor(context[keep:-1], dtype=torch.int64))
-        logits = self._runner.forward(torch.tensor(context[-1:], dtype=torch.int64))[-1]
+        new = torch.tensor(context[keep:], dtype=torch.int64)
+        if len(new) <= CATCH_UP_ROWS:  # one pass: the draft's weights are read once for the few new tokens
+            logits = self._runner.forward(new)[-1]
+        else:  # a prompt: prefill without the head's rows, then the last token
+            self._runner.prefill(new[:-1])
+            logits = self._runner.forward(new[-1:])[-1]
         tokens = torch.empty(k, dtype=torch.int64)
         rows: list[torch.Tensor | None] = []
         for i in range(k):
