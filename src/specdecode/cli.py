@@ -17,6 +17,7 @@ from .commands.quality import quality
 from .commands.serve import serve
 from .commands.train_head import train_head
 from .commands.train_medusa import train_medusa
+from .commands.tune_skip import tune_skip
 
 app = typer.Typer(
     help="Speculative decoding that makes generation faster without changing its output.",
@@ -36,6 +37,7 @@ for _name, _command in (
     ("make-data", make_data),
     ("train-head", train_head),
     ("train-medusa", train_medusa),
+    ("tune-skip", tune_skip),
     ("index", index),
 ):
     app.command(_name)(friendly(_command))

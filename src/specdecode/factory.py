@@ -49,10 +49,11 @@ def build_proposer(
 ) -> Proposer:
     """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
     0 = a chain), ``medusa`` (with a ``heads`` folder or the shipped heads; ``tree_nodes`` as for eagle),
-    ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a path or
-    ``self:N``; ``tree_width`` > 1: lookup offers that many distinct matches as a token tree. A draft model loads
-    with ``loader`` (default ``load``)."""
-    from .proposers import DraftModelProposer, EagleProposer, LayerSkipProposer, MedusaProposer, PromptLookupProposer
+    ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a path, ``self:N``
+    or ``skip:SKIP.json`` / ``skip:LIST`` (the target without those layers); ``tree_width`` > 1: lookup offers
+    that many distinct matches as a token tree. A draft model loads with ``loader`` (default ``load``)."""
+    from .proposers import DraftModelProposer, EagleProposer, MedusaProposer, PromptLookupProposer
+    from .proposers.layer_skip import self_draft_model
 
     if tree_width < 1:
         raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
@@ -77,12 +78,8 @@ def build_proposer(
         raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, medusa, suffix or none")
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
-    if draft.startswith("self:"):
-        layers = draft.removeprefix("self:")
-        if not layers.isdigit():
-            raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}")
-        return LayerSkipProposer(target, int(layers))
-    return DraftModelProposer((loader or load)(draft, dtype, quantization, group_size))
+    own = self_draft_model(target, draft)
+    return DraftModelProposer(own if own is not None else (loader or load)(draft, dtype, quantization, group_size))
 
 
 def suffix_proposer(cache: str | None, tree_nodes: int | None = None, remember: bool = True) -> SuffixProposer:

@@ -17,13 +17,13 @@ from ..params import SamplingParams
 from ..proposers import (
     DraftModelProposer,
     EagleProposer,
-    LayerSkipProposer,
     MedusaProposer,
     PromptLookupProposer,
     Proposer,
     SuffixHistory,
     SuffixProposer,
 )
+from ..proposers.layer_skip import for_transformers, self_draft_model
 from ..stats import DecodeStats
 
 PLAIN = "ours:plain"
@@ -199,14 +199,12 @@ def _hf_generate(
 def draft_proposer_factory(
     target: LoadedModel, draft: str | LoadedModel, dtype: str | torch.dtype = torch.float32
 ) -> tuple[Callable[[], Proposer], LoadedModel]:
-    """A factory of fresh draft proposers and the draft's LoadedModel; ``self:N`` = the target's first N layers."""
-    if isinstance(draft, str) and draft.startswith("self:"):
-        try:
-            layers = int(draft.removeprefix("self:"))
-        except ValueError:
-            raise ValueError(f"--draft self:N needs an integer layer count, got {draft!r}") from None
-        probe = LayerSkipProposer(target, layers)
-        return (lambda: LayerSkipProposer(target, layers)), probe.model
+    """A factory of fresh draft proposers and the draft's LoadedModel; ``self:N`` / ``skip:...`` = views of the
+    target without some of its layers."""
+    if isinstance(draft, str):
+        own = self_draft_model(target, draft)
+        if own is not None:
+            return (lambda: DraftModelProposer(own)), own
     from ..models.loader import load_model
 
     loaded = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype)
@@ -267,6 +265,11 @@ def build_methods(
     return methods
 
 
+def draft_method(target: LoadedModel, label: str, draft: LoadedModel, gamma: int) -> Method:
+    """Ours speculative with ``draft`` as the draft model (a fresh proposer per run), named ``ours:LABEL:gG``."""
+    return _ours_speculative(target, label, lambda: DraftModelProposer(draft), gamma)
+
+
 def suffix_factory() -> tuple[Callable[[], Proposer], Callable[[], None]]:
     """Suffix proposers that share one history across a run's questions (each remembers the earlier ones'
     prompts and answers, as a server would), and ``forget``, which empties it (after the warm-up)."""
@@ -317,6 +320,7 @@ def transformers_methods(
     ]
     if draft is not None:
         _, draft_model = draft_proposer_factory(target, draft, dtype)
+        draft_model = for_transformers(draft_model)
         methods.append(
             _hf_generate(
                 target,

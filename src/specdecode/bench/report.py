@@ -300,6 +300,12 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         lines += _md_table(["k", *map(str, ks)], rows)
     notes = [m for m in result.methods if m.description]
     lines += ["## Methods", ""] + [f"- `{m.name}`: {m.description}" for m in notes] + [""]
+    if str(setup.get("draft") or "").startswith("skip:"):
+        lines += [
+            "`skip:...` drafts with the target minus the listed layers (a skip set chosen by `tune-skip`), sharing",
+            "the target's weights.",
+            "",
+        ]
     if str(setup.get("draft") or "").startswith("self:"):
         lines += [
             "`self:N` drafts with the target's own first N layers and its LM head, untrained: a stand-in",

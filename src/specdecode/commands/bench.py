@@ -74,8 +74,9 @@ def bench(
     draft: Annotated[
         str | None,
         typer.Option(
-            help="Draft model (name, folder, .gguf) or self:N = the target's first N layers "
-            "(untrained early exit, a stand-in for a real draft)."
+            help="Draft model (name, folder, .gguf), self:N = the target's first N layers (untrained early "
+            "exit, a stand-in for a real draft), or skip:SKIP.json / skip:3,5,9-12 = the target without those "
+            "layers (see tune-skip)."
         ),
     ] = None,
     proposer: Annotated[
@@ -196,7 +197,7 @@ def bench(
                 except ValueError as e:
                     raise ValueError(f"--quantization {q}: {e}") from None
             shared_draft = draft
-            if draft is not None and not draft.startswith("self:"):
+            if draft is not None and not draft.startswith(("self:", "skip:")):
                 shared_draft = specdecode.load_model(draft, dtype=dtype)  # one draft for every setting
             methods = []
             for q, model in targets.items():

@@ -78,7 +78,9 @@ def bench_serve(
     proposer: Annotated[ProposerChoice, typer.Option(help="Proposer of the speculating policies.")] = (
         ProposerChoice.lookup
     ),
-    draft: Annotated[str | None, typer.Option(help="Draft model for --proposer draft (path or self:N).")] = None,
+    draft: Annotated[
+        str | None, typer.Option(help="Draft model for --proposer draft (path, self:N or skip:SKIP.json).")
+    ] = None,
     gamma: Annotated[str, typer.Option(help="Draft tokens per round (always drafts all; auto may draft fewer).")] = "3",
     policies: Annotated[str, typer.Option(help="Comma list of policies: always, never, auto.")] = "always,never,auto",
     prompts: Annotated[

@@ -36,7 +36,8 @@ class Mode(str, Enum):
 def check_exact(
     target: Annotated[str, typer.Option(help="Target model: a bundled name, HF folder or .gguf.")] = "smollm2",
     draft: Annotated[
-        str | None, typer.Option(help="Draft model (HF folder or .gguf) or self:N, the target's first N layers.")
+        str | None,
+        typer.Option(help="Draft model (HF folder or .gguf), self:N (the target's first N layers) or skip:SKIP.json."),
     ] = None,
     proposer: Annotated[
         str | None,

@@ -31,8 +31,8 @@ def generate(
     ),
     draft: str | None = typer.Option(
         None,
-        help="Draft model (HF folder or .gguf), or self:N for the target's "
-        "first N layers (a stand-in for models with no small sibling).",
+        help="Draft model (HF folder or .gguf), self:N for the target's first N layers, or skip:SKIP.json "
+        "(from tune-skip) / skip:3,5,9-12 for the target without those layers.",
     ),
     proposer: ProposerChoice | None = typer.Option(
         None,
@@ -96,7 +96,7 @@ def generate(
     parse_quantization(quantization)  # validate before the slow load
     choice = proposer or (ProposerChoice.draft if draft else ProposerChoice.lookup)
     if choice is ProposerChoice.draft and not draft:
-        raise ValueError("--proposer draft needs --draft PATH or --draft self:N")
+        raise ValueError("--proposer draft needs --draft PATH, self:N or skip:SKIP.json")
     quiet_transformers()
     with err.status(f"loading {target}…"):
         target_model = load(target, dtype, quantization, group_size)

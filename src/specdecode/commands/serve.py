@@ -24,7 +24,9 @@ def serve(
     proposer: ProposerChoice | None = typer.Option(
         None, help="Default proposer (as generate's; draft needs --draft). Default: draft with --draft, else lookup."
     ),
-    draft: str | None = typer.Option(None, help="Draft model (HF folder or .gguf), or self:N (the target's N layers)."),
+    draft: str | None = typer.Option(
+        None, help="Draft model (HF folder or .gguf), self:N (the target's N layers) or skip:SKIP.json."
+    ),
     gamma: str = typer.Option("auto", help="Most tokens drafted per round, or auto (the policy picks, up to 8)."),
     policy: str = typer.Option(
         "auto", help="auto (speculate while the measured costs say it pays at this batch size), always or never."

@@ -72,8 +72,9 @@ DRAIN_SECONDS = 10.0
 class ServerConfig:
     """What ``specdecode serve`` serves and how (picklable when ``target`` is a name: Ray ships it to replicas).
 
-    ``proposer``: the default proposer (``lookup``, ``draft`` with ``draft`` = a model path or ``self:N``, or
-    ``none``); requests may pick ``none``, ``lookup``, this one, or a name in ``proposers`` (extra factories).
+    ``proposer``: the default proposer (``lookup``, ``draft`` with ``draft`` = a model path, ``self:N`` or
+    ``skip:SKIP.json``, or ``none``); requests may pick ``none``, ``lookup``, this one, or a name in
+    ``proposers`` (extra factories).
     ``gamma``: the most tokens a round drafts (an integer or ``auto`` = up to ``max_gamma``); ``policy``:
     ``auto`` (speculate when the measured costs say it pays), ``always`` or ``never``; ``mode``: the verification
     rule, ``reproducible`` (default: a seed gives the same text whatever the batch or the policy does) or
@@ -115,7 +116,7 @@ class ServerConfig:
         if self.gamma != "auto" and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1):
             raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {self.gamma!r}")
         if self.proposer == "draft" and not self.draft:
-            raise ValueError("the draft proposer needs a draft model: a path or self:N")
+            raise ValueError("the draft proposer needs a draft model: a path, self:N or skip:SKIP.json")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_scope!r}")
         if self.suffix_cache is not None and self.proposer != "suffix":
