@@ -20,6 +20,7 @@ from specdecode.factory import parse_quantization as parse_quantization
 from specdecode.factory import suffix_proposer as suffix_proposer
 
 err = Console(stderr=True)
+TARGET_HELP = "Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
 USER_ERRORS = (SpecDecodeError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
 
 

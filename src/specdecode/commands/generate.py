@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from specdecode.commands import (
+    TARGET_HELP,
     DtypeOption,
     GroupSizeOption,
     HeadOption,
@@ -26,9 +27,7 @@ from specdecode.commands import (
 
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text ('-' reads it from standard input)."),
-    target: str = typer.Option(
-        "smollm2", help="Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
-    ),
+    target: str = typer.Option("smollm2", help=TARGET_HELP),
     draft: str | None = typer.Option(
         None,
         help="Draft model (HF folder or .gguf), self:N for the target's first N layers, or skip:SKIP.json "

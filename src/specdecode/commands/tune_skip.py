@@ -6,13 +6,11 @@ from pathlib import Path
 
 import typer
 
-from specdecode.commands import err, progress_bar, quiet_transformers
+from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers
 
 
 def tune_skip(
-    target: str = typer.Option(
-        "smollm2", help="Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
-    ),
+    target: str = typer.Option("smollm2", help=TARGET_HELP),
     prompts: Path | None = typer.Option(
         None,
         help="FastChat-format JSONL (question_id, category, turns; first turns are used), e.g. Spec-Bench's "
