@@ -115,8 +115,11 @@ class HFRunner:
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k = int(tokens.shape[0])
-        if positions is None:
-            positions = torch.arange(self._length, self._length + k)
+        device = self.model.device  # the engine's tensors are on the CPU; a model on a GPU computes there
+        tokens = tokens.to(device)
+        positions = torch.arange(self._length, self._length + k) if positions is None else positions
+        positions = positions.to(device)
+        attn_mask = None if attn_mask is None else attn_mask.to(device)
         kwargs = {}
         if attn_mask is not None:
             kwargs["attention_mask"] = self._tree_mask(attn_mask, positions)
@@ -136,7 +139,7 @@ class HFRunner:
             if hook is not None:
                 hook.remove()
         self._length += k
-        return out.logits[0, :, : self.vocab_size].float()
+        return out.logits[0, :, : self.vocab_size].float().cpu()
 
     def _tree_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor) -> MaskArg:
         """The model's ``attention_mask`` for a tree: ``attn_mask`` as ``[1, 1, k, length+k]`` for full layers, and
@@ -171,7 +174,7 @@ class HFRunner:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
     def _keep_hidden(self, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        self.hidden = args[0][0].float()
+        self.hidden = args[0][0].float().cpu()
 
     def rollback_to(self, length: int) -> None:
         if not 0 <= length <= self._length:
