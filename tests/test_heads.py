@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import specdecode as sd
 from specdecode.heads import data
 from specdecode.heads.saved import load_head
-from specdecode.heads.train import TrainSettings, train_head
+from specdecode.heads.train import TrainSettings, read_samples, train_head, training_device
 
 WORDS = [f"w{i}" for i in range(64)]
 
@@ -181,6 +181,66 @@ def test_resumed_training_ends_with_the_weights_of_an_uninterrupted_run(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_a_resume_needs_the_thread_count_and_takes_checkpoints_older_than_new_settings(
+    tmp_path, monkeypatch, word_target, corpus
+):
+    """Bitwise resumption holds at one thread count: another is refused in one line. A checkpoint written before
+    ``limit_tokens`` and the thread count were recorded (a one-thread run) resumes to the uninterrupted weights."""
+    whole = train_head(word_target, settings(corpus), tmp_path / "whole")
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_5(progress):
+        if progress.step == 5:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train_head(word_target, settings(corpus), tmp_path / "split", on_step=stop_at_5)
+    checkpoint = tmp_path / "split" / "checkpoint.pt"
+    state = torch.load(checkpoint, weights_only=False)
+    assert state["threads"] == torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"] + 1)
+    with pytest.raises(ValueError, match=f"pass --threads {state['threads']}"):
+        train_head(word_target, settings(corpus), tmp_path / "split", resume=True)
+    del state["threads"], state["settings"]["limit_tokens"]
+    torch.save(state, checkpoint)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # what such a checkpoint ran on
+    resumed = train_head(word_target, settings(corpus), tmp_path / "split", resume=True)
+    a, b = (load_file(str(tmp_path / name / "head.safetensors")) for name in ("whole", "split"))
+    assert resumed.steps == whole.steps and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_limit_tokens_stops_the_training_data_at_a_token_budget(word_target, corpus):
+    held, train, _ = read_samples(word_target, settings(corpus))
+    budget = sum(len(s) for s in train[:5]) - 1  # reached by the fifth training sequence
+    held_b, train_b, stats = read_samples(word_target, settings(corpus, limit_tokens=budget))
+    assert held_b == held and train_b == train[:5] and stats.sequences == len(held) + 5
+    with pytest.raises(ValueError, match="limit_tokens"):
+        settings(corpus, limit_tokens=0)
+
+
+def test_an_unusable_device_is_refused_in_one_line(tmp_path, monkeypatch, word_target, corpus):
+    from typer.testing import CliRunner
+
+    import specdecode.cli as cli
+    from specdecode import commands
+
+    assert training_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device"):
+        training_device("gpu0")
+    with pytest.raises(ValueError, match="only cpu and cuda"):
+        training_device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        training_device("cuda")
+    monkeypatch.setattr(commands, "load", lambda name, *settings: word_target)
+    for command in (["train-head", "--data", str(corpus)], ["make-data", "--prompts", str(corpus)]):
+        result = CliRunner().invoke(cli.app, [*command, "--out", str(tmp_path / "x"), "--device", "cuda"])
+        assert result.exit_code == 1 and "sees no CUDA device" in result.stderr
+        assert "Traceback" not in result.output and not (tmp_path / "x").exists()
+
+
 @pytest.fixture(scope="module")
 def trained_head(tmp_path_factory, word_target, corpus) -> Path:
     folder = tmp_path_factory.mktemp("heads") / "word"
@@ -198,6 +258,28 @@ def test_saved_head_round_trips_in_bfloat16(trained_head, word_target):
     assert {name.split(".")[0] for name in stored} == {"feature_norm", "embed_norm", "fc", "layer", "draft_vocab"}
     # a model without a tokenizer is the same target (the vocabulary check needs both tokenizers)
     load_head(trained_head, sd.load_model(word_target.model))
+
+
+def test_a_head_fine_tuned_from_a_saved_head_starts_from_it_and_keeps_its_vocabulary(
+    tmp_path, trained_head, word_target, corpus
+):
+    start, vocab, config = load_head(trained_head, word_target)
+    losses = []
+    tuned = settings(corpus, init_from=str(trained_head), epochs=1)
+    result = train_head(word_target, tuned, tmp_path / "tuned", on_step=lambda p: losses.append(p.loss))
+    head, tuned_vocab, tuned_config = load_head(tmp_path / "tuned", word_target)
+    assert sorted(tuned_vocab.tolist()) == sorted(vocab.tolist()) and tuned_config["draft_vocab_size"] == 48
+    assert tuned_config["training"]["feature_scale"] == config["training"]["feature_scale"]
+    tuned_weights, start_weights = head.state_dict(), start.state_dict()
+    assert any(not torch.equal(tuned_weights[name], start_weights[name]) for name in start_weights)
+    # it starts where the saved head stands: below a fresh run's first losses
+    fresh = []
+    train_head(word_target, settings(corpus, epochs=1), tmp_path / "fresh", on_step=lambda p: fresh.append(p.loss))
+    assert losses[0] < 0.8 * fresh[0] and result.steps == len(fresh)
+    with pytest.raises(ValueError, match="drop draft_vocab"):
+        settings(corpus, init_from=str(trained_head), draft_vocab=16)
+    with pytest.raises(ValueError, match="no EAGLE head is shipped"):
+        train_head(word_target, settings(corpus, init_from="shipped"), tmp_path / "none")
 
 
 def test_a_head_for_another_target_is_refused(trained_head):

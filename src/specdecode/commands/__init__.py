@@ -21,6 +21,25 @@ from specdecode.factory import suffix_proposer as suffix_proposer
 
 err = Console(stderr=True)
 TARGET_HELP = "Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
+THREADS_HELP = (
+    "Torch threads (default: torch's, one per core). Training is bit-for-bit reproducible at a given count; "
+    "--resume needs the count the run started with."
+)
+TOKENS_HELP = "Stop reading training data once it holds N tokens (to compare data sources at equal tokens)."
+DEVICE_HELP = "Where the target's features and the training are computed: cpu, or cuda[:N] on a machine with a GPU."
+
+
+def set_threads(threads: int | None) -> None:
+    """Torch's thread count from ``--threads`` (None: leave torch's default), refused below 1."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 USER_ERRORS = (SpecDecodeError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers
+from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers, set_threads
 
 
 def make_data(
@@ -29,10 +29,21 @@ def make_data(
     spec_bench: str | None = typer.Option(
         None, help="Spec-Bench question.jsonl whose questions are never used (default: the project's copy)."
     ),
+    threads: int | None = typer.Option(None, help="Torch threads (default: torch's, one per core)."),
+    device: str = typer.Option(
+        "cpu",
+        help="cpu (the native runner on --quantization's weights), or cuda[:N]: the target's dense float32 "
+        "weights on that GPU through the transformers runner (--quantization is then ignored).",
+    ),
 ) -> None:
     """Write the target's own answers to training prompts (JSONL chats), for train-head --data."""
     from specdecode.commands import load
     from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
+    from specdecode.heads.train import training_device
+    from specdecode.models.loader import load_model
+
+    set_threads(threads)
+    on_gpu = training_device(device).type != "cpu"
 
     settings = AnswerSettings(
         prompts=prompts,
@@ -47,7 +58,11 @@ def make_data(
     )
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        model = load(target, "float32", quantization)
+        if on_gpu:
+            model = load_model(target, dtype="float32", backend="transformers", quantization=None)
+            model.model.to(device)
+        else:
+            model = load(target, "float32", quantization)
     bar, task = progress_bar("answering", "reading prompts")
 
     def on_start(stats) -> None:

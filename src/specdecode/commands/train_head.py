@@ -1,10 +1,18 @@
-"""`specdecode train-head`: train an EAGLE draft head for a target on this machine's CPU."""
+"""`specdecode train-head`: train an EAGLE draft head for a target, on the CPU or a CUDA GPU."""
 
 from __future__ import annotations
 
 import typer
 
-from specdecode.commands import err, quiet_transformers, training_reporter
+from specdecode.commands import (
+    DEVICE_HELP,
+    THREADS_HELP,
+    TOKENS_HELP,
+    err,
+    quiet_transformers,
+    set_threads,
+    training_reporter,
+)
 
 
 def train_head(
@@ -20,6 +28,7 @@ def train_head(
     ),
     out: str = typer.Option(..., help="Folder for the head (head.safetensors, config.json) and the checkpoints."),
     limit: int | None = typer.Option(None, help="Training samples to use (after the held-out ones); default all."),
+    tokens: int | None = typer.Option(None, help=TOKENS_HELP),
     held_out: int = typer.Option(32, help="The data's first samples, never trained on: the accuracy figures."),
     epochs: int = typer.Option(1, help="Passes over the training samples."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same options)."),
@@ -31,22 +40,30 @@ def train_head(
     draft_vocab: int = typer.Option(
         0, help="Draft from the N most frequent training tokens only (a cheaper LM head); 0 = whole vocabulary."
     ),
+    init: str | None = typer.Option(
+        None,
+        "--init",
+        help="Fine-tune a saved head (a folder, or shipped: the target's shipped head) instead of starting from the "
+        "target's last layer; it keeps that head's drafting vocabulary.",
+    ),
     checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
     spec_bench: str | None = typer.Option(
         None, help="Spec-Bench question.jsonl whose questions are never trained on (default: the project's copy)."
     ),
+    threads: int | None = typer.Option(None, help=THREADS_HELP),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """Train a draft head on a frozen target (teacher forcing, distilling the target's own outputs)."""
-    import torch
-
     from specdecode.commands import load
-    from specdecode.heads.train import TrainSettings
+    from specdecode.heads.train import TrainSettings, training_device
     from specdecode.heads.train import train_head as run
 
-    torch.set_num_threads(1)  # the training is deterministic at one thread; see docs/HEADS.md
+    set_threads(threads)
+    training_device(device)  # an unusable device is refused before the model loads
     settings = TrainSettings(
         data=data,
         limit=limit,
+        limit_tokens=tokens,
         held_out=held_out,
         max_length=max_length,
         epochs=epochs,
@@ -54,6 +71,7 @@ def train_head(
         passes=passes,
         lr=lr,
         draft_vocab=draft_vocab,
+        init_from=init,
         checkpoint_every=checkpoint_every,
         seed=seed,
         spec_bench=spec_bench,
@@ -63,7 +81,7 @@ def train_head(
         model = load(target, "float32", "none")
     bar, on_start, on_step = training_reporter(max_length)
     with bar:
-        result = run(model, settings, out, resume=resume, on_step=on_step, on_start=on_start)
+        result = run(model, settings, out, resume=resume, on_step=on_step, on_start=on_start, device=device)
     print(f"saved {result.folder}: {result.steps} steps, {result.tokens:,} tokens, {result.elapsed:.0f} s")
     for size, figures in result.by_vocab.items():
         depths = " ".join(f"{a:.3f}" for a in figures["top1_by_depth"])

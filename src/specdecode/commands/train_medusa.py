@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import typer
 
-from specdecode.commands import TARGET_HELP, err, quiet_transformers, training_reporter
+from specdecode.commands import (
+    TARGET_HELP,
+    THREADS_HELP,
+    TOKENS_HELP,
+    err,
+    quiet_transformers,
+    set_threads,
+    training_reporter,
+)
 
 
 def train_medusa(
@@ -17,6 +25,7 @@ def train_medusa(
     out: str = typer.Option(..., help="Folder for the heads (heads.safetensors, config.json) and the checkpoints."),
     heads: int = typer.Option(3, help="Medusa heads K: head i guesses the token i+2 positions past the feature read."),
     limit: int | None = typer.Option(None, help="Training sequences to use (after the held-out ones); default all."),
+    tokens: int | None = typer.Option(None, help=TOKENS_HELP),
     held_out: int = typer.Option(32, help="The data's first sequences, never trained on: the accuracy figures."),
     epochs: int = typer.Option(1, help="Passes over the training sequences."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same options)."),
@@ -31,18 +40,18 @@ def train_medusa(
     spec_bench: str | None = typer.Option(
         None, help="Spec-Bench question.jsonl whose questions are never trained on (default: the project's copy)."
     ),
+    threads: int | None = typer.Option(None, help=THREADS_HELP),
 ) -> None:
     """Train Medusa heads on a frozen target: each head learns the target's own law a few positions ahead."""
-    import torch
-
     from specdecode.commands import load
     from specdecode.heads.medusa import MedusaSettings
     from specdecode.heads.medusa import train_medusa as run
 
-    torch.set_num_threads(1)  # deterministic at one thread (so --resume ends with an uninterrupted run's weights)
+    set_threads(threads)
     settings = MedusaSettings(
         data=data,
         limit=limit,
+        limit_tokens=tokens,
         held_out=held_out,
         max_length=max_length,
         epochs=epochs,

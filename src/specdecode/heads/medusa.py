@@ -40,6 +40,7 @@ from .train import (
     FeatureCache,
     Progress,
     batch_tensors,
+    check_limits,
     choose_draft_vocab,
     open_checkpoint,
     rank_by_target,
@@ -162,6 +163,7 @@ class MedusaSettings:
 
     data: str = "sharegpt"
     limit: int | None = None  # training sequences (after the held-out ones); None = all
+    limit_tokens: int | None = None  # stop reading training sequences once they hold this many tokens
     held_out: int = 32
     max_length: int = 1024
     epochs: int = 1
@@ -183,8 +185,7 @@ class MedusaSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
-            raise ValueError(f"limit must be a positive integer or None, got {self.limit!r}")
+        check_limits(self)
         if self.max_length > self.batch_tokens:
             raise ValueError(f"max_length ({self.max_length}) must not exceed batch_tokens ({self.batch_tokens})")
         if self.max_length < self.heads + 2:

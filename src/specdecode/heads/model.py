@@ -247,7 +247,9 @@ class TargetParts:
         self.eps = float(config.rms_norm_eps)
         self.hidden_size = config.hidden_size
         self.vocab_size = vocab_size
-        self.draft_vocab = torch.arange(vocab_size) if draft_vocab is None else draft_vocab.to(torch.int64)
+        device = self.norm_weight.device  # the parts live where the target's weights are
+        ids = torch.arange(vocab_size) if draft_vocab is None else draft_vocab
+        self.draft_vocab = ids.to(device=device, dtype=torch.int64)
         if self.draft_vocab.numel() and int(self.draft_vocab.max()) >= vocab_size:
             raise ValueError(f"the head's drafting vocabulary names ids past the target's {vocab_size} tokens")
         self.dtype = dtype  # of the embeddings, RoPE tables and LM head rows handed to the head
@@ -316,10 +318,10 @@ def unrolled(
     pass, (predicted f_{t+1} [T, H], rows that have a target: bool [T]).
     """
     n = tokens.shape[0]
-    index = torch.arange(n)
+    index = torch.arange(n, device=tokens.device)
     start = index - positions  # first row of each row's sequence
     same = start[:, None] == start[None, :]
-    has_next = torch.zeros(n, dtype=torch.bool)
+    has_next = torch.zeros(n, dtype=torch.bool, device=tokens.device)
     has_next[:-1] = start[1:] == start[:-1]
     embeddings = parts.embed(torch.cat([tokens[1:], tokens[:1]]))
     cos, sin = parts.rope(positions)

@@ -40,8 +40,8 @@ def save_head(
     """Write ``head.safetensors`` (bfloat16 weights) and ``config.json`` into ``folder``; return the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in head.state_dict().items()}
-    tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
+    tensors = {name: p.detach().to("cpu", torch.bfloat16).contiguous() for name, p in head.state_dict().items()}
+    tensors["draft_vocab"] = draft_vocab.to("cpu", torch.int64).contiguous()
     save_file(tensors, str(folder / "head.safetensors"), metadata={"format": FORMAT})
     config = {
         "format": FORMAT,

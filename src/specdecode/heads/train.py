@@ -9,8 +9,10 @@ outputs, not the dataset's text.
 
 Features are computed once per sequence and cached (bfloat16 shards in ``out/features``); a checkpoint
 (``out/checkpoint.pt``) is written every ``checkpoint_every`` steps and at each epoch's end, so a run can be
-resumed. One thread, a seed, the same batches and the cached features make a run reproducible: a resumed run
-ends with the same weights as an uninterrupted one.
+resumed. A seed, the same batches, the cached features and the same torch thread count (recorded in the
+checkpoint; a resume with another count is refused) make a run reproducible on the CPU: a resumed run ends with
+the same weights as an uninterrupted one. ``device`` runs the extraction and the training on an accelerator
+(``cuda``); the features are still cached on disk, and GPU kernels make no such bitwise promise.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class TrainSettings:
 
     data: str = "sharegpt"
     limit: int | None = None  # training samples (after the held-out ones); None = all
+    limit_tokens: int | None = None  # stop reading training sequences once they hold this many tokens; None = all
     held_out: int = 32  # the first samples of the data, never trained on: the accuracy figures (at least 1)
     max_length: int = 1024  # tokens per sample (longer ones are cut)
     epochs: int = 1
@@ -59,6 +62,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     draft_vocab: int = 0  # most frequent training tokens the head learns to draft; 0 = the whole vocabulary
     init_from_target: bool = True  # start the decoder layer from the target's last layer
+    init_from: str | None = None  # start from this saved head ("shipped": the target's shipped one) instead
     extract_dtype: str = "bfloat16"  # the target's dtype while computing features
     compute_dtype: str = "bfloat16"  # the head's matrix products in training (autocast; weights stay float32)
     checkpoint_every: int = 100
@@ -71,8 +75,7 @@ class TrainSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
-            raise ValueError(f"limit must be a positive integer or None, got {self.limit!r}")
+        check_limits(self)
         if self.max_length > self.batch_tokens:
             raise ValueError(f"max_length ({self.max_length}) must not exceed batch_tokens ({self.batch_tokens})")
         if self.max_length < 4:
@@ -83,8 +86,18 @@ class TrainSettings:
             raise ValueError("feature_weight and ce_weight must be >= 0, not both 0")
         if self.draft_vocab < 0 or self.warmup_steps < 0:
             raise ValueError("draft_vocab and warmup_steps must be >= 0")
+        if self.init_from is not None and self.draft_vocab:
+            raise ValueError("a head trained from a saved head drafts from that head's vocabulary: drop draft_vocab")
         resolve_dtype(self.extract_dtype)
         resolve_dtype(self.compute_dtype)
+
+
+def check_limits(settings: TrainSettings | MedusaSettings) -> None:
+    """``limit`` and ``limit_tokens`` are positive integers or None."""
+    for name in ("limit", "limit_tokens"):
+        value = getattr(settings, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
 @dataclass
@@ -135,19 +148,30 @@ def token_windows(target: LoadedModel, sample: Sample, max_length: int) -> list[
     return [[int(t) for t in ids[:max_length]]]
 
 
-def read_samples(target: LoadedModel, settings: TrainSettings) -> tuple[list[list[int]], list[list[int]], DataStats]:
+def read_samples(
+    target: LoadedModel, settings: TrainSettings | MedusaSettings
+) -> tuple[list[list[int]], list[list[int]], DataStats]:
     """(held-out sequences, training sequences, reader stats): the first ``held_out`` usable sequences are held
-    out, the next ``limit`` train (a text gives one per ``max_length`` window). Sequences shorter than 4 tokens
-    are skipped."""
+    out, the next ``limit`` train (a text gives one per ``max_length`` window), stopping at the first sequence
+    that brings the training tokens to ``limit_tokens`` (so runs on different data can be compared at equal
+    tokens). Sequences shorter than 4 tokens are skipped."""
     if target.tokenizer is None:
         raise ValueError("training a head needs the target's tokenizer")
     stats = DataStats()
     wanted = None if settings.limit is None else settings.held_out + settings.limit
     sequences: list[list[int]] = []
+    train_tokens = 0
+
+    def enough() -> bool:
+        full = wanted is not None and len(sequences) >= wanted
+        return full or (settings.limit_tokens is not None and train_tokens >= settings.limit_tokens)
+
     for sample in iter_samples(settings.data, spec_bench_questions(settings.spec_bench), stats):
-        sequences.extend(ids for ids in token_windows(target, sample, settings.max_length) if len(ids) >= 4)
-        if wanted is not None and len(sequences) >= wanted:
-            del sequences[wanted:]
+        for ids in token_windows(target, sample, settings.max_length):
+            if len(ids) >= 4 and not enough():
+                sequences.append(ids)
+                train_tokens += len(ids) if len(sequences) > settings.held_out else 0
+        if enough():
             break
     stats.sequences = len(sequences)
     if len(sequences) <= settings.held_out:
@@ -228,14 +252,16 @@ class FeatureCache:
 
     @torch.inference_mode()
     def _extract(self, ids: list[int]) -> torch.Tensor:
+        """Features [len(ids), H] on the CPU, computed wherever the target's weights are."""
         model = self._model()
+        device = next(model.parameters()).device
         captured: list[torch.Tensor] = []
         hook = model.get_decoder().norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
         try:
-            model.get_decoder()(input_ids=torch.tensor([ids]), use_cache=False)
+            model.get_decoder()(input_ids=torch.tensor([ids], device=device), use_cache=False)
         finally:
             hook.remove()
-        return captured[0][0].float()
+        return captured[0][0].float().cpu()
 
     def _model(self) -> torch.nn.Module:
         if self._extractor is None:
@@ -300,10 +326,11 @@ def held_out_accuracy(
     hits = {n: [0] * EVAL_DEPTHS for n in sizes}
     inside = dict.fromkeys(sizes, 0)
     counts = [0] * EVAL_DEPTHS
-    rank = torch.full((full_rows.shape[0],), full_rows.shape[0], dtype=torch.int64)
-    rank[parts.draft_vocab] = torch.arange(parts.draft_vocab.numel())
+    device = full_rows.device
+    rank = torch.full((full_rows.shape[0],), full_rows.shape[0], dtype=torch.int64, device=device)
+    rank[parts.draft_vocab] = torch.arange(parts.draft_vocab.numel(), device=device)
     for i in range(len(sequences)):
-        features, tokens, positions = batch_tensors(cache, "h", sequences, [i])
+        features, tokens, positions = (t.to(device) for t in batch_tensors(cache, "h", sequences, [i]))
         normed = F.rms_norm(features, (parts.hidden_size,), parts.norm_weight, parts.eps)
         # row t guesses the token after t+1: the target's argmax at row t+1
         target_next = (normed @ full_rows.T).argmax(-1).roll(-1)
@@ -342,24 +369,46 @@ def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
 # --- the training loop (train_head's and heads.medusa.train_medusa's) -------------------------------------------
 
 
+def training_device(name: str) -> torch.device:
+    """The torch device called ``name`` (cpu, cuda, cuda:1, ...), refused in one line when this machine has none."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"unknown device {name!r} (cpu, cuda, cuda:N): {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device (use --device cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
 def open_checkpoint(
     path: Path,
     settings: TrainSettings | MedusaSettings,
     resume: bool,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` to resume (vetted by ``check``, then for the same settings), or None for a fresh
-    run, which a checkpoint already there refuses; makes ``path``'s folder."""
+    """The checkpoint at ``path`` to resume (vetted by ``check``, then for the same settings and torch thread
+    count, without which the resumed run would not end with an uninterrupted run's weights), or None for a fresh
+    run, which a checkpoint already there refuses; makes ``path``'s folder. A setting the checkpoint predates
+    counts as its default."""
     state = None
     if resume:
         if not path.is_file():
             raise FileNotFoundError(f"nothing to resume: {path} does not exist")
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, map_location="cpu")
         if check is not None:
             check(state)
-        if state["settings"] != asdict(settings):
-            changed = sorted(k for k, v in asdict(settings).items() if state["settings"].get(k) != v)
+        defaults = asdict(type(settings)())
+        changed = sorted(k for k, v in asdict(settings).items() if state["settings"].get(k, defaults[k]) != v)
+        if changed:
             raise ValueError(f"--resume needs the settings of the interrupted run; these differ: {', '.join(changed)}")
+        threads = state.get("threads", 1)  # checkpoints before the thread count was recorded ran on one
+        if threads != torch.get_num_threads():
+            raise ValueError(
+                f"--resume needs the thread count of the interrupted run: it ran on {threads} torch threads, this "
+                f"run has {torch.get_num_threads()} (pass --threads {threads})"
+            )
     elif path.exists():
         raise ValueError(
             f"{path.parent} holds a training checkpoint: pass --resume to continue it, or choose another --out"
@@ -397,13 +446,16 @@ def training_loop(
     extra: dict[str, Any] | None = None,
     on_step: Callable[[Progress], None] | None = None,
     on_start: Callable[[int, int, DataStats], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> Trained:
-    """Train ``model`` on ``sequences`` (their cached features, packed by ``epoch_batches``): AdamW at
+    """Train ``model`` (on ``device``) on ``sequences`` (their cached features, packed by ``epoch_batches``): AdamW at
     ``learning_rate``, ``loss_of(batch)`` = (loss, the step's accuracy for ``Progress``, the target's argmax ids
     at the rows trained on) under autocast per ``compute_dtype``, gradients clipped to ``grad_clip``. The
     checkpoint (the ``extra`` entries, ``model``'s weights under ``key``, the optimizer's state, where the run
-    stands) is written every ``checkpoint_every`` steps and at each epoch's end; ``state``, one read back,
-    continues the run bit for bit. ``on_start`` gets (total steps, steps already done, ``stats``)."""
+    stands, the torch thread count) is written every ``checkpoint_every`` steps and at each epoch's end;
+    ``state``, one read back, continues the run bit for bit. ``on_start`` gets (total steps, steps already done,
+    ``stats``)."""
+    device = torch.device(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     lengths = [len(s) for s in sequences]
     schedule = [epoch_batches(lengths, settings, e) for e in range(settings.epochs)]
@@ -434,6 +486,7 @@ def training_loop(
                 "elapsed": elapsed_before + time.perf_counter() - started,
                 "settings": asdict(settings),
                 "target_counts": target_counts,
+                "threads": torch.get_num_threads(),
             },
             staging,
         )
@@ -444,12 +497,12 @@ def training_loop(
     while epoch < settings.epochs:
         batches = schedule[epoch]
         for b in range(done_in_epoch, len(batches)):
-            batch = batch_tensors(cache, "t", sequences, batches[b])
+            batch = tuple(t.to(device) for t in batch_tensors(cache, "t", sequences, batches[b]))
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings, step, total_steps)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss, accuracy, target_ids = loss_of(batch)
-            target_counts += torch.bincount(target_ids, minlength=vocab_size)
+            target_counts += torch.bincount(target_ids.cpu(), minlength=vocab_size)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
@@ -468,6 +521,19 @@ def training_loop(
     return Trained(step, tokens, target_counts, elapsed_before, started)
 
 
+def initial_head(target: LoadedModel, source: str) -> tuple[EagleHead, torch.Tensor, float]:
+    """(head to train, its drafting vocabulary, its feature scale) from a saved head (``shipped``: the one
+    shipped for ``target``), checked against ``target``."""
+    from .saved import load_head, shipped_head
+
+    folder = shipped_head(target) if source == "shipped" else Path(source)
+    head, draft_vocab, config = load_head(folder, target)
+    scale = config.get("training", {}).get("feature_scale")
+    if scale is None:
+        raise ValueError(f"the head in {folder} does not record its feature scale: it cannot be trained further")
+    return head.train().requires_grad_(True), draft_vocab, float(scale)
+
+
 def train_head(
     target: LoadedModel,
     settings: TrainSettings,
@@ -475,22 +541,30 @@ def train_head(
     resume: bool = False,
     on_step: Callable[[Progress], None] | None = None,
     on_start: Callable[[int, int, DataStats], None] | None = None,
+    device: str = "cpu",
 ) -> TrainResult:
     """Train a head for ``target`` and save it in ``out`` (see the module docstring). ``on_start`` receives
-    (total steps, steps already done, reader stats) once the data is read."""
+    (total steps, steps already done, reader stats) once the data is read. ``device`` other than the CPU moves
+    the target's model there (it stays there) and trains there."""
     out = Path(out)
     checkpoint_path = out / "checkpoint.pt"
+    device = training_device(device)
     state = open_checkpoint(checkpoint_path, settings, resume)
+    target.model.to(device)
 
     held_out, train, stats = read_samples(target, settings)
-    draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
-    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
     cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
-    scale = feature_scale(cache, held_out)
     torch.manual_seed(settings.seed)
-    head = EagleHead(HeadShape.of(target.model))
-    if settings.init_from_target:
-        head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale, target.model)
+    if settings.init_from is not None:  # fine-tuning: its weights, drafting vocabulary and feature units
+        head, draft_vocab, scale = initial_head(target, settings.init_from)
+    else:
+        draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
+        scale = feature_scale(cache, held_out)
+        head = EagleHead(HeadShape.of(target.model))
+        if settings.init_from_target:
+            head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale, target.model)
+    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    head.to(device)
     trained = training_loop(
         head,
         settings,
@@ -503,6 +577,7 @@ def train_head(
         stats,
         on_step=on_step,
         on_start=on_start,
+        device=device,
     )
 
     draft_vocab = rank_by_target(draft_vocab, trained.target_counts)
