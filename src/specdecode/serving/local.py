@@ -9,6 +9,8 @@ from typing import Any
 
 import uvicorn
 
+from ..openmp import release_thread_pool
+
 
 class LocalServer:
     """``with LocalServer(app) as server: httpx.get(server.url + "/health")`` — started and stopped cleanly."""
@@ -29,6 +31,7 @@ class LocalServer:
         return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> LocalServer:
+        release_thread_pool()  # this thread loaded the model: its OpenMP pool would slow the engine's (openmp.py)
         self._thread.start()
         deadline = time.monotonic() + self.startup_timeout
         while not self._server.started:
