@@ -156,8 +156,8 @@ def test_training_makes_the_loss_fall(tmp_path, word_target, corpus):
     assert config["training"]["steps"] == result.steps and config["target"]["vocab_size"] == 64
 
 
-def test_resumed_training_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, word_target, corpus):
-    whole = train_head(word_target, settings(corpus), tmp_path / "whole")
+def interrupt_at_step_5(word_target, corpus, folder: Path) -> None:
+    """A training run in ``folder`` stopped by an exception after step 5 (its checkpoint is step 4's)."""
 
     class Interrupt(Exception):
         pass
@@ -167,7 +167,12 @@ def test_resumed_training_ends_with_the_weights_of_an_uninterrupted_run(tmp_path
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        train_head(word_target, settings(corpus), tmp_path / "split", on_step=stop_at_5)
+        train_head(word_target, settings(corpus), folder, on_step=stop_at_5)
+
+
+def test_resumed_training_ends_with_the_weights_of_an_uninterrupted_run(tmp_path, word_target, corpus):
+    whole = train_head(word_target, settings(corpus), tmp_path / "whole")
+    interrupt_at_step_5(word_target, corpus, tmp_path / "split")
     with pytest.raises(ValueError, match="--resume"):
         train_head(word_target, settings(corpus), tmp_path / "split")
     with pytest.raises(ValueError, match="lr"):
@@ -187,16 +192,7 @@ def test_a_resume_needs_the_thread_count_and_takes_checkpoints_older_than_new_se
     """Bitwise resumption holds at one thread count: another is refused in one line. A checkpoint written before
     ``limit_tokens`` and the thread count were recorded (a one-thread run) resumes to the uninterrupted weights."""
     whole = train_head(word_target, settings(corpus), tmp_path / "whole")
-
-    class Interrupt(Exception):
-        pass
-
-    def stop_at_5(progress):
-        if progress.step == 5:
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        train_head(word_target, settings(corpus), tmp_path / "split", on_step=stop_at_5)
+    interrupt_at_step_5(word_target, corpus, tmp_path / "split")
     checkpoint = tmp_path / "split" / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=False)
     assert state["threads"] == torch.get_num_threads()
