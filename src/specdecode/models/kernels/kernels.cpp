@@ -1482,6 +1482,47 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& norm, double eps, at::
   return logits;
 }
 
+// ------------------------------------------------------------------------------------------------ EAGLE head
+
+// One step of an EAGLE draft head over rows (feature f_t, embedding e_{t+1}) [n, hidden] each: x = fc(norm(f) ‖
+// norm(e)) (unit-scale norms: the head's norm scales are folded into fc's columns), then the head's decoder layer
+// (keys/values stored at each row's slot, as `decoder`), then logits = readout(final_norm(x)) of rows
+// `read_from`.. . Returns {x [n, hidden] (the predicted features), logits [n - read_from, vocab]}.
+std::vector<at::Tensor> head_step(const at::Tensor& features, const at::Tensor& embeddings, int64_t fc, int64_t layer,
+                                  const at::Tensor& keys, const at::Tensor& values, const at::Tensor& cos,
+                                  const at::Tensor& sin, const at::Tensor& meta, const at::Tensor& extra_offsets,
+                                  const at::Tensor& extra_slots, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                  double eps, double scaling, const at::Tensor& norm, double norm_eps, int64_t readout,
+                                  int64_t vocab, int64_t read_from) {
+  const at::Tensor f = features.to(at::kFloat).contiguous(), e = embeddings.to(at::kFloat).contiguous();
+  TORCH_CHECK(f.dim() == 2 && e.sizes() == f.sizes() && f.size(1) % kLanes == 0, "head_step: features and embeddings [n, hidden]");
+  const int64_t n = f.size(0), hidden = f.size(1);
+  TORCH_CHECK(read_from >= 0 && read_from <= n, "head_step: read_from must be in 0..rows");
+  const auto fc_parts = parts_of({fc});
+  TORCH_CHECK(fc_parts[0]->k == 2 * hidden && fc_parts[0]->n == hidden, "head_step: fc must map 2·hidden to hidden");
+  std::vector<float> ones(hidden, 1.0f), mixed(n * 2 * hidden);
+  const float e32 = static_cast<float>(eps);
+  {
+    PhaseTimer timer(kNorm);
+    for (int64_t r = 0; r < n; ++r) {
+      rms_norm_rows(f.data_ptr<float>() + r * hidden, 1, hidden, ones.data(), e32, mixed.data() + r * 2 * hidden);
+      rms_norm_rows(e.data_ptr<float>() + r * hidden, 1, hidden, ones.data(), e32, mixed.data() + (r * 2 + 1) * hidden);
+    }
+  }
+  at::Tensor x = at::empty({n, hidden}, f.options());
+  {
+    PhaseTimer timer(kMatrices);
+    apply_parts(fc_parts, mixed.data(), 2 * hidden, n, x.data_ptr<float>(), hidden, nullptr, 0);
+  }
+  const int64_t layer_ids[1] = {layer};
+  decoder(x, at::IntArrayRef(layer_ids, 1), {keys}, {values}, {cos}, {sin}, 1, meta, extra_offsets, extra_slots, heads,
+          kv_heads, head_dim, eps, scaling);
+  const int64_t readout_ids[1] = {readout};
+  at::Tensor logits = lm_head(x.narrow(0, read_from, n - read_from), norm, norm_eps,
+                              at::IntArrayRef(readout_ids, 1), vocab, c10::nullopt, c10::nullopt, 0);
+  return {x, logits};
+}
+
 // ------------------------------------------------------------------------------------------------ tests' probes
 
 std::vector<at::Tensor> quantize(const at::Tensor& x, int64_t g) {
@@ -1535,6 +1576,8 @@ TORCH_LIBRARY(SD_NS, m) {
         &sd::decoder);
   m.def("lm_head(Tensor x, Tensor norm, float eps, int[] head, int vocab, Tensor? exact_q, Tensor? exact_scale, int refine) -> Tensor",
         &sd::lm_head);
+  m.def("head_step(Tensor features, Tensor embeddings, int fc, int layer, Tensor keys, Tensor values, Tensor cos, Tensor sin, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int heads, int kv_heads, int head_dim, float eps, float scaling, Tensor norm, float norm_eps, int readout, int vocab, int read_from) -> Tensor[]",
+        &sd::head_step);
   m.def("quantize(Tensor x, int g) -> Tensor[]", &sd::quantize);
   m.def("exp_lanes(Tensor x) -> Tensor", &sd::exp_lanes);
   m.def("isa() -> str", &sd::isa);
