@@ -238,6 +238,7 @@ class TargetParts:
         draft_vocab: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
         int8: bool = False,
+        readout: bool = True,
     ) -> None:
         check_supported(model)
         base = model.model
@@ -255,12 +256,13 @@ class TargetParts:
         self.dtype = dtype  # of the embeddings, RoPE tables and LM head rows handed to the head
         from ..models.weights import Int8Linear
 
-        rows = lm_head_rows(model)[self.draft_vocab]
         if int8 and dtype != torch.bfloat16:
             raise ValueError(f"the int8 read-out runs on bfloat16 activations, not {dtype}")
-        # int8: the rows through the weight-only int8 kernel (drafting only; see EagleHead.to_int8)
-        self.lm_rows = None if int8 else rows.to(dtype)
-        self._int8_rows = Int8Linear.quantize(rows) if int8 else None
+        # int8: the rows through the weight-only int8 kernel (drafting only; see EagleHead.to_int8); readout=False:
+        # none kept (a caller that reads out on its own, as drafting on the compiled kernels does)
+        rows = lm_head_rows(model)[self.draft_vocab] if readout else None
+        self.lm_rows = None if int8 or rows is None else rows.to(dtype)
+        self._int8_rows = Int8Linear.quantize(rows) if int8 and rows is not None else None
         rotary = base.rotary_emb
         kind = "full_attention_" if hasattr(rotary, "full_attention_inv_freq") else ""  # Gemma: the global base
         self.inv_freq = getattr(rotary, f"{kind}inv_freq").detach().float()
@@ -282,6 +284,8 @@ class TargetParts:
         normed = F.rms_norm(features.float(), (self.hidden_size,), self.norm_weight, self.eps).to(self.dtype)
         if self._int8_rows is not None:
             return self._int8_rows(normed).float()
+        if self.lm_rows is None:
+            raise RuntimeError("these TargetParts keep no LM head rows (readout=False)")
         return (normed @ self.lm_rows.T).float()
 
     def to_vocab(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from ..choices import as_choices
-from ..heads.model import TargetParts
+from ..heads.drafting import WEIGHT_BITS, KernelHead, TorchHead, TreeRows, supports_kernel_head
+from ..heads.model import TargetParts, lm_head_rows
 from ..heads.saved import load_head, shipped_head
 from ..keyed_noise import KeyedNoise
+from ..models import kernels as compiled
 from ..models.loader import LoadedModel, load_model
 from ..params import SamplingParams
 from ..sampling import probs_from_logits
@@ -49,10 +51,14 @@ class EagleProposer:
 
     ``draft_vocab=N`` drafts from the N ids the target most often predicted in training (the head's saved
     ranking; default: all it was trained on): a cheaper read-out, at the cost of never guessing the rest.
-    ``dtype``: the head's weights and activations while drafting (bfloat16, as it was trained under autocast,
-    reads half the bytes; the norm before the read-out runs in float32). ``int8`` (default): the head's matrices
-    and the read-out rows run through the int8 weight-only kernel on those bfloat16 activations (2-3x faster
-    than bfloat16 matrices here). Drafting numerics never affect the output, only how often guesses are accepted.
+    ``kernels`` (default: wherever they built and the target runs on the CPU): each head step is one call into
+    the compiled kernels (``heads.drafting.KernelHead``), fc's and the layer's matrices in integer blocks of 32
+    of ``weight_bits`` (8 or 4), the read-out rows of ``readout_bits`` (4 by default: ~1 point of acceptance
+    for half the bytes a step reads), int8 activations. Otherwise torch ops run the head: ``dtype`` its weights
+    and activations (bfloat16, as it was trained under autocast, reads half the bytes; the norm before the
+    read-out runs in float32); ``int8`` (default) its matrices and the read-out rows through torch's int8
+    weight-only kernel on those bfloat16 activations. Drafting numerics never affect the output, only how
+    often guesses are accepted.
 
     Tree mode grows the tree level by level: the ``branching`` best-scored nodes of a level (score = log of
     the path's draft probability) each get their ``branching`` most probable children (point masses at any
@@ -77,9 +83,14 @@ class EagleProposer:
         draft_vocab: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
         int8: bool = True,
+        kernels: bool | None = None,
+        weight_bits: int = 8,
+        readout_bits: int = 4,
     ) -> None:
         if int8 and dtype != torch.bfloat16:
             raise ValueError(f"int8 drafting runs on bfloat16 activations: pass int8=False to draft in {dtype}")
+        if weight_bits not in WEIGHT_BITS or readout_bits not in WEIGHT_BITS:
+            raise ValueError(f"weight_bits and readout_bits must be 8 or 4, got {weight_bits!r}, {readout_bits!r}")
         if tree_nodes is not None and (isinstance(tree_nodes, bool) or tree_nodes < 1):
             raise ValueError(f"tree_nodes must be a positive integer or None (a chain), got {tree_nodes!r}")
         if depth is not None and depth < 1:
@@ -91,18 +102,29 @@ class EagleProposer:
         self.target = load_model(target)
         folder = shipped_head(self.target) if head is None else Path(head)
         self.head, ranked, self.config = load_head(folder, self.target)
-        self.head.to_int8() if int8 else self.head.to(dtype)
-        self.parts = TargetParts(self.target.model, self.target.vocab_size, ranked[:draft_vocab], dtype, int8)
+        ops = compiled.ops() if kernels is not False and _on_cpu(self.target) else None
+        if kernels and not (ops is not None and supports_kernel_head(self.head, ops)):
+            raise ValueError("kernels=True: the compiled kernels are not available for this head or device")
+        model, vocab, ranked = self.target.model, self.target.vocab_size, ranked[:draft_vocab]
+        self.drafter: KernelHead | TorchHead
+        if ops is not None and int8 and supports_kernel_head(self.head, ops):
+            self.parts = TargetParts(model, vocab, ranked, torch.float32, readout=False)
+            rows = lm_head_rows(model)[self.parts.draft_vocab]
+            self.drafter = KernelHead(self.head, self.parts, rows, ops, weight_bits, readout_bits)
+            dtype = torch.float32
+        else:
+            self.head.to_int8() if int8 else self.head.to(dtype)
+            self.parts = TargetParts(model, vocab, ranked, dtype, int8)
+            self.drafter = TorchHead(self.head, self.parts, dtype)
         self.tree_nodes = tree_nodes
         self.depth = depth
         self.branching = branching
         shape = self.head.shape
         self._index = torch.full((self.parts.vocab_size,), -1, dtype=torch.int64)  # token id -> drafting index
         self._index[self.parts.draft_vocab] = torch.arange(self.parts.draft_vocab.numel())
-        self._empty = torch.zeros(shape.num_kv_heads, 0, shape.head_dim, dtype=dtype)
-        self._features = torch.zeros(0, shape.hidden_size, dtype=dtype)  # the target's f_t for positions 0..n-1
-        self._keys, self._values = self._empty, self._empty  # entry t: from (f_t, token t+1)
-        self._entry_tokens: list[int] = []  # token t+1 of each entry t
+        self._feature_rows = torch.zeros(256, shape.hidden_size, dtype=dtype)  # room for the target's f_t ...
+        self._known = 0  # ... of positions 0..known-1
+        self._entry_tokens: list[int] = []  # token t+1 of each entry t (the drafter's cache entry t: f_t, token t+1)
         self._source: list[torch.Tensor] | None = None  # the request's feature chunks (observe_target)
         self._seen = 0
 
@@ -111,16 +133,23 @@ class EagleProposer:
         the request goes on (a new list: a new request). Read when the head next drafts (plain rounds of
         ``gamma="auto"`` cost nothing here)."""
         if hidden is not self._source:
-            self._source, self._seen = hidden, 0
-            self._features = self._features[:0]
+            self._source, self._seen, self._known = hidden, 0, 0
             self._truncate_entries(0)
 
     def _read_features(self) -> None:
-        """Append the chunks of the request's features not read yet."""
+        """Append the chunks of the request's features not read yet (into a buffer that doubles when full)."""
         hidden = self._source
-        if hidden is not None and len(hidden) > self._seen:
-            self._features = torch.cat([self._features, *(h.to(self._features.dtype) for h in hidden[self._seen :])])
-            self._seen = len(hidden)
+        if hidden is None:
+            return
+        for chunk in hidden[self._seen :]:
+            end = self._known + chunk.shape[0]
+            if end > self._feature_rows.shape[0]:
+                grown = self._feature_rows.new_empty(max(end, 2 * self._feature_rows.shape[0]), chunk.shape[1])
+                grown[: self._known] = self._feature_rows[: self._known]
+                self._feature_rows = grown
+            self._feature_rows[self._known : end] = chunk
+            self._known = end
+        self._seen = len(hidden)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -166,7 +195,7 @@ class EagleProposer:
     def _truncate_entries(self, length: int) -> None:
         """Keep the head's first ``length`` cache entries (drafted entries sit past the true ones)."""
         self._entry_tokens = self._entry_tokens[:length]
-        self._keys, self._values = self._keys[:, :length], self._values[:, :length]
+        self.drafter.truncate(length)
 
     @torch.inference_mode()
     def _draft(self, context: list[int], k: int, children: Children) -> Draft:
@@ -174,80 +203,72 @@ class EagleProposer:
             return EMPTY_DRAFT
         self._read_features()
         true_entries = len(context) - 1
-        if self._features.shape[0] < true_entries:
+        if self._known < true_entries:
             raise RuntimeError(
-                f"EagleProposer has the target's features for {self._features.shape[0]} of {true_entries} context "
+                f"EagleProposer has the target's features for {self._known} of {true_entries} context "
                 "positions: run it through SpeculativeDecoder, which hands them over (observe_target)"
             )
-        feature = self._sync(context)  # the head's guess of f at the newest token's position
+        feature, logits = self._sync(context)  # the head's guess of f at the newest token's position, read out
         depth = min(k, self.depth or k)
         if self.tree_nodes is None:
-            return self._chain(feature, len(context) - 1, depth, children)
-        return self._tree(feature, len(context) - 1, depth, children)
+            return self._chain(feature, logits, len(context) - 1, depth, children)
+        return self._tree(feature, logits, len(context) - 1, depth, children)
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
+    def _sync(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring the head's cache to one entry per context token but the newest; return the last entry's output
-        (the predicted feature of the newest token), recomputing at least that entry."""
+        (the predicted feature of the newest token) and its logits, recomputing at least that entry."""
         true_entries = len(context) - 1
         keep = min(common_prefix_length(self._entry_tokens, context[1:]), true_entries - 1)
         self._truncate_entries(keep)
         positions = torch.arange(keep, true_entries)
         tokens = torch.tensor(context[keep + 1 :], dtype=torch.int64)
-        mask = torch.ones(len(positions), keep + len(positions), dtype=torch.bool).tril(keep)
-        out = self._run(self._features[keep:true_entries], tokens, positions, mask)
+        features = self._feature_rows[keep:true_entries]
+        out, logits = self.drafter.step(features, tokens, positions, None, read_from=len(tokens) - 1)  # causal
         self._entry_tokens = list(context[1:])
-        return out[-1]
+        return out[-1], logits[-1]
 
-    def _run(
-        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Head rows appended to its cache (``mask`` [n, cached + n]); returns their predicted features."""
-        cos, sin = self.parts.rope(positions)
-        out, keys, values = self.head(features, self.parts.embed(tokens), cos, sin, mask, (self._keys, self._values))
-        self._keys, self._values = torch.cat([self._keys, keys], 1), torch.cat([self._values, values], 1)
-        return out
-
-    def _chain(self, feature: torch.Tensor, newest: int, depth: int, children: Children) -> Draft:
+    def _chain(self, feature: torch.Tensor, logits: torch.Tensor, newest: int, depth: int, children: Children) -> Draft:
         tokens, rows = [], []
         for d in range(1, depth + 1):
-            picked, probs = children(self.parts.logits(feature[None])[0], d)
+            picked, probs = children(logits, d)
             token = self.parts.to_vocab(picked[:1])
             tokens.append(int(token))
             rows.append(probs)
             if d < depth:
-                mask = torch.ones(1, self._keys.shape[1] + 1, dtype=torch.bool)
-                feature = self._run(feature[None], token, torch.tensor([newest + d - 1]), mask)[0]
+                out, logits = self.drafter.step(feature[None], token, torch.tensor([newest + d - 1]), None)
+                feature, logits = out[0], logits[0]
         self._truncate_entries(newest)
         return Draft(torch.tensor(tokens, dtype=torch.int64), None if rows[0] is None else torch.stack(rows))
 
-    def _tree(self, feature: torch.Tensor, newest: int, depth: int, children: Children) -> Draft:
+    def _tree(self, feature: torch.Tensor, logits: torch.Tensor, newest: int, depth: int, children: Children) -> Draft:
         nodes: list[_Node] = []
         slot_of: dict[int, int] = {}  # node index -> its row's slot in the head's cache
-        level = self._add_children(nodes, -1, 0.0, self.parts.logits(feature[None])[0], 1, children)
+        level = self._add_children(nodes, -1, 0.0, logits, torch.log_softmax(logits, -1), 1, children)
         for d in range(2, depth + 1):
             expand = heapq.nlargest(self.branching, level, key=lambda i: (nodes[i].score, -i))
             if not expand:
                 break
             expand.sort()
-            cached = self._keys.shape[1]
-            mask = torch.zeros(len(expand), cached + len(expand), dtype=torch.bool)
-            mask[:, :newest] = True
+            cached = self.drafter.length
+            extras = []  # besides slots 0..newest-1, each row sees its ancestors' slots and its own
             for row, i in enumerate(expand):
-                ancestor = i
+                ancestors, ancestor = [], i
                 while ancestor >= 0:
                     if ancestor in slot_of:
-                        mask[row, slot_of[ancestor]] = True
+                        ancestors.append(slot_of[ancestor])
                     ancestor = nodes[ancestor].parent
-                mask[row, cached + row] = True
+                extras.append([*reversed(ancestors), cached + row])
             parent_features = torch.stack([self._node_feature(i, feature, nodes) for i in expand])
             tokens = torch.tensor([nodes[i].token for i in expand], dtype=torch.int64)
-            outputs = self._run(parent_features, tokens, torch.full((len(expand),), newest + d - 2), mask)
-            logits = self.parts.logits(outputs)  # one pass over the LM head's rows for the whole level
+            positions = torch.full((len(expand),), newest + d - 2)
+            level_rows = TreeRows(newest, extras)
+            outputs, logits = self.drafter.step(parent_features, tokens, positions, level_rows)  # one pass
+            log_q = torch.log_softmax(logits, -1)
             level = []
             for row, i in enumerate(expand):
                 slot_of[i] = cached + row
                 nodes[i].feature = outputs[row]
-                level += self._add_children(nodes, i, nodes[i].score, logits[row], d, children)
+                level += self._add_children(nodes, i, nodes[i].score, logits[row], log_q[row], d, children)
         self._truncate_entries(newest)
         return self._select(nodes)
 
@@ -258,11 +279,19 @@ class EagleProposer:
         return root_feature if parent < 0 else nodes[parent].feature
 
     def _add_children(
-        self, nodes: list[_Node], parent: int, score: float, logits: torch.Tensor, depth: int, children: Children
+        self,
+        nodes: list[_Node],
+        parent: int,
+        score: float,
+        logits: torch.Tensor,
+        log_q: torch.Tensor,
+        depth: int,
+        children: Children,
     ) -> list[int]:
-        """Append a node's children (score: the path's log draft probability, capped by earlier siblings')."""
+        """Append a node's children (score: the path's log draft probability, capped by earlier siblings');
+        ``log_q``: the log-softmax of its ``logits``."""
         picked, probs = children(logits, depth)
-        log_q = torch.log_softmax(logits, -1)[picked].tolist()
+        log_q = log_q[picked].tolist()
         tokens = self.parts.to_vocab(picked).tolist()
         added = []
         cap = score
@@ -281,3 +310,7 @@ class EagleProposer:
         tokens = torch.tensor([nodes[i].token for i in kept], dtype=torch.int64)
         probs = None if nodes[0].probs is None else torch.stack([nodes[i].probs for i in kept])
         return Draft(tokens, probs, parents.to(torch.int64))
+
+
+def _on_cpu(target: LoadedModel) -> bool:
+    return next(target.model.parameters()).device.type == "cpu"
