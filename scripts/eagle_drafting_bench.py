@@ -1,0 +1,101 @@
+"""EAGLE drafting on torch ops against the compiled kernels (head weight formats, chain and tree shapes), in one
+process.
+
+For each prompt (a JSONL of Spec-Bench-style questions) the variants run in turn after one warm-up each:
+plain decoding, then every (drafter, shape) pair, greedy. Prints one markdown table of medians/means and
+writes the per-prompt records as JSON.
+
+    .venv/bin/python scripts/eagle_drafting_bench.py docs/bench/eagle/unseen_chat.jsonl --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import specdecode as sd
+
+# (drafter, shape): proposer arguments and gamma. "torch int8" is the head as it drafted before the kernels.
+VARIANTS = {
+    ("torch int8", "chain γ3"): ({"kernels": False, "tree_nodes": None}, 3),
+    ("torch int8", "tree 3 nodes"): ({"kernels": False, "tree_nodes": 3}, 3),
+    ("kernels", "chain γ2"): ({"tree_nodes": None}, 2),
+    ("kernels", "chain γ3"): ({"tree_nodes": None}, 3),
+    ("kernels", "chain γ4"): ({"tree_nodes": None}, 4),
+    ("kernels", "tree 3 nodes"): ({"tree_nodes": 3}, 3),
+    ("kernels", "tree 4 nodes"): ({"tree_nodes": 4}, 3),
+    ("kernels", "tree 6 nodes, depth 4"): ({"tree_nodes": 6}, 4),
+    ("kernels 8-bit read-out", "chain γ3"): ({"tree_nodes": None, "readout_bits": 8}, 3),
+    ("kernels 4-bit layer", "chain γ3"): ({"tree_nodes": None, "weight_bits": 4}, 3),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prompts", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target = sd.load_model("smollm2")
+    questions = [json.loads(line) for line in args.prompts.open() if line.strip()]
+    params = sd.SamplingParams(temperature=0.0, max_new_tokens=args.tokens)
+    decoders = {
+        key: sd.SpeculativeDecoder(target, sd.EagleProposer(target, **kwargs), gamma=gamma)
+        for key, (kwargs, gamma) in VARIANTS.items()
+    }
+    records = []
+    for question in questions:
+        prompt = target.chat_prompt(question["turns"][0])
+        sd.autoregressive_generate(target, prompt, params)  # warm-up
+        started = time.perf_counter()
+        plain = sd.autoregressive_generate(target, prompt, params)
+        plain_seconds = time.perf_counter() - started
+        record = {"id": question["question_id"], "plain_seconds": plain_seconds, "tokens": len(plain.token_ids)}
+        for key, decoder in decoders.items():
+            decoder.generate(prompt, params)  # warm-up
+            out = decoder.generate(prompt, params)
+            st = out.stats
+            record["/".join(key)] = {
+                "identical": out.token_ids == plain.token_ids,
+                "seconds": st.total_seconds,
+                "rounds": st.rounds,
+                "generated": st.generated,
+                "first_accepted": st.per_position[0] / st.rounds if st.per_position and st.rounds else 0.0,
+                "draft_ms_per_round": 1e3 * st.draft_seconds / max(st.rounds, 1),
+                "verify_ms_per_round": 1e3 * st.verify_seconds / max(st.rounds, 1),
+            }
+        records.append(record)
+        print(f"prompt {question['question_id']} done", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "records.json").write_text(json.dumps(records, indent=1) + "\n")
+    step_ms = statistics.median(1e3 * r["plain_seconds"] / r["tokens"] for r in records)
+    print(f"\nplain step (median over prompts): {step_ms:.2f} ms\n")
+    print(
+        "| drafter | shape | first guess accepted | tokens / pass | draft ms / pass | draft ÷ plain step "
+        "| verify ÷ plain step | × plain | outputs differing |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key in decoders:
+        runs = [r["/".join(key)] for r in records]
+        rounds = sum(r["rounds"] for r in runs)
+        first = sum(r["first_accepted"] * r["rounds"] for r in runs) / rounds
+        per_pass = sum(r["generated"] for r in runs) / rounds
+        draft = sum(r["draft_ms_per_round"] * r["rounds"] for r in runs) / rounds
+        verify = sum(r["verify_ms_per_round"] * r["rounds"] for r in runs) / rounds
+        speedup = sum(r["plain_seconds"] for r in records) / sum(r["seconds"] for r in runs)
+        differing = sum(not r["identical"] for r in runs)
+        print(
+            f"| {key[0]} | {key[1]} | {100 * first:.1f}% | {per_pass:.2f} | {draft:.2f} | {draft / step_ms:.3f} "
+            f"| {verify / step_ms:.2f} | {speedup:.2f}× | {differing}/{len(runs)} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
