@@ -44,10 +44,11 @@ class _Node:
 class EagleProposer:
     """Guesses from an EAGLE head: a chain (``tree_nodes=None``) or an EAGLE-2 dynamic tree.
 
-    The default, a tree of 3 nodes, is a verify pass of 4 rows: on this project's CPU the int4 kernel's time
-    steps up past 4 rows (v(4) = 1.53, v(5) = 2.15); measured (docs/BENCHMARKS.md) it runs within noise of
-    the best chain (γ = 3) and ahead of every larger tree here. Larger trees accept more per pass and pay
-    where v(k) is flat (GPUs).
+    The default is a chain: with the head drafting on the compiled kernels (a step ~0.04 of a target step) and
+    its ~30% first-guess acceptance, a chain of 1 ran at 1.05-1.09x plain decoding on this project's CPU and
+    every tree measured ran slower (3 nodes 0.85-0.92x: each node is a verify row, and a verify row costs
+    0.15-0.2 of a step here; docs/BENCHMARKS.md). Trees accept more per pass and pay where v(k) is flat (GPUs)
+    or the head is better.
 
     ``draft_vocab=N`` drafts from the N ids the target most often predicted in training (the head's saved
     ranking; default: all it was trained on): a cheaper read-out, at the cost of never guessing the rest.
@@ -77,7 +78,7 @@ class EagleProposer:
         self,
         target: LoadedModel,
         head: str | Path | None = None,
-        tree_nodes: int | None = 3,
+        tree_nodes: int | None = None,
         depth: int | None = None,
         branching: int = 3,
         draft_vocab: int | None = None,
