@@ -95,20 +95,20 @@ def test_kernel_steps_follow_the_torch_head(target, head_dir, bits):
     dense, kernel = drafters(target, head_dir, bits)
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(12, 32, generator=generator) * 30
-    tokens = torch.randint(0, VOCAB, (12,), generator=generator)
+    tokens = torch.randint(0, VOCAB, (12,), generator=generator).tolist()
 
     def both(*args, read_from=0):
         return [d.step(*args, read_from=read_from) for d in (dense, kernel)]
 
-    checks = [both(features, tokens, torch.arange(12), None, read_from=11)]
+    checks = [both(features, tokens, list(range(12)), None, read_from=11)]
     for drafter in (dense, kernel):
         drafter.truncate(9)
-    checks.append(both(features[9:], tokens[9:], torch.arange(9, 12), None))
+    checks.append(both(features[9:], tokens[9:], [9, 10, 11], None))
     (out, _), _ = checks[-1]
-    checks.append(both(out[-1:], tokens[:1], torch.tensor([12]), None))
+    checks.append(both(out[-1:], tokens[:1], [12], None))
     assert dense.length == kernel.length == 13
     # a tree level: rows at slots 13..15 see slots 0..11, rows 0 and 1 also slot 12, each row itself
-    level = (out[-3:], tokens[3:6], torch.tensor([13, 13, 12]), TreeRows(12, [[12, 13], [12, 14], [15]]))
+    level = (out[-3:], tokens[3:6], [13, 13, 12], TreeRows(12, [[12, 13], [12, 14], [15]]))
     checks.append(both(*level))
     for (dense_out, dense_logits), (kernel_out, kernel_logits) in checks:
         assert relative_error(kernel_out, dense_out) < TOLERANCE
@@ -121,12 +121,24 @@ def test_kernel_steps_follow_the_torch_head(target, head_dir, bits):
         assert relative_error(wrong[row], dense_out[row]) > 3 * relative_error(kernel_out[row], dense_out[row])
 
 
-def test_eight_bit_blocks_round_each_group_to_its_own_scale():
-    weight = torch.randn(48, 64) * torch.logspace(-3, 1, 64)  # groups of very different sizes
-    blocks = kernel_blocks(weight, 8)
-    assert blocks.scale.shape == (48, 2) and blocks.sym == 128
+@pytest.mark.parametrize("bits", [8, 4])
+def test_blocks_round_each_group_to_its_own_float16_scale(bits):
+    """Each block's step is the finest float16 one that covers it (max|w| / 127 for 8 bits; for 4, (max − m) / 15
+    from the block's minimum m in float16) and every weight is within half a step (plus m's rounding)."""
+    weight = torch.randn(48, 64) * torch.logspace(-3, 1, 64)  # blocks of very different sizes
+    blocks = kernel_blocks(weight, bits)
+    assert blocks.scale.shape == (48, 2) and blocks.half_scales
+    assert torch.equal(blocks.scale.half().float(), blocks.scale)
+    groups = weight.view(48, 2, 32)
+    if bits == 8:
+        step = groups.abs().amax(-1) / 127
+        slack = torch.zeros(48, 2)
+    else:
+        step = (groups.amax(-1) - groups.amin(-1).half().float()) / 15  # from the block's float16 minimum
+        slack = groups.amin(-1).abs() * 2**-11
+    assert (blocks.scale >= step).all() and (blocks.scale <= step * (1 + 2**-9)).all()
     error = (blocks.dequantize() - weight).abs().view(48, 2, 32)
-    assert (error <= blocks.scale[..., None] / 2 + 1e-7).all()
+    assert (error <= (blocks.scale / 2 + slack)[..., None] * (1 + 1e-5) + 1e-8).all()
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.native_llama import KERNEL_CACHE_DTYPE
-from ..models.weights import GroupQuant, IntBlocks, KernelLinear
+from ..models.weights import IntBlocks, KernelLinear
 from .model import EagleHead, TargetParts
 
 WEIGHT_BITS = (8, 4)
@@ -31,17 +31,29 @@ _MEMO_TOKENS = 8192  # the memo's bound (rows of hidden_size float32 values)
 
 
 def kernel_blocks(weight: torch.Tensor, bits: int) -> IntBlocks:
-    """``weight`` [N, K] as integer blocks of 32 per row: 8 bits symmetric (w = s·(u − 128), s = max|w| / 127, as
-    GGUF's Q8_0) or 4 bits asymmetric (16 levels over each group's min..max)."""
-    if bits == 4:
-        return IntBlocks.from_group_quant(GroupQuant.quantize(weight, _GROUP))
-    if bits != 8:
+    """``weight`` [N, K] as integer blocks of 32 per row with float16 scales (2 bytes a block, as GGUF's): 8 bits
+    symmetric (w = s·(u − 128), s ≥ max|w| / 127, as Q8_0) or 4 bits asymmetric (w = s·u + m, 16 levels from
+    each block's min m, as Q4_1)."""
+    if bits not in WEIGHT_BITS:
         raise ValueError(f"head weights are 8 or 4 bits, got {bits}")
     n, k = weight.shape
     groups = weight.detach().float().reshape(n, k // _GROUP, _GROUP)
-    scale = (groups.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    u = (torch.round(groups / scale[..., None]).clamp(-127, 127) + 128).to(torch.uint8).reshape(n, k)
-    return IntBlocks(u, scale, None, 128, _GROUP, 8)
+    if bits == 8:
+        scale = _half_at_least(groups.abs().amax(-1) / 127)
+        u = torch.round(groups / scale[..., None]).clamp(-127, 127) + 128
+        return IntBlocks(u.to(torch.uint8).reshape(n, k), scale, None, 128, _GROUP, 8, half_scales=True)
+    low = groups.amin(-1).half().float()  # m ≤ every weight is not needed: u is clamped to 0..15
+    scale = _half_at_least((groups.amax(-1) - low) / 15)
+    u = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return IntBlocks(u.to(torch.uint8).reshape(n, k), scale, low, -1, _GROUP, 4, half_scales=True)
+
+
+def _half_at_least(x: torch.Tensor) -> torch.Tensor:
+    """Each value rounded up to a (positive, normal) float16, as float32."""
+    tiny = torch.finfo(torch.float16).tiny
+    half = x.clamp(tiny, torch.finfo(torch.float16).max).half()
+    half = torch.where(half.float() < x, torch.nextafter(half, half.new_tensor(torch.inf)), half)
+    return half.float()
 
 
 @dataclass(frozen=True)
@@ -96,23 +108,24 @@ class TorchHead:
     def step(
         self,
         features: torch.Tensor,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
+        tokens: list[int],
+        positions: list[int],
         tree: TreeRows | None = None,
         read_from: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head rows for (f_t [n, H], token t+1 [n]) at RoPE ``positions`` [n], appended to the cache at entries
+        """Head rows for (f_t [n, H], token t+1) at RoPE ``positions``, appended to the cache at entries
         ``length..``: causal (row i sees entries ``..length + i``) or as ``tree`` says.
         Returns the predicted features [n, H] (in units of the head's feature scale) and the logits over the
         drafting vocabulary of rows ``read_from..`` [n - read_from, V_draft] (float32)."""
-        n = tokens.shape[0]
+        n = len(tokens)
         if tree is None:
             mask = torch.ones(n, self.length + n, dtype=torch.bool).tril(self.length)
         else:
             mask = tree.mask(self.length + n)
-        cos, sin = self.parts.rope(positions)
+        cos, sin = self.parts.rope(torch.tensor(positions, dtype=torch.int64))
         features = features.to(self._empty.dtype)
-        out, keys, values = self.head(features, self.parts.embed(tokens), cos, sin, mask, (self._keys, self._values))
+        embeddings = self.parts.embed(torch.tensor(tokens, dtype=torch.int64))
+        out, keys, values = self.head(features, embeddings, cos, sin, mask, (self._keys, self._values))
         self._keys, self._values = torch.cat([self._keys, keys], 1), torch.cat([self._values, values], 1)
         return out, self.parts.logits(out[read_from:])
 
@@ -201,12 +214,11 @@ class KernelHead:
         """Keep the first ``length`` cache entries."""
         self.length = min(self.length, length)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: list[int]) -> torch.Tensor:
         """Embedding rows [n, H] in float32; a drafting step's few rows from the memo (a table lookup through the
         target's quantized embedding costs more than a head step's matrices)."""
-        if tokens.shape[0] > _MEMO_ROWS:
-            return self.parts.embed(tokens).float()
-        ids = tokens.tolist()
+        if len(ids) > _MEMO_ROWS:
+            return self.parts.embed(torch.tensor(ids, dtype=torch.int64)).float()
         missing = [t for t in ids if t not in self._embeddings]
         if missing:
             if len(self._embeddings) + len(missing) > _MEMO_TOKENS:
@@ -218,16 +230,16 @@ class KernelHead:
     def step(
         self,
         features: torch.Tensor,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
+        tokens: list[int],
+        positions: list[int],
         tree: TreeRows | None = None,
         read_from: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``TorchHead.step``: rows written at slots ``length..``, features and logits in float32 (no autograd
         graph: the kernels record none)."""
-        n = tokens.shape[0]
+        n = len(tokens)
         start = self.length
-        where = positions.tolist()
+        where = positions
         self._grow(max(start + n, max(where) + 1))
         if tree is None:  # row i sees slots 0..start+i
             meta = [[0, start + i, p, start + i + 1] for i, p in enumerate(where)]

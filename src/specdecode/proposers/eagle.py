@@ -123,6 +123,7 @@ class EagleProposer:
         shape = self.head.shape
         self._index = torch.full((self.parts.vocab_size,), -1, dtype=torch.int64)  # token id -> drafting index
         self._index[self.parts.draft_vocab] = torch.arange(self.parts.draft_vocab.numel())
+        self._vocab_ids: list[int] = self.parts.draft_vocab.tolist()  # drafting index -> token id
         self._feature_rows = torch.zeros(256, shape.hidden_size, dtype=dtype)  # room for the target's f_t ...
         self._known = 0  # ... of positions 0..known-1
         self._entry_tokens: list[int] = []  # token t+1 of each entry t (the drafter's cache entry t: f_t, token t+1)
@@ -221,8 +222,8 @@ class EagleProposer:
         true_entries = len(context) - 1
         keep = min(common_prefix_length(self._entry_tokens, context[1:]), true_entries - 1)
         self._truncate_entries(keep)
-        positions = torch.arange(keep, true_entries)
-        tokens = torch.tensor(context[keep + 1 :], dtype=torch.int64)
+        positions = list(range(keep, true_entries))
+        tokens = context[keep + 1 :]
         features = self._feature_rows[keep:true_entries]
         out, logits = self.drafter.step(features, tokens, positions, None, read_from=len(tokens) - 1)  # causal
         self._entry_tokens = list(context[1:])
@@ -232,11 +233,11 @@ class EagleProposer:
         tokens, rows = [], []
         for d in range(1, depth + 1):
             picked, probs = children(logits, d)
-            token = self.parts.to_vocab(picked[:1])
-            tokens.append(int(token))
+            token = self._vocab_ids[int(picked[0])]
+            tokens.append(token)
             rows.append(probs)
             if d < depth:
-                out, logits = self.drafter.step(feature[None], token, torch.tensor([newest + d - 1]), None)
+                out, logits = self.drafter.step(feature[None], [token], [newest + d - 1], None)
                 feature, logits = out[0], logits[0]
         self._truncate_entries(newest)
         return Draft(torch.tensor(tokens, dtype=torch.int64), None if rows[0] is None else torch.stack(rows))
@@ -260,8 +261,8 @@ class EagleProposer:
                     ancestor = nodes[ancestor].parent
                 extras.append([*reversed(ancestors), cached + row])
             parent_features = torch.stack([self._node_feature(i, feature, nodes) for i in expand])
-            tokens = torch.tensor([nodes[i].token for i in expand], dtype=torch.int64)
-            positions = torch.full((len(expand),), newest + d - 2)
+            tokens = [nodes[i].token for i in expand]
+            positions = [newest + d - 2] * len(expand)
             level_rows = TreeRows(newest, extras)
             outputs, logits = self.drafter.step(parent_features, tokens, positions, level_rows)  # one pass
             log_q = torch.log_softmax(logits, -1)
@@ -293,7 +294,7 @@ class EagleProposer:
         ``log_q``: the log-softmax of its ``logits``."""
         picked, probs = children(logits, depth)
         log_q = log_q[picked].tolist()
-        tokens = self.parts.to_vocab(picked).tolist()
+        tokens = [self._vocab_ids[i] for i in picked.tolist()]
         added = []
         cap = score
         for token, lq in zip(tokens, log_q, strict=True):
