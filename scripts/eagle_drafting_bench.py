@@ -24,9 +24,11 @@ import specdecode as sd
 VARIANTS = {
     ("torch int8", "chain γ3"): ({"kernels": False, "tree_nodes": None}, 3),
     ("torch int8", "tree 3 nodes"): ({"kernels": False, "tree_nodes": 3}, 3),
+    ("kernels", "chain γ1"): ({"tree_nodes": None}, 1),
     ("kernels", "chain γ2"): ({"tree_nodes": None}, 2),
     ("kernels", "chain γ3"): ({"tree_nodes": None}, 3),
     ("kernels", "chain γ4"): ({"tree_nodes": None}, 4),
+    ("kernels", "tree 2 nodes"): ({"tree_nodes": 2}, 2),
     ("kernels", "tree 3 nodes"): ({"tree_nodes": 3}, 3),
     ("kernels", "tree 4 nodes"): ({"tree_nodes": 4}, 3),
     ("kernels", "tree 6 nodes, depth 4"): ({"tree_nodes": 6}, 4),
