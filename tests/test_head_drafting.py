@@ -212,6 +212,8 @@ def test_without_the_kernels_torch_runs_the_head(target, head_dir, monkeypatch):
     assert isinstance(EagleProposer(target, head=head_dir).drafter, KernelHead)  # the default where they built
     assert isinstance(EagleProposer(target, head=head_dir, kernels=False).drafter, TorchHead)
     assert isinstance(EagleProposer(target, head=head_dir, int8=False, dtype=torch.float32).drafter, TorchHead)
+    with pytest.raises(ValueError, match="int8=True"):
+        EagleProposer(target, head=head_dir, kernels=True, int8=False, dtype=torch.float32)
     with pytest.raises(ValueError, match="weight_bits"):
         EagleProposer(target, head=head_dir, weight_bits=6)
     monkeypatch.setattr(compiled, "ops", lambda variant=None: None)

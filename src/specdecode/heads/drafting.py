@@ -135,8 +135,8 @@ class KernelHead:
     layer, the final norm and read-out); the KV cache static (entry t at slot t, rollback a length reset).
 
     ``bits``: fc's and the layer's weights; ``readout_bits``: the LM-head rows'. On the shipped SmolLM2 head
-    (docs/BENCHMARKS.md) 4-bit layer weights cost ~7 points of first-guess acceptance, a 4-bit read-out ~1,
-    and the read-out is half the bytes a step reads: hence 8 and 4 by default."""
+    (docs/BENCHMARKS.md) 4-bit layer weights cost ~4 points of first-guess acceptance, a 4-bit read-out none
+    measurable while halving the read-out's bytes (the larger part of a step's): hence 8 and 4 by default."""
 
     def __init__(
         self,
@@ -239,13 +239,12 @@ class KernelHead:
         graph: the kernels record none)."""
         n = len(tokens)
         start = self.length
-        where = positions
-        self._grow(max(start + n, max(where) + 1))
+        self._grow(max(start + n, max(positions) + 1))
         if tree is None:  # row i sees slots 0..start+i
-            meta = [[0, start + i, p, start + i + 1] for i, p in enumerate(where)]
+            meta = [[0, start + i, p, start + i + 1] for i, p in enumerate(positions)]
             offsets = extras = _NO_SLOTS
         else:
-            meta = [[0, start + i, p, tree.prefix] for i, p in enumerate(where)]
+            meta = [[0, start + i, p, tree.prefix] for i, p in enumerate(positions)]
             ends = [0]
             for slots in tree.extras:
                 ends.append(ends[-1] + len(slots))

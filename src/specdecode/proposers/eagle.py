@@ -52,14 +52,14 @@ class EagleProposer:
 
     ``draft_vocab=N`` drafts from the N ids the target most often predicted in training (the head's saved
     ranking; default: all it was trained on): a cheaper read-out, at the cost of never guessing the rest.
-    ``kernels`` (default: wherever they built and the target runs on the CPU): each head step is one call into
-    the compiled kernels (``heads.drafting.KernelHead``), fc's and the layer's matrices in integer blocks of 32
-    of ``weight_bits`` (8 or 4), the read-out rows of ``readout_bits`` (4 by default: ~1 point of acceptance
-    for half the bytes a step reads), int8 activations. Otherwise torch ops run the head: ``dtype`` its weights
-    and activations (bfloat16, as it was trained under autocast, reads half the bytes; the norm before the
-    read-out runs in float32); ``int8`` (default) its matrices and the read-out rows through torch's int8
-    weight-only kernel on those bfloat16 activations. Drafting numerics never affect the output, only how
-    often guesses are accepted.
+    ``kernels`` (default: wherever they built, the target runs on the CPU and ``int8`` is on): each head step is
+    one call into the compiled kernels (``heads.drafting.KernelHead``), fc's and the layer's matrices in integer
+    blocks of 32 of ``weight_bits`` (8 or 4), the read-out rows of ``readout_bits`` (4 by default: no measurable
+    acceptance lost for half the read-out's bytes), int8 activations. Otherwise torch ops run the head:
+    ``dtype`` its weights and activations (bfloat16, as it was trained under autocast, reads half the bytes; the
+    norm before the read-out runs in float32); ``int8`` (default) its matrices and the read-out rows through
+    torch's int8 weight-only kernel on those bfloat16 activations. Drafting numerics never affect the output,
+    only how often guesses are accepted.
 
     Tree mode grows the tree level by level: the ``branching`` best-scored nodes of a level (score = log of
     the path's draft probability) each get their ``branching`` most probable children (point masses at any
@@ -104,11 +104,13 @@ class EagleProposer:
         folder = shipped_head(self.target) if head is None else Path(head)
         self.head, ranked, self.config = load_head(folder, self.target)
         ops = compiled.ops() if kernels is not False and _on_cpu(self.target) else None
-        if kernels and not (ops is not None and supports_kernel_head(self.head, ops)):
-            raise ValueError("kernels=True: the compiled kernels are not available for this head or device")
+        on_kernels = ops is not None and int8 and supports_kernel_head(self.head, ops)
+        if kernels and not on_kernels:
+            why = "they draft with integer weights (int8=True)" if not int8 else "not available for this head or device"
+            raise ValueError(f"kernels=True: the compiled kernels are {why}")
         model, vocab, ranked = self.target.model, self.target.vocab_size, ranked[:draft_vocab]
         self.drafter: KernelHead | TorchHead
-        if ops is not None and int8 and supports_kernel_head(self.head, ops):
+        if on_kernels:
             self.parts = TargetParts(model, vocab, ranked, torch.float32, readout=False)
             rows = lm_head_rows(model)[self.parts.draft_vocab]
             self.drafter = KernelHead(self.head, self.parts, rows, ops, weight_bits, readout_bits)
