@@ -216,6 +216,18 @@ def test_limit_tokens_stops_the_training_data_at_a_token_budget(word_target, cor
         settings(corpus, limit_tokens=0)
 
 
+def test_skip_leaves_out_training_samples_after_the_held_out_ones(word_target, corpus):
+    held, train, _ = read_samples(word_target, settings(corpus))
+    held_b, train_b, _ = read_samples(word_target, settings(corpus, skip=3, limit=4))
+    assert held_b == held and train_b == train[3:7]
+    budget = sum(len(s) for s in train[3:5])  # the token budget counts only what trains
+    assert read_samples(word_target, settings(corpus, skip=3, limit_tokens=budget))[1] == train[3:5]
+    with pytest.raises(ValueError, match="skipped plus training"):
+        read_samples(word_target, settings(corpus, skip=len(train)))
+    with pytest.raises(ValueError, match="skip"):
+        settings(corpus, skip=-1)
+
+
 def test_an_unusable_device_is_refused_in_one_line(tmp_path, monkeypatch, word_target, corpus):
     from typer.testing import CliRunner
 

@@ -30,6 +30,9 @@ def train_head(
     limit: int | None = typer.Option(None, help="Training samples to use (after the held-out ones); default all."),
     tokens: int | None = typer.Option(None, help=TOKENS_HELP),
     held_out: int = typer.Option(32, help="The data's first samples, never trained on: the accuracy figures."),
+    skip: int = typer.Option(
+        0, help="Leave out this many training samples after the held-out ones (with --init: those it already saw)."
+    ),
     epochs: int = typer.Option(1, help="Passes over the training samples."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same options)."),
     seed: int = typer.Option(0, help="Seed of the head's initialisation and the data order."),
@@ -65,6 +68,7 @@ def train_head(
         limit=limit,
         limit_tokens=tokens,
         held_out=held_out,
+        skip=skip,
         max_length=max_length,
         epochs=epochs,
         batch_tokens=batch_tokens,

@@ -164,6 +164,7 @@ class MedusaSettings:
     data: str = "sharegpt"
     limit: int | None = None  # training sequences (after the held-out ones); None = all
     limit_tokens: int | None = None  # stop reading training sequences once they hold this many tokens
+    skip: int = 0  # training samples left out after the held-out ones
     held_out: int = 32
     max_length: int = 1024
     epochs: int = 1

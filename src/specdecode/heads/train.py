@@ -50,6 +50,7 @@ class TrainSettings:
     limit: int | None = None  # training samples (after the held-out ones); None = all
     limit_tokens: int | None = None  # stop reading training sequences once they hold this many tokens; None = all
     held_out: int = 32  # the first samples of the data, never trained on: the accuracy figures (at least 1)
+    skip: int = 0  # training samples left out after the held-out ones (e.g. those an init_from head saw)
     max_length: int = 1024  # tokens per sample (longer ones are cut)
     epochs: int = 1
     batch_tokens: int = 2048  # samples are packed into batches of at most this many tokens
@@ -93,11 +94,13 @@ class TrainSettings:
 
 
 def check_limits(settings: TrainSettings | MedusaSettings) -> None:
-    """``limit`` and ``limit_tokens`` are positive integers or None."""
+    """``limit`` and ``limit_tokens`` are positive integers or None; ``skip`` an integer >= 0."""
     for name in ("limit", "limit_tokens"):
         value = getattr(settings, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if isinstance(settings.skip, bool) or not isinstance(settings.skip, int) or settings.skip < 0:
+        raise ValueError(f"skip must be an integer >= 0, got {settings.skip!r}")
 
 
 @dataclass
@@ -152,13 +155,14 @@ def read_samples(
     target: LoadedModel, settings: TrainSettings | MedusaSettings
 ) -> tuple[list[list[int]], list[list[int]], DataStats]:
     """(held-out sequences, training sequences, reader stats): the first ``held_out`` usable sequences are held
-    out, the next ``limit`` train (a text gives one per ``max_length`` window), stopping at the first sequence
-    that brings the training tokens to ``limit_tokens`` (so runs on different data can be compared at equal
-    tokens). Sequences shorter than 4 tokens are skipped."""
+    out, the next ``skip`` are left out, the next ``limit`` train (a text gives one per ``max_length`` window),
+    stopping at the first sequence that brings the training tokens to ``limit_tokens`` (so runs on different
+    data can be compared at equal tokens). Sequences shorter than 4 tokens are skipped."""
     if target.tokenizer is None:
         raise ValueError("training a head needs the target's tokenizer")
     stats = DataStats()
-    wanted = None if settings.limit is None else settings.held_out + settings.limit
+    first_train = settings.held_out + settings.skip
+    wanted = None if settings.limit is None else first_train + settings.limit
     sequences: list[list[int]] = []
     train_tokens = 0
 
@@ -170,16 +174,17 @@ def read_samples(
         for ids in token_windows(target, sample, settings.max_length):
             if len(ids) >= 4 and not enough():
                 sequences.append(ids)
-                train_tokens += len(ids) if len(sequences) > settings.held_out else 0
+                train_tokens += len(ids) if len(sequences) > first_train else 0
         if enough():
             break
     stats.sequences = len(sequences)
-    if len(sequences) <= settings.held_out:
+    if len(sequences) <= first_train:
+        skipped = f", {settings.skip} skipped" if settings.skip else ""
         raise ValueError(
             f"{settings.data} gave {len(sequences)} usable sequences of at most {settings.max_length} tokens: not "
-            f"enough for {settings.held_out} held out plus training (lower --held-out or add data)"
+            f"enough for {settings.held_out} held out{skipped} plus training (lower --held-out or add data)"
         )
-    return sequences[: settings.held_out], sequences[settings.held_out :], stats
+    return sequences[: settings.held_out], sequences[first_train:], stats
 
 
 def choose_draft_vocab(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:
