@@ -59,6 +59,26 @@ def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers:
     return model
 
 
+def train_word_head(target: sd.LoadedModel, words: list[str], tmp_path_factory, name: str):
+    """An EAGLE head trained briefly for ``target`` (a word-tokenizer model) on 16 of its own sampled
+    continuations, drafting over the 56 ids it predicted most; returns the head's folder."""
+    from specdecode.heads.train import TrainSettings, train_head
+
+    corpus = tmp_path_factory.mktemp(f"{name}-corpus")
+    generator = torch.Generator().manual_seed(3)
+    for i in range(16):
+        prompt = torch.randint(0, target.vocab_size, (3,), generator=generator).tolist()
+        out = sd.autoregressive_generate(target, prompt, sd.SamplingParams(temperature=0.7, max_new_tokens=45, seed=i))
+        (corpus / f"{i}.txt").write_text(" ".join(words[t] for t in prompt + out.token_ids))
+    settings = TrainSettings(
+        data=str(corpus), held_out=2, max_length=48, batch_tokens=96, epochs=4, lr=3e-3, warmup_steps=2,
+        draft_vocab=56, extract_dtype="float32",
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp(name) / "head"
+    train_head(target, settings, folder)
+    return folder
+
+
 def randomized(model: LlamaForCausalLM, seed: int, weight_std: float) -> LlamaForCausalLM:
     """``model`` with weights N(0, weight_std²) and norm scales U(0.5, 1.5), drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)

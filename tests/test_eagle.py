@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from conftest import LARGE_VOCAB, tiny_llama, train_word_head, word_tokenizer
 
 import specdecode as sd
-from specdecode.heads.train import TrainSettings, train_head
 from specdecode.proposers.eagle import EagleProposer
 
 WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
@@ -21,19 +20,7 @@ PROMPTS = [[3, 17, 5, 9], [1], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
 def head_dir(tmp_path_factory) -> Path:
     """A head trained briefly for ``large_target`` (same weights: tiny_llama(64, seed=10)) on its own samples."""
     target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
-    corpus = tmp_path_factory.mktemp("eagle-corpus")
-    generator = torch.Generator().manual_seed(3)
-    for i in range(16):
-        prompt = torch.randint(0, LARGE_VOCAB, (3,), generator=generator).tolist()
-        out = sd.autoregressive_generate(target, prompt, sd.SamplingParams(temperature=0.7, max_new_tokens=45, seed=i))
-        (corpus / f"{i}.txt").write_text(" ".join(WORDS[t] for t in prompt + out.token_ids))
-    settings = TrainSettings(
-        data=str(corpus), held_out=2, max_length=48, batch_tokens=96, epochs=4, lr=3e-3, warmup_steps=2,
-        draft_vocab=56, extract_dtype="float32",
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("eagle-head") / "head"
-    train_head(target, settings, folder)
-    return folder
+    return train_word_head(target, WORDS, tmp_path_factory, "eagle-head")
 
 
 @pytest.mark.parametrize("tree_nodes", [None, 1, 4, 9])

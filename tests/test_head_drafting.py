@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import randomized, word_tokenizer
+from conftest import randomized, train_word_head, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
@@ -15,7 +15,6 @@ from specdecode.enumeration import engine_law, prefix_law, total_variation
 from specdecode.heads.drafting import KernelHead, TorchHead, TreeRows, kernel_blocks
 from specdecode.heads.model import TargetParts, lm_head_rows
 from specdecode.heads.saved import load_head
-from specdecode.heads.train import TrainSettings, train_head
 from specdecode.models import kernels as compiled
 from specdecode.proposers.eagle import EagleProposer
 
@@ -45,19 +44,7 @@ def target() -> sd.LoadedModel:
 @pytest.fixture(scope="module")
 def head_dir(target, tmp_path_factory) -> Path:
     """A head trained briefly on the target's own samples, drafting over the 56 ids it predicted most."""
-    corpus = tmp_path_factory.mktemp("kernel-head-corpus")
-    generator = torch.Generator().manual_seed(3)
-    for i in range(16):
-        prompt = torch.randint(0, VOCAB, (3,), generator=generator).tolist()
-        out = sd.autoregressive_generate(target, prompt, sd.SamplingParams(temperature=0.7, max_new_tokens=45, seed=i))
-        (corpus / f"{i}.txt").write_text(" ".join(WORDS[t] for t in prompt + out.token_ids))
-    settings = TrainSettings(
-        data=str(corpus), held_out=2, max_length=48, batch_tokens=96, epochs=4, lr=3e-3, warmup_steps=2,
-        draft_vocab=56, extract_dtype="float32",
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("kernel-head") / "head"
-    train_head(target, settings, folder)
-    return folder
+    return train_word_head(target, WORDS, tmp_path_factory, "kernel-head")
 
 
 def drafters(target, head_dir, bits: int) -> tuple[TorchHead, KernelHead]:
