@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 import specdecode as sd
 from specdecode.heads import data
 from specdecode.heads.saved import load_head
-from specdecode.heads.train import TrainSettings, read_samples, train_head, training_device
+from specdecode.heads.train import FeatureCache, TrainSettings, read_samples, train_head, training_device
 
 WORDS = [f"w{i}" for i in range(64)]
 
@@ -184,6 +185,23 @@ def test_resumed_training_ends_with_the_weights_of_an_uninterrupted_run(tmp_path
         load_file(str(tmp_path / "split" / "head.safetensors")),
     )
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_training_on_cached_features_equals_training_without_the_cache(tmp_path, monkeypatch, word_target, corpus):
+    """A run that finds every feature on disk computes none and ends with the weights of the run that computed
+    them; the shards are read back memory-mapped (nothing held in memory once flushed)."""
+    fresh = train_head(word_target, settings(corpus), tmp_path / "fresh")
+    shutil.copytree(tmp_path / "fresh" / "features", tmp_path / "cached" / "features")
+    extractions = []
+    real_extract = FeatureCache._extract
+    monkeypatch.setattr(FeatureCache, "_extract", lambda self, ids: extractions.append(ids) or real_extract(self, ids))
+    cached = train_head(word_target, settings(corpus), tmp_path / "cached")
+    assert extractions == [] and cached.accuracy == fresh.accuracy
+    a, b = (load_file(str(tmp_path / name / "head.safetensors")) for name in ("fresh", "cached"))
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    cache = FeatureCache(tmp_path / "cached" / "features", word_target, torch.float32)
+    ids = read_samples(word_target, settings(corpus))[1][0]
+    assert cache.get("t0", ids).shape == (len(ids), 32) and cache._pending == {}
 
 
 def test_a_resume_needs_the_thread_count_and_takes_checkpoints_older_than_new_settings(

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..models.loader import LoadedModel, resolve_dtype
 from .data import DataStats, Sample, iter_samples, spec_bench_questions
@@ -223,7 +224,11 @@ def epoch_batches(lengths: list[int], settings: TrainSettings, epoch: int) -> li
 
 
 class FeatureCache:
-    """The target's features per sequence (bfloat16), computed on first use and kept in shards on disk."""
+    """The target's features per sequence (bfloat16), computed on first use and kept in shards on disk.
+
+    Shards are memory-mapped and read a sequence at a time, so the memory a run holds is bounded by the features
+    computed since the last flush (a checkpoint), not by the data: the operating system pages the rest.
+    """
 
     def __init__(self, folder: Path, target: LoadedModel, dtype: torch.dtype) -> None:
         self.folder = folder
@@ -231,17 +236,24 @@ class FeatureCache:
         self._target = target
         self._dtype = dtype
         self._extractor: torch.nn.Module | None = None
-        self._stored: dict[str, torch.Tensor] = {}
+        self._shards: list[Any] = []  # open safetensors files (memory-mapped)
+        self._where: dict[str, Any] = {}  # key -> the shard holding it (a later shard wins)
         self._pending: dict[str, torch.Tensor] = {}
         for shard in sorted(self.folder.glob("shard-*.safetensors")):
-            self._stored.update(load_file(str(shard)))
+            self._open(shard)
+
+    def _open(self, shard: Path) -> None:
+        handle = safe_open(str(shard), framework="pt")
+        self._shards.append(handle)
+        self._where.update(dict.fromkeys(handle.keys(), handle))
 
     def get(self, key: str, ids: list[int]) -> torch.Tensor:
         """Features [len(ids), H] in float32 (from their bfloat16 copy, so cached and fresh runs agree)."""
-        found = self._stored.get(key)
+        found = self._pending.get(key)
+        if found is None and key in self._where:
+            found = self._where[key].get_tensor(key)
         if found is None or found.shape[0] != len(ids):
-            found = self._extract(ids).to(torch.bfloat16).contiguous()
-            self._stored[key] = self._pending[key] = found
+            found = self._pending[key] = self._extract(ids).to(torch.bfloat16).contiguous()
         return found.float()
 
     def flush(self) -> None:
@@ -254,6 +266,7 @@ class FeatureCache:
         save_file(self._pending, str(staging))
         os.replace(staging, final)
         self._pending = {}
+        self._open(final)
 
     @torch.inference_mode()
     def _extract(self, ids: list[int]) -> torch.Tensor:
