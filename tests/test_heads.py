@@ -83,6 +83,19 @@ def test_jsonl_chats_text_files_and_folders(tmp_path):
         list(data.iter_samples(str(tmp_path / "missing.jsonl")))
 
 
+def test_make_data_answers_are_read_in_prompt_order(tmp_path):
+    """make-data writes answers as they finish; the reader puts them back in prompt order, so the held-out chats
+    are the answers to the first prompts on every run. Files without an index on every line keep their order."""
+    path = tmp_path / "answers.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}], "index": i}
+             for i in (2, 0, 3, 1)]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [s[0]["content"] for s in data.iter_samples(str(path))] == ["q0", "q1", "q2", "q3"]
+    del lines[1]["index"]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [s[0]["content"] for s in data.iter_samples(str(path))] == ["q2", "q0", "q3", "q1"]
+
+
 def test_spec_bench_questions_are_never_trained_on(tmp_path):
     bench = tmp_path / "question.jsonl"
     bench.write_text(json.dumps({"question_id": 1, "turns": ["Write a  POEM about the sea.", "Shorter."]}) + "\n")

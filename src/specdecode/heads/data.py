@@ -148,7 +148,9 @@ def _samples_of_file(path: Path) -> Iterator[Sample]:
         if text.strip():
             yield text
         return
-    records = iter_jsonl(path) if path.suffix == ".jsonl" else iter_json_array(path)
+    records = list(iter_jsonl(path)) if path.suffix == ".jsonl" else iter_json_array(path)
+    if isinstance(records, list) and records and all(_answer_index(r) is not None for r in records):
+        records.sort(key=_answer_index)  # make-data's answers, written as they finished: in prompt order
     for record in records:
         if isinstance(record, dict):
             messages = chat_messages(record)
@@ -156,6 +158,12 @@ def _samples_of_file(path: Path) -> Iterator[Sample]:
                 yield messages
             elif isinstance(record.get("text"), str) and record["text"].strip():
                 yield record["text"]
+
+
+def _answer_index(record: object) -> int | None:
+    """The prompt index of a ``make-data`` answer record (``"index"``), else None."""
+    index = record.get("index") if isinstance(record, dict) else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
 @dataclass
