@@ -2,10 +2,14 @@
 process.
 
 For each prompt (a JSONL of Spec-Bench-style questions) the variants run in turn after one warm-up each:
-plain decoding, then every (drafter, shape) pair, greedy. Prints one markdown table of medians/means and
-writes the per-prompt records as JSON.
+plain decoding, then every (head, drafter, shape) triple, greedy. Prints one markdown table of medians/means
+and writes the per-prompt records as JSON.
 
-    .venv/bin/python scripts/eagle_drafting_bench.py docs/bench/eagle/unseen_chat.jsonl --out DIR
+    .venv/bin/python scripts/eagle_drafting_bench.py docs/bench/eagle/unseen_chat.jsonl --out DIR \
+        [--head NAME=DIR ...] [--variants "kernels/chain γ1,kernels/tree 3 nodes"]
+
+``--head`` (repeatable) compares heads (default: the shipped one, named "shipped"); ``--variants`` keeps the
+(drafter/shape) variants named.
 """
 
 from __future__ import annotations
@@ -43,14 +47,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--head", action="append", default=[], help="NAME=DIR (repeatable); default: shipped")
+    parser.add_argument("--variants", default=None, help="comma-separated drafter/shape names (default: all)")
     args = parser.parse_args()
+    heads = dict(h.split("=", 1) for h in args.head) or {"shipped": None}
+    wanted = None if args.variants is None else set(args.variants.split(","))
+    variants = {key: value for key, value in VARIANTS.items() if wanted is None or "/".join(key) in wanted}
+    if wanted is not None and len(variants) != len(wanted):
+        parser.error(f"unknown variants: {sorted(wanted - {'/'.join(k) for k in variants})}")
     torch.set_num_threads(args.threads)
     target = sd.load_model("smollm2")
     questions = [json.loads(line) for line in args.prompts.open() if line.strip()]
     params = sd.SamplingParams(temperature=0.0, max_new_tokens=args.tokens)
     decoders = {
-        key: sd.SpeculativeDecoder(target, sd.EagleProposer(target, **kwargs), gamma=gamma)
-        for key, (kwargs, gamma) in VARIANTS.items()
+        (name, *key): sd.SpeculativeDecoder(target, sd.EagleProposer(target, head=folder, **kwargs), gamma=gamma)
+        for name, folder in heads.items()
+        for key, (kwargs, gamma) in variants.items()
     }
     records = []
     for question in questions:
@@ -80,10 +92,10 @@ def main() -> None:
     step_ms = statistics.median(1e3 * r["plain_seconds"] / r["tokens"] for r in records)
     print(f"\nplain step (median over prompts): {step_ms:.2f} ms\n")
     print(
-        "| drafter | shape | first guess accepted | tokens / pass | draft ms / pass | draft ÷ plain step "
+        "| head | drafter | shape | first guess accepted | tokens / pass | draft ms / pass | draft ÷ plain step "
         "| verify ÷ plain step | × plain | outputs differing |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in decoders:
         runs = [r["/".join(key)] for r in records]
         rounds = sum(r["rounds"] for r in runs)
@@ -94,7 +106,7 @@ def main() -> None:
         speedup = sum(r["plain_seconds"] for r in records) / sum(r["seconds"] for r in runs)
         differing = sum(not r["identical"] for r in runs)
         print(
-            f"| {key[0]} | {key[1]} | {100 * first:.1f}% | {per_pass:.2f} | {draft:.2f} | {draft / step_ms:.3f} "
+            f"| {' | '.join(key)} | {100 * first:.1f}% | {per_pass:.2f} | {draft:.2f} | {draft / step_ms:.3f} "
             f"| {verify / step_ms:.2f} | {speedup:.2f}× | {differing}/{len(runs)} |"
         )
 
