@@ -217,6 +217,25 @@ def test_training_on_cached_features_equals_training_without_the_cache(tmp_path,
     assert cache.get("t0", ids).shape == (len(ids), 32) and cache._pending == {}
 
 
+def test_a_capped_feature_cache_recomputes_past_its_size_and_trains_the_same_weights(tmp_path, word_target, corpus):
+    """--cache-gb bounds the disk, never the result: a run caching nothing and one capped at half of the features
+    end with the uncapped run's weights, and their shards stay within the cap (plus one shard header)."""
+    full = train_head(word_target, settings(corpus), tmp_path / "full")
+    full_bytes = full.data["features_cached_bytes"]
+    assert full_bytes > 0 and full.data["sequences_not_cached"] == 0
+    weights = load_file(str(tmp_path / "full" / "head.safetensors"))
+    for name, cap in (("none", 0), ("half", full_bytes // 2)):
+        run = train_head(word_target, settings(corpus), tmp_path / name, cache_bytes=cap)
+        on_disk = sum(p.stat().st_size for p in (tmp_path / name / "features").glob("shard-*"))
+        assert on_disk == run.data["features_cached_bytes"] <= cap + 16_384
+        assert (on_disk > 0) == (cap > 0) and run.data["sequences_not_cached"] > 0
+        assert run.accuracy == full.accuracy
+        capped = load_file(str(tmp_path / name / "head.safetensors"))
+        assert all(torch.equal(weights[key], capped[key]) for key in weights)
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        FeatureCache(tmp_path / "bad", word_target, torch.float32, max_bytes=-1)
+
+
 def test_a_resume_needs_the_thread_count_and_takes_checkpoints_older_than_new_settings(
     tmp_path, monkeypatch, word_target, corpus
 ):
@@ -344,6 +363,11 @@ def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, result.output
     assert "held-out top-1 agreement" in result.stdout and (tmp_path / "h" / "head.safetensors").is_file()
+    assert "features cached on disk: 0.00 GB" in result.stdout  # the tiny model's few kB
+    capped = CliRunner().invoke(cli.app, [*args[:4], str(tmp_path / "capped"), *args[5:], "--cache-gb", "0"])
+    assert capped.exit_code == 0 and "were recomputed each epoch" in capped.stdout, capped.output
+    negative = CliRunner().invoke(cli.app, [*args, "--cache-gb", "-1"])
+    assert negative.exit_code == 2 and "--cache-gb" in negative.output and "Traceback" not in negative.output
     again = CliRunner().invoke(cli.app, args)
     assert again.exit_code == 1 and "--resume" in again.output
     resumed = CliRunner().invoke(cli.app, [*args, "--resume"])

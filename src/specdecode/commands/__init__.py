@@ -26,7 +26,26 @@ THREADS_HELP = (
     "--resume needs the count the run started with."
 )
 TOKENS_HELP = "Stop reading training data once it holds N tokens (to compare data sources at equal tokens)."
+CACHE_HELP = (
+    "Most disk, in GB, for the target's features cached in OUT/features (2 bytes a dimension a token: ~1.2 GB a "
+    "million tokens for smollm2); past it features are recomputed each epoch instead (slower, same weights). "
+    "0 = cache none."
+)
 DEVICE_HELP = "Where the target's features and the training are computed: cpu, or cuda[:N] on a machine with a GPU."
+
+
+def cache_bytes(gigabytes: float) -> int:
+    """``--cache-gb`` in bytes; a negative size is a user's mistake, refused in one line."""
+    if not gigabytes >= 0:
+        raise typer.BadParameter(f"must be >= 0, got {gigabytes}", param_hint="--cache-gb")
+    return int(gigabytes * 1e9)
+
+
+def cache_summary(data: dict[str, Any]) -> str:
+    """One line on the training run's feature cache (from its result's ``data``)."""
+    line = f"features cached on disk: {data['features_cached_bytes'] / 1e9:.2f} GB"
+    missed = data["sequences_not_cached"]
+    return line + (f"; {missed:,} sequences past --cache-gb were recomputed each epoch" if missed else "")
 
 
 def set_threads(threads: int | None) -> None:

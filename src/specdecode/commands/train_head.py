@@ -5,9 +5,12 @@ from __future__ import annotations
 import typer
 
 from specdecode.commands import (
+    CACHE_HELP,
     DEVICE_HELP,
     THREADS_HELP,
     TOKENS_HELP,
+    cache_bytes,
+    cache_summary,
     err,
     quiet_transformers,
     set_threads,
@@ -54,6 +57,7 @@ def train_head(
         None, help="Spec-Bench question.jsonl whose questions are never trained on (default: the project's copy)."
     ),
     threads: int | None = typer.Option(None, help=THREADS_HELP),
+    cache_gb: float = typer.Option(20.0, help=CACHE_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
 ) -> None:
     """Train a draft head on a frozen target (teacher forcing, distilling the target's own outputs)."""
@@ -62,6 +66,7 @@ def train_head(
     from specdecode.heads.train import train_head as run
 
     set_threads(threads)
+    max_cache = cache_bytes(cache_gb)
     training_device(device)  # an unusable device is refused before the model loads
     settings = TrainSettings(
         data=data,
@@ -85,8 +90,18 @@ def train_head(
         model = load(target, "float32", "none")
     bar, on_start, on_step = training_reporter(max_length)
     with bar:
-        result = run(model, settings, out, resume=resume, on_step=on_step, on_start=on_start, device=device)
+        result = run(
+            model,
+            settings,
+            out,
+            resume=resume,
+            on_step=on_step,
+            on_start=on_start,
+            cache_bytes=max_cache,
+            device=device,
+        )
     print(f"saved {result.folder}: {result.steps} steps, {result.tokens:,} tokens, {result.elapsed:.0f} s")
+    print(cache_summary(result.data))
     for size, figures in result.by_vocab.items():
         depths = " ".join(f"{a:.3f}" for a in figures["top1_by_depth"])
         print(

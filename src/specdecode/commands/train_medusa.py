@@ -5,9 +5,12 @@ from __future__ import annotations
 import typer
 
 from specdecode.commands import (
+    CACHE_HELP,
     TARGET_HELP,
     THREADS_HELP,
     TOKENS_HELP,
+    cache_bytes,
+    cache_summary,
     err,
     quiet_transformers,
     set_threads,
@@ -41,6 +44,7 @@ def train_medusa(
         None, help="Spec-Bench question.jsonl whose questions are never trained on (default: the project's copy)."
     ),
     threads: int | None = typer.Option(None, help=THREADS_HELP),
+    cache_gb: float = typer.Option(20.0, help=CACHE_HELP),
 ) -> None:
     """Train Medusa heads on a frozen target: each head learns the target's own law a few positions ahead."""
     from specdecode.commands import load
@@ -48,6 +52,7 @@ def train_medusa(
     from specdecode.heads.medusa import train_medusa as run
 
     set_threads(threads)
+    max_cache = cache_bytes(cache_gb)
     settings = MedusaSettings(
         data=data,
         limit=limit,
@@ -68,8 +73,9 @@ def train_medusa(
         model = load(target, "float32", "none")
     bar, on_start, on_step = training_reporter(max_length, "head-0 acc")
     with bar:
-        result = run(model, settings, out, resume=resume, on_step=on_step, on_start=on_start)
+        result = run(model, settings, out, resume=resume, on_step=on_step, on_start=on_start, cache_bytes=max_cache)
     print(f"saved {result.folder}: {result.steps} steps, {result.tokens:,} tokens, {result.elapsed:.0f} s")
+    print(cache_summary(result.data))
     for size, figures in result.by_vocab.items():
         top1 = " ".join(f"{a:.3f}" for a in figures["top1_by_head"])
         print(

@@ -298,11 +298,13 @@ def train_medusa(
     resume: bool = False,
     on_step: Callable[[Progress], None] | None = None,
     on_start: Callable[[int, int, DataStats], None] | None = None,
+    cache_bytes: int | None = None,
 ) -> MedusaResult:
     """Train Medusa heads for ``target`` and save them in ``out`` (see the module docstring). Features are cached
     in ``out/features``; ``out/checkpoint.pt`` is written every ``checkpoint_every`` steps and at each epoch's
     end; ``resume`` continues it and ends with the weights of an uninterrupted run. ``on_step`` gets a
-    ``Progress`` (its ``accuracy``: head 0's top-1 on the step's batch)."""
+    ``Progress`` (its ``accuracy``: head 0's top-1 on the step's batch). ``cache_bytes`` bounds the features cached
+    on disk (``FeatureCache``; None: unbounded); it never changes the weights."""
     out = Path(out)
     checkpoint_path = out / "checkpoint.pt"
 
@@ -317,7 +319,7 @@ def train_medusa(
     held_out, train, stats = read_samples(target, settings)
     draft_vocab = choose_draft_vocab(train, target.vocab_size, settings.draft_vocab)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
-    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
+    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype), cache_bytes)
     eps = float(text_config(target.model).rms_norm_eps)
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(parts.hidden_size, settings.heads, eps)
@@ -358,6 +360,8 @@ def train_medusa(
         "train_tokens_per_epoch": sum(len(s) for s in train),
         "held_out_sequences": len(held_out),
         "held_out_tokens": sum(len(s) for s in held_out),
+        "features_cached_bytes": cache.stored_bytes,
+        "sequences_not_cached": len(cache.uncached),  # recomputed when needed: past cache_bytes
     }
     training = {
         "settings": asdict(settings),

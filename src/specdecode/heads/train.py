@@ -227,22 +227,31 @@ class FeatureCache:
     """The target's features per sequence (bfloat16), computed on first use and kept in shards on disk.
 
     Shards are memory-mapped and read a sequence at a time, so the memory a run holds is bounded by the features
-    computed since the last flush (a checkpoint), not by the data: the operating system pages the rest.
+    computed since the last flush (a checkpoint), not by the data: the operating system pages the rest. The disk
+    is bounded by ``max_bytes`` (None: unbounded): once the shards would pass it, further features are computed
+    each time they are needed and not kept. Either way a feature is its bfloat16 rounding, so a capped run
+    trains exactly as an uncapped one.
     """
 
-    def __init__(self, folder: Path, target: LoadedModel, dtype: torch.dtype) -> None:
+    def __init__(self, folder: Path, target: LoadedModel, dtype: torch.dtype, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"the feature cache's size must be >= 0 bytes, got {max_bytes}")
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self._target = target
         self._dtype = dtype
+        self._max_bytes = max_bytes
         self._extractor: torch.nn.Module | None = None
         self._shards: list[Any] = []  # open safetensors files (memory-mapped)
         self._where: dict[str, Any] = {}  # key -> the shard holding it (a later shard wins)
         self._pending: dict[str, torch.Tensor] = {}
+        self.stored_bytes = 0  # the shards' sizes plus the features waiting for the next flush
+        self.uncached: set[str] = set()  # keys computed but not kept: the cap was reached
         for shard in sorted(self.folder.glob("shard-*.safetensors")):
             self._open(shard)
 
     def _open(self, shard: Path) -> None:
+        self.stored_bytes += shard.stat().st_size
         handle = safe_open(str(shard), framework="pt")
         self._shards.append(handle)
         self._where.update(dict.fromkeys(handle.keys(), handle))
@@ -253,7 +262,13 @@ class FeatureCache:
         if found is None and key in self._where:
             found = self._where[key].get_tensor(key)
         if found is None or found.shape[0] != len(ids):
-            found = self._pending[key] = self._extract(ids).to(torch.bfloat16).contiguous()
+            found = self._extract(ids).to(torch.bfloat16).contiguous()
+            size = found.numel() * found.element_size()
+            if self._max_bytes is None or self.stored_bytes + size <= self._max_bytes:
+                self._pending[key] = found
+                self.stored_bytes += size
+            else:
+                self.uncached.add(key)
         return found.float()
 
     def flush(self) -> None:
@@ -265,8 +280,9 @@ class FeatureCache:
         staging = final.with_suffix(".tmp")
         save_file(self._pending, str(staging))
         os.replace(staging, final)
+        self.stored_bytes -= sum(t.numel() * t.element_size() for t in self._pending.values())
         self._pending = {}
-        self._open(final)
+        self._open(final)  # counts the shard as written (its header included)
 
     @torch.inference_mode()
     def _extract(self, ids: list[int]) -> torch.Tensor:
@@ -560,10 +576,12 @@ def train_head(
     on_step: Callable[[Progress], None] | None = None,
     on_start: Callable[[int, int, DataStats], None] | None = None,
     device: str = "cpu",
+    cache_bytes: int | None = None,
 ) -> TrainResult:
     """Train a head for ``target`` and save it in ``out`` (see the module docstring). ``on_start`` receives
     (total steps, steps already done, reader stats) once the data is read. ``device`` other than the CPU moves
-    the target's model there (it stays there) and trains there."""
+    the target's model there (it stays there) and trains there. ``cache_bytes`` bounds the features cached on disk
+    (``FeatureCache``; None: unbounded); it never changes the weights."""
     out = Path(out)
     checkpoint_path = out / "checkpoint.pt"
     device = training_device(device)
@@ -571,7 +589,7 @@ def train_head(
     target.model.to(device)
 
     held_out, train, stats = read_samples(target, settings)
-    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype))
+    cache = FeatureCache(out / "features", target, resolve_dtype(settings.extract_dtype), cache_bytes)
     torch.manual_seed(settings.seed)
     if settings.init_from is not None:  # fine-tuning: its weights, drafting vocabulary and feature units
         head, draft_vocab, scale = initial_head(target, settings.init_from)
@@ -613,6 +631,8 @@ def train_head(
         "train_tokens_per_epoch": sum(len(s) for s in train),
         "held_out_samples": len(held_out),
         "held_out_tokens": sum(len(s) for s in held_out),
+        "features_cached_bytes": cache.stored_bytes,
+        "sequences_not_cached": len(cache.uncached),  # recomputed when needed: past cache_bytes
     }
     training = {
         "settings": asdict(settings),
