@@ -228,9 +228,9 @@ class FeatureCache:
 
     Shards are memory-mapped and read a sequence at a time, so the memory a run holds is bounded by the features
     computed since the last flush (a checkpoint), not by the data: the operating system pages the rest. The disk
-    is bounded by ``max_bytes`` (None: unbounded): once the shards would pass it, further features are computed
-    each time they are needed and not kept. Either way a feature is its bfloat16 rounding, so a capped run
-    trains exactly as an uncapped one.
+    is bounded by ``max_bytes`` (None: unbounded; plus one shard's header): once the shards would pass it, further
+    features are computed each time they are needed and not kept. Either way a feature is its bfloat16 rounding,
+    so a capped run trains exactly as an uncapped one.
     """
 
     def __init__(self, folder: Path, target: LoadedModel, dtype: torch.dtype, max_bytes: int | None = None) -> None:
