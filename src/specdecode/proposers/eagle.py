@@ -45,7 +45,7 @@ class EagleProposer:
     """Guesses from an EAGLE head: a chain (``tree_nodes=None``) or an EAGLE-2 dynamic tree.
 
     The default is a chain: with the head drafting on the compiled kernels (a step ~0.04 of a target step) and
-    its ~30% first-guess acceptance, a chain of 1 ran at 1.05-1.09x plain decoding on this project's CPU and
+    its ~30-33% first-guess acceptance, a chain of 1 ran at 0.98-1.09x plain decoding on this project's CPU and
     every tree measured ran slower (3 nodes 0.85-0.92x: each node is a verify row, and a verify row costs
     0.15-0.2 of a step here; docs/BENCHMARKS.md). Trees accept more per pass and pay where v(k) is flat (GPUs)
     or the head is better.
