@@ -94,6 +94,11 @@ def test_make_data_answers_are_read_in_prompt_order(tmp_path):
     del lines[1]["index"]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert [s[0]["content"] for s in data.iter_samples(str(path))] == ["q2", "q0", "q3", "q1"]
+    del lines[0]["index"]  # a file whose first record has no index is streamed as it stands
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [s[0]["content"] for s in data.iter_samples(str(path))] == ["q2", "q0", "q3", "q1"]
+    path.write_text("\n")
+    assert list(data.iter_samples(str(path))) == []
 
 
 def test_spec_bench_questions_are_never_trained_on(tmp_path):

@@ -7,6 +7,7 @@ assistant / system), a plain-text document is a ``str``. Conversations that open
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -148,9 +149,7 @@ def _samples_of_file(path: Path) -> Iterator[Sample]:
         if text.strip():
             yield text
         return
-    records = list(iter_jsonl(path)) if path.suffix == ".jsonl" else iter_json_array(path)
-    if isinstance(records, list) and records and all(_answer_index(r) is not None for r in records):
-        records.sort(key=_answer_index)  # make-data's answers, written as they finished: in prompt order
+    records = _in_prompt_order(iter_jsonl(path)) if path.suffix == ".jsonl" else iter_json_array(path)
     for record in records:
         if isinstance(record, dict):
             messages = chat_messages(record)
@@ -158,6 +157,20 @@ def _samples_of_file(path: Path) -> Iterator[Sample]:
                 yield messages
             elif isinstance(record.get("text"), str) and record["text"].strip():
                 yield record["text"]
+
+
+def _in_prompt_order(records: Iterator[object]) -> Iterator[object]:
+    """``records`` streamed as read, unless they are make-data's answers (every record has an ``"index"``),
+    written as they finished: those are read whole and put in prompt order."""
+    first = next(records, None)
+    if first is None:
+        return iter(())
+    if _answer_index(first) is None:  # any chats or texts: streamed, however large the file
+        return itertools.chain([first], records)
+    answers = [first, *records]
+    if all(_answer_index(r) is not None for r in answers):
+        answers.sort(key=_answer_index)
+    return iter(answers)
 
 
 def _answer_index(record: object) -> int | None:
