@@ -373,6 +373,7 @@ def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word
     assert capped.exit_code == 0 and "were recomputed each epoch" in capped.stdout, capped.output
     negative = CliRunner().invoke(cli.app, [*args, "--cache-gb", "-1"])
     assert negative.exit_code == 2 and "--cache-gb" in negative.output and "Traceback" not in negative.output
+    assert commands.cache_bytes(float("inf")) is None and commands.cache_bytes(1.5) == 1_500_000_000
     again = CliRunner().invoke(cli.app, args)
     assert again.exit_code == 1 and "--resume" in again.output
     resumed = CliRunner().invoke(cli.app, [*args, "--resume"])

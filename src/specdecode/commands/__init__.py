@@ -29,16 +29,16 @@ TOKENS_HELP = "Stop reading training data once it holds N tokens (to compare dat
 CACHE_HELP = (
     "Most disk, in GB, for the target's features cached in OUT/features (2 bytes a dimension a token: ~1.2 GB a "
     "million tokens for smollm2); past it features are recomputed each epoch instead (slower, same weights). "
-    "0 = cache none."
+    "0 = cache none, inf = no bound."
 )
 DEVICE_HELP = "Where the target's features and the training are computed: cpu, or cuda[:N] on a machine with a GPU."
 
 
-def cache_bytes(gigabytes: float) -> int:
-    """``--cache-gb`` in bytes; a negative size is a user's mistake, refused in one line."""
+def cache_bytes(gigabytes: float) -> int | None:
+    """``--cache-gb`` in bytes (inf: None, unbounded); a negative size is a user's mistake, refused in one line."""
     if not gigabytes >= 0:
         raise typer.BadParameter(f"must be >= 0, got {gigabytes}", param_hint="--cache-gb")
-    return int(gigabytes * 1e9)
+    return None if gigabytes == float("inf") else int(gigabytes * 1e9)
 
 
 def cache_summary(data: dict[str, Any]) -> str:
