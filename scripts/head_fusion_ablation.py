@@ -31,6 +31,7 @@ from specdecode.heads.train import (
     TrainSettings,
     batch_tensors,
     choose_draft_vocab,
+    head_loss,
     read_samples,
     training_loop,
 )
@@ -80,27 +81,10 @@ class Model(nn.Module):
 
 
 def loss_of(model: Model, parts: TargetParts, batch, settings: TrainSettings, scale: float):
+    """train.head_loss, the head's first pass reading ``model.inputs`` (fused or the last layer)."""
     features, tokens, positions = batch
-    hidden = model.head.shape.hidden_size
-    last = features[:, -hidden:]
-    next_features = torch.cat([last[1:], last[:1]])
-    with torch.no_grad():
-        target_log_probs = F.log_softmax(parts.logits(next_features), dim=-1)
-    loss = features.new_zeros(())
-    accuracy = 0.0
-    target_ids = torch.zeros(0, dtype=torch.int64)
-    passes = unrolled(model.head, parts, model.inputs(features), tokens, positions, settings.passes)
-    for j, (predicted, valid) in enumerate(passes):
-        rows = valid.nonzero().squeeze(1)
-        feature_loss = F.smooth_l1_loss(predicted[rows], next_features[rows] / scale)
-        log_probs = F.log_softmax(parts.logits(predicted[rows]), dim=-1)
-        teacher = target_log_probs[rows]
-        ce = -(teacher.exp() * log_probs).sum(-1).mean()
-        loss = loss + settings.pass_decay**j * (settings.feature_weight * feature_loss + settings.ce_weight * ce)
-        if j == 0:
-            accuracy = float((log_probs.argmax(-1) == teacher.argmax(-1)).float().mean())
-            target_ids = parts.to_vocab(teacher.argmax(-1))
-    return loss, accuracy, target_ids
+    last = features[:, -model.head.shape.hidden_size :]
+    return head_loss(model.head, parts, (last, tokens, positions), settings, scale, inputs=model.inputs(features))
 
 
 @torch.no_grad()

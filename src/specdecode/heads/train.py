@@ -316,12 +316,18 @@ def batch_tensors(
 
 
 def head_loss(
-    head: EagleHead, parts: TargetParts, batch: tuple[torch.Tensor, ...], settings: TrainSettings, scale: float
+    head: EagleHead,
+    parts: TargetParts,
+    batch: tuple[torch.Tensor, ...],
+    settings: TrainSettings,
+    scale: float,
+    inputs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float, torch.Tensor]:
     """(training loss, depth-1 top-1 agreement with the target over the drafting vocabulary, the target's argmax
     ids at the rows trained on). The feature loss compares the head's output with the target's next features
     divided by ``scale``, their typical per-dimension size (the head predicts in those units), so that it weighs
-    the same whatever the target's feature magnitudes."""
+    the same whatever the target's feature magnitudes. ``inputs``: what the head's first pass reads in place of
+    the features (an experiment's other input, e.g. fused layers); the targets stay the features."""
     features, tokens, positions = batch
     next_features = torch.cat([features[1:], features[:1]])
     with torch.no_grad():
@@ -329,7 +335,8 @@ def head_loss(
     loss = features.new_zeros(())
     accuracy = 0.0
     target_ids = torch.zeros(0, dtype=torch.int64)
-    for j, (predicted, valid) in enumerate(unrolled(head, parts, features, tokens, positions, settings.passes)):
+    passes = unrolled(head, parts, features if inputs is None else inputs, tokens, positions, settings.passes)
+    for j, (predicted, valid) in enumerate(passes):
         rows = valid.nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
