@@ -24,7 +24,8 @@ import torch
 
 import specdecode as sd
 
-# (drafter, shape): proposer arguments and gamma. "torch int8" is the head as it drafted before the kernels.
+# (drafter, shape): proposer arguments and gamma. "torch int8" is the head as it drafted before the kernels;
+# "kernels" the default (8-bit layer and read-out); "float32" the head's own numerics (slow: for acceptance).
 VARIANTS = {
     ("torch int8", "chain γ3"): ({"kernels": False, "tree_nodes": None}, 3),
     ("torch int8", "tree 3 nodes"): ({"kernels": False, "tree_nodes": 3}, 3),
@@ -36,7 +37,11 @@ VARIANTS = {
     ("kernels", "tree 3 nodes"): ({"tree_nodes": 3}, 3),
     ("kernels", "tree 4 nodes"): ({"tree_nodes": 4}, 3),
     ("kernels", "tree 6 nodes, depth 4"): ({"tree_nodes": 6}, 4),
-    ("kernels 8-bit read-out", "chain γ3"): ({"tree_nodes": None, "readout_bits": 8}, 3),
+    ("kernels 4-bit read-out", "chain γ1"): ({"tree_nodes": None, "readout_bits": 4}, 1),
+    ("kernels 4-bit read-out", "chain γ2"): ({"tree_nodes": None, "readout_bits": 4}, 2),
+    ("kernels 4-bit read-out", "chain γ3"): ({"tree_nodes": None, "readout_bits": 4}, 3),
+    ("torch int8", "chain γ1"): ({"kernels": False, "tree_nodes": None}, 1),
+    ("float32", "chain γ1"): ({"kernels": False, "int8": False, "dtype": torch.float32, "tree_nodes": None}, 1),
     ("kernels 4-bit layer", "chain γ3"): ({"tree_nodes": None, "weight_bits": 4}, 3),
 }
 
