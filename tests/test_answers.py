@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 import specdecode as sd
 import specdecode.cli as cli
 from specdecode import commands
+from specdecode.heads import answers
 from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
 from specdecode.heads.train import TrainSettings, read_samples
 
@@ -91,3 +92,21 @@ def test_make_data_command(target, chats, tmp_path, monkeypatch):
     assert again.exit_code == 0 and "0 answers" in again.stdout and "3 there before" in again.stdout
     bad = CliRunner().invoke(cli.app, ["make-data", "--prompts", str(chats), "--out", str(tmp_path), "--batch", "0"])
     assert bad.exit_code == 1 and "batch" in bad.stderr and "Traceback" not in bad.output
+
+
+def test_skip_leaves_out_the_prompts_after_the_held_out_ones(target, chats, tmp_path, monkeypatch):
+    """--skip grows a dataset with new prompts only: the held-out ones stay, the indices are the whole list's, and
+    a later run without --skip fills the gap."""
+    monkeypatch.setattr(answers, "HELD_OUT", 2)
+    out = tmp_path / "out"
+    first = make_answers(target, AnswerSettings(prompts=str(chats), limit=5, skip=3, max_new_tokens=8), out)
+    assert first.answered == 5
+    assert sorted(r["index"] for r in _answers(out)) == [0, 1, 5, 6, 7]
+    for record in _answers(out):
+        assert record["messages"][0]["content"] == QUESTIONS[record["index"]]
+    rest = make_answers(target, AnswerSettings(prompts=str(chats), max_new_tokens=8), out)
+    assert rest.already == 5 and sorted(r["index"] for r in _answers(out)) == list(range(len(QUESTIONS)))
+    with pytest.raises(ValueError, match="leaves none to answer"):
+        make_answers(target, AnswerSettings(prompts=str(chats), skip=len(QUESTIONS)), tmp_path / "none")
+    with pytest.raises(ValueError, match="skip"):
+        AnswerSettings(skip=-1)

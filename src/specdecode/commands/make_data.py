@@ -19,6 +19,11 @@ def make_data(
         ..., help="Folder for answers.jsonl (appended to: run the same command again to resume where it stopped)."
     ),
     limit: int | None = typer.Option(None, help="Prompts to answer (default: all)."),
+    skip: int = typer.Option(
+        0,
+        help="Leave out the N prompts after the first 32 (those train-head holds out): grow a dataset with new "
+        "prompts only, e.g. --skip 1468 after --limit 1500; with train-head --init, prompts the head never saw.",
+    ),
     max_new_tokens: int = typer.Option(512, help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
@@ -48,6 +53,7 @@ def make_data(
     settings = AnswerSettings(
         prompts=prompts,
         limit=limit,
+        skip=skip,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -25,6 +25,7 @@ from ..proposers import PromptLookupProposer
 from .data import DataStats, first_user_turn, iter_jsonl, iter_samples, spec_bench_questions
 
 ANSWERS_FILE = "answers.jsonl"
+HELD_OUT = 32  # train-head's default --held-out: the first answers, never trained on, which --skip keeps
 PROPOSERS = ("lookup", "none")
 
 
@@ -34,6 +35,7 @@ class AnswerSettings:
 
     prompts: str = "sharegpt"
     limit: int | None = None  # prompts to answer (after skipping unusable ones); None = all
+    skip: int = 0  # prompts left out after the first HELD_OUT (answered by an earlier run, or seen by a head)
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
@@ -45,6 +47,8 @@ class AnswerSettings:
     def __post_init__(self) -> None:
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
             raise ValueError(f"limit must be a positive integer or None, got {self.limit!r}")
+        if not isinstance(self.skip, int) or self.skip < 0:
+            raise ValueError(f"skip must be a non-negative integer, got {self.skip!r}")
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
         if self.proposer not in PROPOSERS:
@@ -70,18 +74,30 @@ class AnswerStats:
 
 
 def training_prompts(settings: AnswerSettings, stats: AnswerStats) -> list[tuple[int, str]]:
-    """(index, first user turn) of the chats of ``settings.prompts``, up to ``limit``; plain texts are skipped."""
+    """(index, first user turn) of the chats of ``settings.prompts``, up to ``limit`` of them; plain texts are
+    skipped, and so are the ``skip`` prompts after the first ``HELD_OUT`` (indices stay those of the whole list, so
+    runs with and without ``skip`` write the same line for a prompt)."""
     reader = DataStats()
     prompts: list[tuple[int, str]] = []
+    index = -1
     for sample in iter_samples(settings.prompts, spec_bench_questions(settings.spec_bench), reader):
         question = None if isinstance(sample, str) else first_user_turn(sample)
         if question and question.strip():
-            prompts.append((len(prompts), question))
+            index += 1
+            if HELD_OUT <= index < HELD_OUT + settings.skip:
+                continue
+            prompts.append((index, question))
             if settings.limit is not None and len(prompts) >= settings.limit:
                 break
     stats.prompts, stats.excluded = len(prompts), reader.excluded
     if not prompts:
         raise ValueError(f"{settings.prompts} holds no chats with a user turn to answer")
+    ran_out = settings.limit is None or len(prompts) < settings.limit
+    if settings.skip and ran_out and prompts[-1][0] < HELD_OUT + settings.skip:
+        raise ValueError(
+            f"{settings.prompts} holds {index + 1} chats with a user turn: skipping {settings.skip} after the first "
+            f"{HELD_OUT} leaves none to answer"
+        )
     return prompts
 
 
