@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .choices import Choices
+from .choices import Choices, inverse_cdf
 from .params import SamplingParams
 
 
@@ -48,4 +48,5 @@ def sample(probs: torch.Tensor, generator: torch.Generator | Choices) -> torch.T
     if not isinstance(generator, torch.Generator):
         drawn = [generator.draw(row, emitted=False) for row in flat]
         return torch.tensor(drawn, dtype=torch.int64).reshape(probs.shape[:-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    uniforms = torch.rand(flat.shape[0], dtype=torch.float64, generator=generator)
+    return inverse_cdf(flat, uniforms).reshape(probs.shape[:-1])
