@@ -169,5 +169,7 @@ def test_inverse_cdf_edges():
     assert at(1.0 - 2**-53) == 4 and at(1.0) == 4  # u·C rounded up to C: the last entry with mass
     batched = inverse_cdf(probs.expand(3, 6), torch.tensor([0.0, 0.5, 0.99], dtype=torch.float64))
     assert batched.tolist() == [1, 3, 4]
-    with pytest.raises(ValueError, match="no positive mass"):
+    with pytest.raises(ValueError, match="no positive, finite mass"):
         inverse_cdf(torch.zeros(4), torch.tensor(0.5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="NaN"):
+        inverse_cdf(torch.tensor([0.5, float("nan")]), torch.tensor(0.5, dtype=torch.float64))

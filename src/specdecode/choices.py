@@ -43,8 +43,8 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     ~780 µs (it draws one exponential per entry)."""
     cdf = probs.double().cumsum(-1)
     total = cdf[..., -1:]
-    if bool((total <= 0).any()):
-        raise ValueError("cannot draw from a distribution with no positive mass")
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise ValueError("cannot draw from a distribution with no positive, finite mass (NaN or inf in it?)")
     index = torch.searchsorted(cdf, uniforms.double().unsqueeze(-1) * total, right=True).squeeze(-1)
     past_end = index >= probs.shape[-1]  # u·C rounded up to C itself: the last entry with mass
     if bool(past_end.any()):
