@@ -136,7 +136,7 @@ class KernelHead:
 
     ``bits``: fc's and the layer's weights; ``readout_bits``: the LM-head rows'. On the shipped SmolLM2 head
     (docs/BENCHMARKS.md) 4-bit layer weights cost ~4 points of first-guess acceptance and a 4-bit read-out 2-2.5
-    points (8 bits match float32 drafting) for ~0.02-0.08 ms a pass saved: hence 8 and 8 by default."""
+    points (8 bits match float32 drafting) for ~0.02-0.08 ms a pass saved: hence 8 bits for both by default."""
 
     def __init__(
         self,
