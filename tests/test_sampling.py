@@ -161,6 +161,19 @@ def test_inverse_cdf_draws_follow_an_unnormalised_law_with_zeros():
         assert chisquare_pvalue(counts.numpy(), mass.numpy()) > 1e-3
 
 
+def test_distinct_draws_follow_the_law_without_replacement():
+    """Ordered pairs from ``draw_distinct(p, 2)`` on p = (0.5, 0.3, 0.2, 0): P(i, j) = p_i p_j / (1 − p_i), never a
+    repeat or the zero-mass token (chi-square over 20,000 pairs at p > 1e-3)."""
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    choices = GeneratorChoices(torch.Generator().manual_seed(5))
+    pairs = [tuple(choices.draw_distinct(probs, 2).tolist()) for _ in range(20_000)]
+    assert all(i != j and 3 not in (i, j) for i, j in pairs)
+    cells = [(i, j) for i in range(3) for j in range(3) if i != j]
+    law = [float(probs[i] * probs[j] / (1 - probs[i])) for i, j in cells]
+    assert chisquare_pvalue([pairs.count(cell) for cell in cells], law) > 1e-3
+    assert choices.draw_distinct(probs, 3).sort().values.tolist() == [0, 1, 2]
+
+
 def test_inverse_cdf_edges():
     probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
     at = lambda u: int(inverse_cdf(probs, torch.tensor(u, dtype=torch.float64)))  # noqa: E731

@@ -55,7 +55,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 class GeneratorChoices:
     """The decisions made with a ``torch.Generator``: float64 uniforms (accept iff u < ratio, strict, so a ratio
-    of 0 never passes; a token by ``inverse_cdf``) and ``torch.multinomial`` for distinct draws."""
+    of 0 never passes) and ``inverse_cdf`` at one uniform per token drawn."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
@@ -72,9 +72,12 @@ class GeneratorChoices:
         return int(inverse_cdf(probs, torch.rand((), dtype=torch.float64, generator=self.generator)))
 
     def draw_distinct(self, probs: torch.Tensor, count: int) -> torch.Tensor:
-        if count == 1:  # one draw: the same law, without multinomial's exponential per entry
-            return torch.tensor([self.draw(probs, emitted=False)])
-        return torch.multinomial(probs, count, replacement=False, generator=self.generator)
+        rest = probs.double().clone()
+        drawn = []
+        for _ in range(count):  # each draw from the renormalised rest: the drawn token's mass removed
+            drawn.append(self.draw(rest, emitted=False))
+            rest[drawn[-1]] = 0.0
+        return torch.tensor(drawn, dtype=torch.int64)
 
 
 def as_choices(source: torch.Generator | Choices) -> Choices:

@@ -164,7 +164,7 @@ class EagleProposer:
                 return self._top(logits, self._width()), None
             probs = probs_from_logits(logits, params)
             width = min(self._width(), int((probs > 0).sum()))
-            # without replacement, in draw order (torch draws successively from the renormalised rest)
+            # without replacement, in draw order (each draw from the renormalised rest)
             return as_choices(generator).draw_distinct(probs, width), self._full(probs)
 
         return self._draft(context, k, children)
