@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers, set_threads
+from specdecode.heads.data import HELD_OUT
 
 
 def make_data(
@@ -21,8 +22,8 @@ def make_data(
     limit: int | None = typer.Option(None, help="Prompts to answer (default: all)."),
     skip: int = typer.Option(
         0,
-        help="Leave out the N prompts after the first 32 (those train-head holds out): grow a dataset with new "
-        "prompts only, e.g. --skip 1468 after --limit 1500; with train-head --init, prompts the head never saw.",
+        help=f"Leave out the N prompts after the first {HELD_OUT} (those train-head holds out): grow a dataset with "
+        "new prompts only, e.g. --skip 1468 after --limit 1500; with train-head --init, prompts the head never saw.",
     ),
     max_new_tokens: int = typer.Option(512, help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),

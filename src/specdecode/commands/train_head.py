@@ -16,6 +16,7 @@ from specdecode.commands import (
     set_threads,
     training_reporter,
 )
+from specdecode.heads.data import HELD_OUT
 
 
 def train_head(
@@ -32,7 +33,7 @@ def train_head(
     out: str = typer.Option(..., help="Folder for the head (head.safetensors, config.json) and the checkpoints."),
     limit: int | None = typer.Option(None, help="Training samples to use (after the held-out ones); default all."),
     tokens: int | None = typer.Option(None, help=TOKENS_HELP),
-    held_out: int = typer.Option(32, help="The data's first samples, never trained on: the accuracy figures."),
+    held_out: int = typer.Option(HELD_OUT, help="The data's first samples, never trained on: the accuracy figures."),
     skip: int = typer.Option(
         0, help="Leave out this many training samples after the held-out ones (with --init: those it already saw)."
     ),

@@ -16,6 +16,7 @@ from specdecode.commands import (
     set_threads,
     training_reporter,
 )
+from specdecode.heads.data import HELD_OUT
 
 
 def train_medusa(
@@ -29,7 +30,7 @@ def train_medusa(
     heads: int = typer.Option(3, help="Medusa heads K: head i guesses the token i+2 positions past the feature read."),
     limit: int | None = typer.Option(None, help="Training sequences to use (after the held-out ones); default all."),
     tokens: int | None = typer.Option(None, help=TOKENS_HELP),
-    held_out: int = typer.Option(32, help="The data's first sequences, never trained on: the accuracy figures."),
+    held_out: int = typer.Option(HELD_OUT, help="The data's first sequences, never trained on: the accuracy figures."),
     epochs: int = typer.Option(1, help="Passes over the training sequences."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same options)."),
     seed: int = typer.Option(0, help="Seed of the data order."),

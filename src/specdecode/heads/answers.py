@@ -22,10 +22,9 @@ from ..engine import Request, SpeculativeDecoder
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..proposers import PromptLookupProposer
-from .data import DataStats, first_user_turn, iter_jsonl, iter_samples, spec_bench_questions
+from .data import HELD_OUT, DataStats, first_user_turn, iter_jsonl, iter_samples, spec_bench_questions
 
 ANSWERS_FILE = "answers.jsonl"
-HELD_OUT = 32  # train-head's default --held-out: the first answers, never trained on, which --skip keeps
 PROPOSERS = ("lookup", "none")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 Message = dict[str, str]
 Sample = list[Message] | str
 
+HELD_OUT = 32  # the data's first samples, never trained on: the heads' accuracy figures (train-head, make-data)
 SPEC_BENCH_PATHS = ("/work/shared/data/spec_bench/question.jsonl",)  # where this project keeps Spec-Bench
 _ROLES = {
     "human": "user",

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..models.loader import LoadedModel, resolve_dtype
-from .data import DataStats
+from .data import HELD_OUT, DataStats
 from .model import TargetParts, lm_head_rows, text_config
 from .saved import SHIPPED, check_target, target_identity
 from .train import (
@@ -165,7 +165,7 @@ class MedusaSettings:
     limit: int | None = None  # training sequences (after the held-out ones); None = all
     limit_tokens: int | None = None  # stop reading training sequences once they hold this many tokens
     skip: int = 0  # training samples left out after the held-out ones
-    held_out: int = 32
+    held_out: int = HELD_OUT
     max_length: int = 1024
     epochs: int = 1
     batch_tokens: int = 2048

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.loader import LoadedModel, resolve_dtype
-from .data import DataStats, Sample, iter_samples, spec_bench_questions
+from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
 from .model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
 from .saved import save_head
 
@@ -50,7 +50,7 @@ class TrainSettings:
     data: str = "sharegpt"
     limit: int | None = None  # training samples (after the held-out ones); None = all
     limit_tokens: int | None = None  # stop reading training sequences once they hold this many tokens; None = all
-    held_out: int = 32  # the first samples of the data, never trained on: the accuracy figures (at least 1)
+    held_out: int = HELD_OUT  # the first samples of the data, never trained on: the accuracy figures (at least 1)
     skip: int = 0  # training samples left out after the held-out ones (e.g. those an init_from head saw)
     max_length: int = 1024  # tokens per sample (longer ones are cut)
     epochs: int = 1
