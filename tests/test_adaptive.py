@@ -6,7 +6,7 @@ import torch
 from conftest import LARGE_VOCAB, tiny_llama
 
 import specdecode as sd
-from specdecode.adaptive import AdaptiveGamma, CostModel
+from specdecode.adaptive import AcceptanceMemory, AdaptiveGamma, CostModel
 from specdecode.proposers.base import Draft
 
 
@@ -152,3 +152,73 @@ def test_cost_model_keeps_a_step_in_verify_cost_that_a_line_would_hide():
     for _ in range(30):
         controller.observe(drafted=4, accepted=1)  # a_1 high-ish, later positions rarely reached
     assert controller.predicted_speedup(2) > controller.predicted_speedup(4)
+
+
+def test_gamma_grows_at_most_to_twice_the_deepest_measured_round():
+    """An unmeasured v(k) reads as 1 (or the line), which made the first drafting round of a decoder γ = max;
+    now a round reaches at most twice the deepest round already timed: 1, 2, 4, 8."""
+    costs = CostModel(smoothing=1.0)
+    controller = AdaptiveGamma(max_gamma=8, costs=costs)
+    choices = []
+    for _ in range(40):
+        gamma = controller.choose()
+        choices.append(gamma)
+        costs.observe(gamma + 1, 0.01 * (1 + 0.05 * gamma), gamma, 0.0)  # v(k) = 1 + 0.05 (k - 1), c = 0
+        controller.observe(drafted=gamma, accepted=gamma)  # always right
+    for i, gamma in enumerate(choices):
+        assert gamma <= max(1, 2 * max(choices[:i], default=0))
+    assert choices[:5] == [0, 1, 2, 4, 8] and choices[-10:] == [8] * 10
+
+
+def _memory_of(acceptance_pattern: list[int], rounds: int = 200) -> AcceptanceMemory:
+    """A decoder's memory after ``rounds`` of γ = 1 accepting as the pattern says."""
+    memory = AcceptanceMemory(8)
+    for i in range(rounds):
+        memory.observe(1, acceptance_pattern[i % len(acceptance_pattern)])
+    return memory
+
+
+def test_a_new_request_starts_from_the_decoders_memory():
+    costs = fixed_costs()  # γ = 1 breaks even at a_1 = 0.15
+    useless = AdaptiveGamma(8, costs, _memory_of([0]))
+    assert useless.choose() == 0  # not a round at the 1/2 prior
+    good = AdaptiveGamma(8, costs, _memory_of([1, 1, 0, 0, 0]))  # 40% accepted
+    assert abs(good.acceptance()[0] - 0.4) < 0.02
+    assert good.choose() >= 1
+    assert AdaptiveGamma(8, costs).choose() >= 1  # no memory: the Beta(1, 1) prior drafts
+
+
+def _drafting_rounds_after_a_dip(memory: AcceptanceMemory | None) -> int:
+    """30 rounds in which every guess is rejected, then 100 at the proposer's usual 40%: the rounds of those
+    100 that drafted."""
+    controller = AdaptiveGamma(8, fixed_costs(), memory)
+    for _ in range(30):
+        gamma = controller.choose()
+        controller.observe(gamma, 0)
+    drafted = 0
+    for i in range(100):
+        gamma = controller.choose()
+        drafted += gamma > 0
+        controller.observe(gamma, min(gamma, int(i % 5 < 2)))
+    return drafted
+
+
+def test_a_dip_in_acceptance_does_not_switch_a_proposer_that_pays_off_for_the_rest_of_the_request():
+    with_memory = _drafting_rounds_after_a_dip(_memory_of([1, 1, 0, 0, 0]))
+    without = _drafting_rounds_after_a_dip(None)
+    assert with_memory >= 90
+    assert without < with_memory  # the control: probes at doubling intervals leave it plain for a while
+
+
+def test_engine_carries_acceptance_across_requests():
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
+    proposer = RandomProposer(LARGE_VOCAB)
+    decoder = sd.SpeculativeDecoder(target, proposer, gamma="auto")
+    decoder.costs = fixed_costs()
+    params = sd.SamplingParams(max_new_tokens=60)
+    decoder.generate(list(range(10)), params)
+    assert decoder.acceptance_memory.acceptance(1)[0] < 0.15
+    proposer.asked.clear()
+    out = decoder.generate(list(range(3, 13)), params)
+    assert out.token_ids == sd.autoregressive_generate(target, list(range(3, 13)), params).token_ids
+    assert proposer.asked[:7] == [0] * 7  # the second request does not relearn that the proposer is useless

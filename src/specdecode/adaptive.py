@@ -6,6 +6,11 @@ v(k) the cost of a k-token target forward relative to one token, and c a draft t
 target token (until a plain round has measured the 1-token step, γ = 0: a proposer that always drafts
 would otherwise look free). γ = 0 is plain decoding (speedup 1 by definition); while it wins, γ = 1 is probed after
 ``probe_every`` plain rounds, an interval that doubles after each probe that does not change the verdict.
+γ reaches at most twice the deepest round the decoder has timed (an unmeasured v(k) reads as the line through
+the measured ones, or 1: a guess, not a price to jump to the cap on).
+A decoder's ``AcceptanceMemory`` carries acceptance across its requests: a new request starts from the
+decoder's recent acceptance instead of 1/2, and while a request decodes plainly its own evidence ages back
+toward that memory, so a dip in acceptance does not switch a proposer that pays off for the rest of the request.
 A proposer that drafts token trees verifies a tree's nodes, not γ tokens: for each γ that produced trees,
 the cost model (shared by a decoder's requests) prices the round at the trees it measured,
 v(rows) + draft seconds / step seconds.
@@ -20,6 +25,33 @@ from .planner import expected_tokens_per_position
 
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
+MEMORY_WEIGHT = 8.0  # a request's prior from the decoder's memory counts as this many rounds of its own
+
+
+def fold_round(accepted: list[float], reached: list[float], drafted: int, n_accepted: int, forgetting: float) -> None:
+    """Discounted counts, in place: positions 1..n_accepted accepted, position n_accepted + 1 rejected if drafted."""
+    for i in range(n_accepted + (n_accepted < drafted)):
+        accepted[i] = forgetting * accepted[i] + (i < n_accepted)
+        reached[i] = forgetting * reached[i] + 1.0
+
+
+def posterior_means(
+    accepted: list[float], reached: list[float], prior: list[float] | None, weight: float
+) -> list[float]:
+    """Acceptance per position from discounted counts: (accepted_j + w m_j) / (reached_j + w), prior mean m_j from
+    ``prior`` (weight ``weight``) or, without one, Beta(1, 1) at position 1 and the estimate above at position j
+    (a depth not reached yet is expected to accept like the one above it, not at 1/2, which would keep a proposer
+    that is always right from ever going deeper wherever a verify row costs more than half the gain)."""
+    if prior is None:
+        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
+    mean = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
+    estimates = []
+    for j, (a, r) in enumerate(zip(accepted, reached, strict=True)):
+        if prior is not None:
+            mean = prior[j]
+        mean = (a + weight * mean) / (r + weight)
+        estimates.append(mean)
+    return estimates
 
 
 @dataclass
@@ -65,6 +97,14 @@ class CostModel:
             else (self._ema(old[0], float(rows)), self._ema(old[1], draft_seconds))
         )
 
+    def frontier(self, max_gamma: int) -> int:
+        """The largest γ worth pricing now: twice the deepest round measured (1 before any), so γ grows 1, 2, 4, 8
+        instead of trusting an unmeasured v(k) (1, or a line through one point) for a jump to the cap."""
+        if self.fixed:
+            return max_gamma
+        deepest = max([k - 1 for k in self.verify_seconds] + list(self.tree_rounds), default=0)
+        return min(max_gamma, max(1, 2 * deepest))
+
     def round_cost(self, gamma: int) -> float:
         """A round at γ in 1-token steps: v(γ+1) + γc for a chain; v(rows) + drafting for γ's measured trees."""
         tree = self.tree_rounds.get(gamma)
@@ -94,11 +134,37 @@ class CostModel:
 
 
 @dataclass
+class AcceptanceMemory:
+    """A decoder's acceptance per draft position over its recent requests (counts discounted by ``forgetting``
+    a round, ~200 rounds): the prior a new request's controller starts from."""
+
+    max_gamma: int = 8
+    forgetting: float = 0.995
+    accepted: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted = [0.0] * self.max_gamma
+        self.reached = [0.0] * self.max_gamma
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        fold_round(self.accepted, self.reached, drafted, accepted, self.forgetting)
+
+    def acceptance(self, depth: int) -> list[float] | None:
+        """Posterior means for positions 1..depth, or None before any round was drafted."""
+        if not self.reached or not self.reached[0]:
+            return None
+        estimates = posterior_means(self.accepted, self.reached, None, 0.0)
+        return (estimates + estimates[-1:] * depth)[:depth]
+
+
+@dataclass
 class AdaptiveGamma:
-    """Per-request draft-length controller (acceptance is per request; ``costs`` may be shared)."""
+    """Per-request draft-length controller (acceptance is per request; ``costs`` and ``memory`` may be shared)."""
 
     max_gamma: int = 8
     costs: CostModel = field(default_factory=CostModel)
+    memory: AcceptanceMemory | None = None
     probe_every: int = 8
     forgetting: float = 0.95
     accepted: list[float] = field(default_factory=list)
@@ -115,17 +181,11 @@ class AdaptiveGamma:
         self._probe_interval = self.probe_every
 
     def acceptance(self) -> list[float]:
-        """Posterior-mean acceptance a_j per draft position (discounted counts). Position 1's prior is Beta(1, 1);
-        position j's has the same weight, centred on a_{j-1}: a depth not reached yet is expected to accept like
-        the one above it, not at 1/2 (which would keep a proposer that is always right from ever going deeper
-        wherever a verify row costs more than half the gain)."""
-        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
-        mean = PRIOR_ACCEPTED / weight
-        estimates = []
-        for a, r in zip(self.accepted, self.reached, strict=True):
-            mean = (a + weight * mean) / (r + weight)
-            estimates.append(mean)
-        return estimates
+        """Posterior-mean acceptance a_j per draft position: this request's discounted counts on a prior that is
+        the decoder's memory (weight ``MEMORY_WEIGHT``) when it has one, else Beta(1, 1) chained down the depths
+        (``posterior_means``)."""
+        prior = None if self.memory is None else self.memory.acceptance(self.max_gamma)
+        return posterior_means(self.accepted, self.reached, prior, MEMORY_WEIGHT)
 
     def predicted_speedup(self, gamma: int) -> float:
         """E(γ) / (v(γ+1) + γc) from the current estimates; 1.0 for γ = 0."""
@@ -139,14 +199,29 @@ class AdaptiveGamma:
         self._chosen = self._choose()
         return self._chosen
 
+    def _best(self) -> int:
+        """argmax over γ ≤ the cost model's frontier of E(γ) / round cost, γ = 0 (speedup 1) included."""
+        best, best_speedup, tokens, reach = 0, 1.0, 1.0, 1.0
+        frontier = self.costs.frontier(self.max_gamma)
+        for gamma, a in enumerate(self.acceptance()[:frontier], start=1):
+            reach *= a
+            tokens += reach
+            speedup = tokens / self.costs.round_cost(gamma)
+            if speedup > best_speedup:
+                best, best_speedup = gamma, speedup
+        return best
+
     def _choose(self) -> int:
         if self.costs.step_seconds is None:  # calibrate: a plain round measures the 1-token step all costs use
             return 0
-        best = max(range(self.max_gamma + 1), key=self.predicted_speedup)
+        best = self._best()
         if best > 0:
             self._plain_rounds = 0
             self._probe_interval = self.probe_every
             return best
+        if self.memory is not None and self.memory.reached[0]:  # evidence ages toward the decoder's memory
+            self.accepted = [self.forgetting * a for a in self.accepted]
+            self.reached = [self.forgetting * r for r in self.reached]
         self._plain_rounds += 1
         if self._plain_rounds >= self._probe_interval:
             self._plain_rounds = 0
@@ -160,7 +235,6 @@ class AdaptiveGamma:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Fold in one round: positions 1..accepted accepted, position accepted+1 rejected if < drafted."""
-        reached = accepted + (accepted < drafted)
-        for i in range(reached):
-            self.accepted[i] = self.forgetting * self.accepted[i] + (i < accepted)
-            self.reached[i] = self.forgetting * self.reached[i] + 1.0
+        fold_round(self.accepted, self.reached, drafted, accepted, self.forgetting)
+        if self.memory is not None:
+            self.memory.observe(drafted, accepted)

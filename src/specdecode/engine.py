@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import AdaptiveGamma, CostModel
+from .adaptive import AcceptanceMemory, AdaptiveGamma, CostModel
 from .keyed_noise import KeyedNoise
 from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
@@ -213,6 +213,7 @@ class SpeculativeDecoder:
         self.max_gamma = max_gamma
         self.mode = mode
         self.costs = CostModel()
+        self.acceptance_memory = AcceptanceMemory(max_gamma)  # gamma="auto": acceptance carried across requests
         self.last_output: GenerationOutput | None = None
         self.bind_proposer(self.proposer)
 
@@ -270,7 +271,7 @@ class SpeculativeDecoder:
     ) -> Request:
         request = Request(self.target, prompt, params, on_text, logprobs)
         if self.gamma == "auto":
-            request.controller = AdaptiveGamma(self.max_gamma, self.costs)
+            request.controller = AdaptiveGamma(self.max_gamma, self.costs, self.acceptance_memory)
         request.prefill(self._runner)
         return request
 
