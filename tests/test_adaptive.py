@@ -222,3 +222,29 @@ def test_engine_carries_acceptance_across_requests():
     out = decoder.generate(list(range(3, 13)), params)
     assert out.token_ids == sd.autoregressive_generate(target, list(range(3, 13)), params).token_ids
     assert proposer.asked[:7] == [0] * 7  # the second request does not relearn that the proposer is useless
+
+
+def _drafting_share(price_catch_up: bool) -> float:
+    """300 rounds of a proposer accepted 2 times in 5 at γ = 1, v(2) = 1, drafting 0.15 of a step, that first
+    re-reads each token of a plain stretch (or the prompt's 40) at 0.1 of a step apiece (an EAGLE head's or a
+    draft model's cache catching up): the share of rounds that drafted."""
+    costs = CostModel(smoothing=0.2)
+    controller = AdaptiveGamma(8, costs)
+    missed, drafted = 40, 0
+    for i in range(300):
+        gamma = min(controller.choose(), 1)
+        if gamma == 0:
+            costs.observe(1, 1.0, 0, 0.0)
+            missed += 1
+            continue
+        draft_seconds = 0.15 + 0.1 * missed
+        missed, drafted = 0, drafted + 1
+        accepted = int(i % 5 < 2)
+        controller.observe(1, accepted)
+        costs.observe(2, 1.0, 1, None if controller.catching_up and not price_catch_up else draft_seconds)
+    return drafted / 300
+
+
+def test_catching_up_after_plain_rounds_is_not_priced_as_drafting():
+    assert _drafting_share(price_catch_up=False) >= 0.9  # γ = 1 pays 1.4 / 1.15 = 1.22×
+    assert _drafting_share(price_catch_up=True) < 0.5  # the control: the prompt's catch-up prices drafting at 4

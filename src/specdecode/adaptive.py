@@ -72,8 +72,9 @@ class CostModel:
     verify_seconds: dict[int, float] = field(default_factory=dict)
     tree_rounds: dict[int, tuple[float, float]] = field(default_factory=dict)  # γ -> (rows, draft seconds)
 
-    def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float) -> None:
-        """Fold one round's timings in (``verified`` = tokens in the target forward = drafted + 1)."""
+    def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None) -> None:
+        """Fold one round's timings in (``verified`` = tokens in the target forward = drafted + 1; ``draft_seconds``
+        None: not a drafting price, e.g. the proposer caught up on rounds it did not draft)."""
         if self.fixed:
             return
         self.verify_seconds[verified] = self._ema(self.verify_seconds.get(verified), verify_seconds)
@@ -82,7 +83,7 @@ class CostModel:
         elif self.step_seconds is not None:
             extra = max(0.0, verify_seconds - self.step_seconds) / (verified - 1)
             self.extra_token_seconds = self._ema(self.extra_token_seconds, extra)
-        if drafted:
+        if drafted and draft_seconds is not None:
             self.draft_token_seconds = self._ema(self.draft_token_seconds, draft_seconds / drafted)
 
     def observe_tree(self, gamma: int, rows: int, draft_seconds: float) -> None:
@@ -172,6 +173,7 @@ class AdaptiveGamma:
     _plain_rounds: int = 0
     _probe_interval: int = 0
     _chosen: int = 0
+    _catching_up: bool = True
 
     def __post_init__(self) -> None:
         if self.max_gamma < 1:
@@ -196,8 +198,18 @@ class AdaptiveGamma:
 
     def choose(self) -> int:
         """This round's γ: the best predicted, or a γ = 1 probe when plain decoding has won for a while."""
+        self._catching_up = self._chosen == 0
         self._chosen = self._choose()
         return self._chosen
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether this round follows a plain one (or opens the request): a proposer that drafts from the
+        context's state (a draft model's cache, an EAGLE head's) first catches up on the tokens it did not
+        draft, so this round's drafting time is not the price of drafting. Priced as such, the catch-up after
+        a plain stretch made drafting look dear, which kept decoding plain: a loop that ran 60–95% of rounds
+        plain on chat where γ = 1 gains 10%."""
+        return self._catching_up
 
     def _best(self) -> int:
         """argmax over γ ≤ the cost model's frontier of E(γ) / round cost, γ = 0 (speedup 1) included."""
@@ -230,8 +242,10 @@ class AdaptiveGamma:
         return 0
 
     def observe_tree(self, rows: int, draft_seconds: float) -> None:
-        """The round at the last chosen γ drafted a tree of ``rows - 1`` nodes in ``draft_seconds``."""
-        self.costs.observe_tree(self._chosen, rows, draft_seconds)
+        """The round at the last chosen γ drafted a tree of ``rows - 1`` nodes in ``draft_seconds`` (not a
+        price while ``catching_up``)."""
+        if not self._catching_up:
+            self.costs.observe_tree(self._chosen, rows, draft_seconds)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Fold in one round: positions 1..accepted accepted, position accepted+1 rejected if < drafted."""

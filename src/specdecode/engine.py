@@ -336,7 +336,8 @@ class SpeculativeDecoder:
         stats.record_round(n_drafted, n_accepted)
         if controller is not None:
             controller.observe(n_drafted, n_accepted)
-            self.costs.observe(n_drafted + 1, t2 - started, n_drafted, pending.draft_seconds)
+            draft_price = None if controller.catching_up else pending.draft_seconds
+            self.costs.observe(n_drafted + 1, t2 - started, n_drafted, draft_price)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
         request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
@@ -369,7 +370,8 @@ class SpeculativeDecoder:
         if controller is not None:
             controller.observe(len(accepted) + rejected, len(accepted))
             controller.observe_tree(len(draft) + 1, pending.draft_seconds)
-            self.costs.observe(len(draft) + 1, t2 - started, len(draft), pending.draft_seconds)
+            draft_price = None if controller.catching_up else pending.draft_seconds
+            self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price)
         start = len(context)  # node i sits at slot start + i
         path_rows = [0] + [node + 1 for node in accepted]  # the rows that chose the emitted tokens
         request.keep_hidden(runner, path_rows)
