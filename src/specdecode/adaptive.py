@@ -206,9 +206,8 @@ class AdaptiveGamma:
     def catching_up(self) -> bool:
         """Whether this round follows a plain one (or opens the request): a proposer that drafts from the
         context's state (a draft model's cache, an EAGLE head's) first catches up on the tokens it did not
-        draft, so this round's drafting time is not the price of drafting. Priced as such, the catch-up after
-        a plain stretch made drafting look dear, which kept decoding plain: a loop that ran 60–95% of rounds
-        plain on chat where γ = 1 gains 10%."""
+        draft, so this round's drafting time is not the price of drafting (priced as one, a catch-up makes
+        drafting look dear, decoding goes plain, and the next catch-up is longer: docs/BENCHMARKS.md)."""
         return self._catching_up
 
     def _best(self) -> int:
