@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from conftest import LARGE_VOCAB, tiny_llama
 
@@ -248,3 +250,28 @@ def _drafting_share(price_catch_up: bool) -> float:
 def test_catching_up_after_plain_rounds_is_not_priced_as_drafting():
     assert _drafting_share(price_catch_up=False) >= 0.9  # γ = 1 pays 1.4 / 1.15 = 1.22×
     assert _drafting_share(price_catch_up=True) < 0.5  # the control: the prompt's catch-up prices drafting at 4
+
+
+@dataclass
+class RecordingCosts(CostModel):
+    """A learning cost model that records what the engine tells it: (drafted, draft seconds) per round."""
+
+    calls: list[tuple[int, float | None]] = field(default_factory=list)
+
+    def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None) -> None:
+        self.calls.append((drafted, draft_seconds))
+        super().observe(verified, verify_seconds, drafted, draft_seconds)
+
+
+def test_engine_does_not_price_drafting_in_a_round_that_follows_a_plain_one():
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
+    decoder = sd.SpeculativeDecoder(target, RandomProposer(LARGE_VOCAB), gamma="auto")
+    decoder.costs = costs = RecordingCosts()
+    decoder.generate(list(range(10)), sd.SamplingParams(max_new_tokens=80))
+    assert costs.calls[0][0] == 0  # the calibrating plain round
+    priced = 0
+    for i, (drafted, draft_seconds) in enumerate(costs.calls):
+        if drafted:
+            assert (draft_seconds is None) == (costs.calls[i - 1][0] == 0)
+            priced += draft_seconds is not None
+    assert priced and any(d and s is None for d, s in costs.calls)  # both kinds of drafting round happened
