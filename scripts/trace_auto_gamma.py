@@ -49,6 +49,8 @@ def main() -> None:
 
     AdaptiveGamma.choose = traced  # type: ignore[method-assign]
     items = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()][: args.limit]
+    if not items:
+        parser.error(f"no prompts in {args.prompts}")
     totals: dict[str, float] = collections.defaultdict(float)
     for item in items:
         ids = build_prompt(target, item["turns"][:1], [])
