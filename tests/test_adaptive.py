@@ -118,11 +118,17 @@ class RandomProposer:
         return Draft(torch.randint(0, self.vocab_size, (k,), generator=self.rng))
 
 
-def test_engine_auto_gamma_turns_a_useless_proposer_off_and_stays_greedy_identical():
+def _auto_decoder(costs: CostModel) -> tuple[sd.LoadedModel, RandomProposer, sd.SpeculativeDecoder]:
+    """A tiny target, a random proposer and a gamma="auto" decoder over them pricing rounds with ``costs``."""
     target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
     proposer = RandomProposer(LARGE_VOCAB)
     decoder = sd.SpeculativeDecoder(target, proposer, gamma="auto")
-    decoder.costs = fixed_costs()
+    decoder.costs = costs
+    return target, proposer, decoder
+
+
+def test_engine_auto_gamma_turns_a_useless_proposer_off_and_stays_greedy_identical():
+    target, proposer, decoder = _auto_decoder(fixed_costs())
     params = sd.SamplingParams(max_new_tokens=120)
     prompt = list(range(10))
     out = decoder.generate(prompt, params)
@@ -213,10 +219,7 @@ def test_a_dip_in_acceptance_does_not_switch_a_proposer_that_pays_off_for_the_re
 
 
 def test_engine_carries_acceptance_across_requests():
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
-    proposer = RandomProposer(LARGE_VOCAB)
-    decoder = sd.SpeculativeDecoder(target, proposer, gamma="auto")
-    decoder.costs = fixed_costs()
+    target, proposer, decoder = _auto_decoder(fixed_costs())
     params = sd.SamplingParams(max_new_tokens=60)
     decoder.generate(list(range(10)), params)
     assert decoder.acceptance_memory.acceptance(1)[0] < 0.15
@@ -264,9 +267,8 @@ class RecordingCosts(CostModel):
 
 
 def test_engine_does_not_price_drafting_in_a_round_that_follows_a_plain_one():
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
-    decoder = sd.SpeculativeDecoder(target, RandomProposer(LARGE_VOCAB), gamma="auto")
-    decoder.costs = costs = RecordingCosts()
+    costs = RecordingCosts()
+    _, _, decoder = _auto_decoder(costs)
     decoder.generate(list(range(10)), sd.SamplingParams(max_new_tokens=80))
     assert costs.calls[0][0] == 0  # the calibrating plain round
     priced = 0
