@@ -36,7 +36,7 @@ def fold_round(accepted: list[float], reached: list[float], drafted: int, n_acce
 
 
 def posterior_means(
-    accepted: list[float], reached: list[float], prior: list[float] | None, weight: float
+    accepted: list[float], reached: list[float], prior: list[float] | None = None, weight: float = MEMORY_WEIGHT
 ) -> list[float]:
     """Acceptance per position from discounted counts: (accepted_j + w m_j) / (reached_j + w), prior mean m_j from
     ``prior`` (weight ``weight``) or, without one, Beta(1, 1) at position 1 and the estimate above at position j
@@ -155,7 +155,7 @@ class AcceptanceMemory:
         """Posterior means for positions 1..depth, or None before any round was drafted."""
         if not self.reached or not self.reached[0]:
             return None
-        estimates = posterior_means(self.accepted, self.reached, None, 0.0)
+        estimates = posterior_means(self.accepted, self.reached)
         return (estimates + estimates[-1:] * depth)[:depth]
 
 
@@ -187,7 +187,7 @@ class AdaptiveGamma:
         the decoder's memory (weight ``MEMORY_WEIGHT``) when it has one, else Beta(1, 1) chained down the depths
         (``posterior_means``)."""
         prior = None if self.memory is None else self.memory.acceptance(self.max_gamma)
-        return posterior_means(self.accepted, self.reached, prior, MEMORY_WEIGHT)
+        return posterior_means(self.accepted, self.reached, prior)
 
     def predicted_speedup(self, gamma: int) -> float:
         """E(γ) / (v(γ+1) + γc) from the current estimates; 1.0 for γ = 0."""
