@@ -1,5 +1,6 @@
 """Trace ``gamma="auto"`` round by round on a prompt file: per prompt, the γ chosen each round, the controller's
-first-position acceptance estimate a_1, v(2) and the drafting cost c as it saw them, then plain, γ auto and γ1
+first-position acceptance estimate a_1, v(2) and the drafting cost c as it saw them (and the 1- and 2-token
+forward times they come from, in ms), then plain, γ auto and γ1
 timed (best of ``--repeats``, each decoder fresh per prompt as the bench builds them, built untimed).
 
     .venv/bin/python scripts/trace_auto_gamma.py docs/bench/eagle/unseen_chat.jsonl [--limit 10] \
@@ -39,12 +40,14 @@ def main() -> None:
     target = sd.load_model("smollm2")
     proposer = build_proposer(args.proposer, target, None, head=args.head, tree_nodes=0)
     params = sd.SamplingParams(max_new_tokens=args.tokens)
-    rounds: list[tuple[int, float, float, float]] = []
+    rounds: list[tuple[int, float, float, float, float, float]] = []
     choose = AdaptiveGamma.choose
 
     def traced(self: AdaptiveGamma) -> int:
         gamma = choose(self)
-        rounds.append((gamma, self.acceptance()[0], self.costs.verify_cost(2), self.costs.draft_cost()))
+        costs = self.costs
+        step, two = costs.step_seconds or 0.0, costs.verify_seconds.get(2, 0.0)
+        rounds.append((gamma, self.acceptance()[0], costs.verify_cost(2), costs.draft_cost(), 1e3 * step, 1e3 * two))
         return gamma
 
     AdaptiveGamma.choose = traced  # type: ignore[method-assign]
@@ -75,7 +78,7 @@ def main() -> None:
         chosen = dict(sorted(collections.Counter(g for g, *_ in trace).items()))
         print(f"{item.get('question_id')}: " + ", ".join(f"{n} {s * 1000:.0f} ms" for n, s in best.items()), chosen)
         print("  γ  ", "".join(str(g) for g, *_ in trace))
-        for label, column in (("a_1", 1), ("v(2)", 2), ("c", 3)):
+        for label, column in (("a_1", 1), ("v(2)", 2), ("c", 3), ("t1ms", 4), ("t2ms", 5)):
             print(f"  {label:4}", " ".join(f"{r[column]:.2f}" for r in trace[:: args.every]))
     print(
         "total: "

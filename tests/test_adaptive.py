@@ -277,3 +277,42 @@ def test_engine_does_not_price_drafting_in_a_round_that_follows_a_plain_one():
             assert (draft_seconds is None) == (costs.calls[i - 1][0] == 0)
             priced += draft_seconds is not None
     assert priced and any(d and s is None for d, s in costs.calls)  # both kinds of drafting round happened
+
+
+def test_a_time_measured_again_after_n_rounds_keeps_a_fading_weight():
+    """(1 - smoothing)^n: a 2-token time last taken before a 30-round plain stretch is replaced, not averaged in
+    at a fifth, when a probe times it again."""
+    costs = CostModel(smoothing=0.2)
+    costs.observe(1, 0.010, 0, 0.0)
+    costs.observe(2, 0.012, 1, 0.001)
+    for _ in range(30):  # forward times fall by a fifth during a plain stretch
+        costs.observe(1, 0.008, 0, 0.0)
+    costs.observe(2, 0.0084, 1, 0.001)
+    assert abs(costs.verify_seconds[2] - 0.0084) < 1e-5  # kept weight 0.8^31 ~ 0.001 on the stale 0.012
+    assert abs(costs.verify_cost(2) - 1.05) < 0.01  # the fresh ratio, not (0.8 * 0.012 + 0.2 * 0.0084) / 0.008 = 1.41
+    costs.observe(2, 0.0092, 1, 0.001)  # the next round: the usual moving average
+    assert abs(costs.verify_seconds[2] - (0.8 * 0.0084 + 0.2 * 0.0092)) < 1e-5
+
+
+def _drifting_stretch(refresh_every: int) -> tuple[list[int], float]:
+    """300 rounds of an always-right proposer while every forward gets slower (step 10 ms -> 13 ms, v(k) = 1 + 0.05
+    (k - 1) throughout): the γ chosen each round and v(9) as the controller reads it at the end."""
+    costs = CostModel(smoothing=0.2)
+    controller = AdaptiveGamma(8, costs, refresh_every=refresh_every)
+    choices = []
+    for i in range(300):
+        gamma = controller.choose()
+        choices.append(gamma)
+        step = 0.010 * (1 + 0.3 * i / 300)
+        costs.observe(gamma + 1, step * (1 + 0.05 * gamma), gamma, 0.0)
+        controller.observe(gamma, gamma)
+    return choices, costs.verify_cost(9)
+
+
+def test_a_drafting_stretch_re_times_the_step_so_verify_costs_do_not_drift():
+    choices, v9 = _drifting_stretch(refresh_every=64)
+    plain = [i for i, gamma in enumerate(choices) if gamma == 0]
+    assert plain[0] == 0 and len(plain) == 1 + (300 - 1) // 65  # the calibration, then one every 64 drafting rounds
+    assert abs(v9 - 1.4) < 0.05  # the step it divides by is at most 64 rounds (1.2 ms) old
+    _, stale = _drifting_stretch(refresh_every=10**9)  # the control: the step timed once, at 10 ms
+    assert stale > 1.7

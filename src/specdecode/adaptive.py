@@ -6,6 +6,9 @@ v(k) the cost of a k-token target forward relative to one token, and c a draft t
 target token (until a plain round has measured the 1-token step, γ = 0: a proposer that always drafts
 would otherwise look free). γ = 0 is plain decoding (speedup 1 by definition); while it wins, γ = 1 is probed after
 ``probe_every`` plain rounds, an interval that doubles after each probe that does not change the verdict.
+Timings age: a cost last measured n rounds ago keeps (1 - smoothing)^n of its weight when it is measured again,
+and a drafting stretch re-times the 1-token step with one plain round every ``refresh_every`` rounds, so v(k)
+compares times taken close together.
 γ reaches at most twice the deepest round the decoder has timed (an unmeasured v(k) reads as the line through
 the measured ones, or 1: a guess, not a price to jump to the cap on).
 A decoder's ``AcceptanceMemory`` carries acceptance across its requests: a new request starts from the
@@ -56,12 +59,15 @@ def posterior_means(
 
 @dataclass
 class CostModel:
-    """Online step costs, as exponential moving averages (``fixed`` costs never update): seconds of a
+    """Online step costs, as moving averages over rounds (``fixed`` costs never update): seconds of a
     1-token target forward, of a k-token forward for each k seen, extra seconds per extra verified token
     (the line used for k not seen yet), and seconds per drafted token.
 
     Per-k timings matter: on a CPU the k-token forward is often a step function of k (a GEMM kernel switch),
-    which no line through two points describes.
+    which no line through two points describes. An estimate ages: it keeps (1 - smoothing)^n of its weight
+    when it is next measured n rounds later, so a v(k) = t(k) / t(1) never divides a fresh time by one taken a
+    hundred rounds earlier (forward times drift with the context and with what ran in between: a 2-token time
+    last measured before a plain stretch made drafting look 20% dearer than it was; docs/BENCHMARKS.md).
     """
 
     step_seconds: float | None = None
@@ -71,20 +77,24 @@ class CostModel:
     fixed: bool = False
     verify_seconds: dict[int, float] = field(default_factory=dict)
     tree_rounds: dict[int, tuple[float, float]] = field(default_factory=dict)  # γ -> (rows, draft seconds)
+    rounds: int = 0  # rounds observed: the clock estimates age by
+    measured_at: dict[object, int] = field(default_factory=dict)  # estimate -> the round it was last measured in
 
     def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None) -> None:
         """Fold one round's timings in (``verified`` = tokens in the target forward = drafted + 1; ``draft_seconds``
         None: not a drafting price, e.g. the proposer caught up on rounds it did not draft)."""
         if self.fixed:
             return
-        self.verify_seconds[verified] = self._ema(self.verify_seconds.get(verified), verify_seconds)
+        self.rounds += 1
+        old = self.verify_seconds.get(verified)
+        self.verify_seconds[verified] = self._ema(("verify", verified), old, verify_seconds)
         if verified == 1:
-            self.step_seconds = self._ema(self.step_seconds, verify_seconds)
+            self.step_seconds = self._ema("step", self.step_seconds, verify_seconds)
         elif self.step_seconds is not None:
             extra = max(0.0, verify_seconds - self.step_seconds) / (verified - 1)
-            self.extra_token_seconds = self._ema(self.extra_token_seconds, extra)
+            self.extra_token_seconds = self._ema("extra", self.extra_token_seconds, extra)
         if drafted and draft_seconds is not None:
-            self.draft_token_seconds = self._ema(self.draft_token_seconds, draft_seconds / drafted)
+            self.draft_token_seconds = self._ema("draft", self.draft_token_seconds, draft_seconds / drafted)
 
     def observe_tree(self, gamma: int, rows: int, draft_seconds: float) -> None:
         """A round at ``gamma`` drafted a token tree: ``rows`` verified (its nodes + 1), drafting took
@@ -92,10 +102,11 @@ class CostModel:
         if self.fixed:
             return
         old = self.tree_rounds.get(gamma)
+        keep = self._keep(("tree", gamma))
         self.tree_rounds[gamma] = (
             (float(rows), draft_seconds)
             if old is None
-            else (self._ema(old[0], float(rows)), self._ema(old[1], draft_seconds))
+            else (keep * old[0] + (1 - keep) * rows, keep * old[1] + (1 - keep) * draft_seconds)
         )
 
     def frontier(self, max_gamma: int) -> int:
@@ -114,8 +125,20 @@ class CostModel:
         rows, draft_seconds = tree
         return self.verify_cost(max(1, round(rows))) + (draft_seconds / self.step_seconds if self.step_seconds else 0.0)
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+    def rounds_since_step(self) -> int:
+        """Rounds observed since the 1-token step was last timed (0 for fixed costs: they never go stale)."""
+        return 0 if self.fixed else self.rounds - self.measured_at.get("step", 0)
+
+    def _keep(self, estimate: object) -> float:
+        """The weight an estimate's old value keeps at this round's measurement: (1 - smoothing)^rounds since the
+        last one (1 - smoothing in consecutive rounds); records this round as its latest."""
+        age = self.rounds - self.measured_at.get(estimate, self.rounds - 1)
+        self.measured_at[estimate] = self.rounds
+        return (1 - self.smoothing) ** max(1, age)
+
+    def _ema(self, estimate: object, old: float | None, new: float) -> float:
+        keep = self._keep(estimate)
+        return new if old is None else keep * old + (1 - keep) * new
 
     def verify_cost(self, tokens: int) -> float:
         """v(k): a k-token target forward relative to a 1-token one (measured at k, else the line; 1 at first)."""
@@ -167,6 +190,7 @@ class AdaptiveGamma:
     costs: CostModel = field(default_factory=CostModel)
     memory: AcceptanceMemory | None = None
     probe_every: int = 8
+    refresh_every: int = 64  # a drafting stretch re-times the 1-token step with a plain round this often
     forgetting: float = 0.95
     accepted: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
@@ -224,6 +248,8 @@ class AdaptiveGamma:
 
     def _choose(self) -> int:
         if self.costs.step_seconds is None:  # calibrate: a plain round measures the 1-token step all costs use
+            return 0
+        if self.costs.rounds_since_step() >= self.refresh_every:  # re-time it: v(k) divides by it (not a verdict)
             return 0
         best = self._best()
         if best > 0:
