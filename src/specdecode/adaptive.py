@@ -6,9 +6,9 @@ v(k) the cost of a k-token target forward relative to one token, and c a draft t
 target token (until a plain round has measured the 1-token step, γ = 0: a proposer that always drafts
 would otherwise look free). γ = 0 is plain decoding (speedup 1 by definition); while it wins, γ = 1 is probed after
 ``probe_every`` plain rounds, an interval that doubles after each probe that does not change the verdict.
-Timings age: a cost last measured n rounds ago keeps (1 - smoothing)^n of its weight when it is measured again,
-and a drafting stretch re-times the 1-token step with one plain round every ``refresh_every`` rounds, so v(k)
-compares times taken close together.
+Timings age: a cost last measured n rounds ago keeps (1 - smoothing)^n of its weight, but at least half, when it
+is measured again, and a drafting stretch re-times the 1-token step with one plain round every ``refresh_every``
+rounds, so v(k) compares times taken close together.
 γ reaches at most twice the deepest round the decoder has timed (an unmeasured v(k) reads as the line through
 the measured ones, or 1: a guess, not a price to jump to the cap on).
 A decoder's ``AcceptanceMemory`` carries acceptance across its requests: a new request starts from the
@@ -64,10 +64,11 @@ class CostModel:
     (the line used for k not seen yet), and seconds per drafted token.
 
     Per-k timings matter: on a CPU the k-token forward is often a step function of k (a GEMM kernel switch),
-    which no line through two points describes. An estimate ages: it keeps (1 - smoothing)^n of its weight
-    when it is next measured n rounds later, so a v(k) = t(k) / t(1) never divides a fresh time by one taken a
-    hundred rounds earlier (forward times drift with the context and with what ran in between: a 2-token time
-    last measured before a plain stretch made drafting look 20% dearer than it was; docs/BENCHMARKS.md).
+    which no line through two points describes. An estimate ages: it keeps (1 - smoothing)^n of its weight (but
+    at least half) when it is next measured n rounds later, so a v(k) = t(k) / t(1) does not divide a fresh
+    time by one taken a hundred rounds earlier (forward times drift with the context and with what ran in
+    between: a 2-token time last measured before a plain stretch made drafting look 20% dearer than it was;
+    docs/BENCHMARKS.md).
     """
 
     step_seconds: float | None = None
@@ -130,11 +131,13 @@ class CostModel:
         return 0 if self.fixed else self.rounds - self.measured_at.get("step", 0)
 
     def _keep(self, estimate: object) -> float:
-        """The weight an estimate's old value keeps at this round's measurement: (1 - smoothing)^rounds since the
-        last one (1 - smoothing in consecutive rounds); records this round as its latest."""
+        """The weight an estimate's old value keeps at this round's measurement: (1 - smoothing)^n, n the rounds
+        since the last one, but at least min(1 - smoothing, 1/2): one time after a gap moves an estimate halfway
+        at most (a forward here now and then takes 1.3-1.6x its usual time); records this round as its latest."""
         age = self.rounds - self.measured_at.get(estimate, self.rounds - 1)
         self.measured_at[estimate] = self.rounds
-        return (1 - self.smoothing) ** max(1, age)
+        keep = 1 - self.smoothing
+        return max(min(keep, 0.5), keep ** max(1, age))
 
     def _ema(self, estimate: object, old: float | None, new: float) -> float:
         keep = self._keep(estimate)
@@ -190,7 +193,7 @@ class AdaptiveGamma:
     costs: CostModel = field(default_factory=CostModel)
     memory: AcceptanceMemory | None = None
     probe_every: int = 8
-    refresh_every: int = 64  # a drafting stretch re-times the 1-token step with a plain round this often
+    refresh_every: int = 32  # a drafting stretch re-times the 1-token step with a plain round this often
     forgetting: float = 0.95
     accepted: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
