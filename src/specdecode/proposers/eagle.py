@@ -44,11 +44,12 @@ class _Node:
 class EagleProposer:
     """Guesses from an EAGLE head: a chain (``tree_nodes=None``) or an EAGLE-2 dynamic tree.
 
-    The default is a chain: with the head drafting on the compiled kernels (a step ~0.04 of a target step) and
-    its ~30-33% first-guess acceptance, a chain of 1 ran at 0.98-1.09x plain decoding on this project's CPU and
-    every tree measured ran slower (3 nodes 0.85-0.92x: each node is a verify row, and a verify row costs
-    0.15-0.2 of a step here; docs/BENCHMARKS.md). Trees accept more per pass and pay where v(k) is flat (GPUs)
-    or the head is better.
+    The default is a chain: with the head drafting on the compiled kernels (~0.13 of a target step a round in
+    generation: the kernel step ~0.1 ms with its weights in cache, ~0.23 ms right after a target pass, plus ~0.1 ms
+    of Python) and the shipped head's ~41% first-guess acceptance on unseen chat, a chain of 1 runs at 1.14-1.23x
+    plain decoding on this project's CPU, and the trees measured so far ran slower (each node is a verify row,
+    and a verify row costs 0.15-0.2 of a step here; docs/BENCHMARKS.md). Trees accept more per pass and pay where
+    v(k) is flat (GPUs) or the head is better.
 
     ``draft_vocab=N`` drafts from the N ids the target most often predicted in training (the head's saved
     ranking; default: all it was trained on): a cheaper read-out, at the cost of never guessing the rest.
