@@ -303,6 +303,7 @@ ENUMERATED = sd.SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4)
     ("case", "tree_nodes", "prompt"),
     [
         ("chain", None, PROMPTS[0]),
+        ("chain-sharpened", None, PROMPTS[0]),
         ("tree", 4, PROMPTS[1]),
         ("misstated-law-control", None, PROMPTS[0]),
         ("tree-residual-control", 4, PROMPTS[1]),
@@ -310,7 +311,8 @@ ENUMERATED = sd.SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4)
 )
 def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes, prompt, monkeypatch):
     """The engine's exact law of the first two tokens (every decision enumerated, ``enumeration.engine_law``):
-    EAGLE's sampled chain and its top-k tree give the target's to float32 rounding (TV < 1e-6, measured ~2e-8).
+    EAGLE's sampled chain (also drafting at 0.6 of the request's temperature) and its top-k tree give the target's
+    to float32 rounding (TV < 1e-6, measured ~2e-8).
     The controls — a head misstating its law by 3%; the tree's residuals mixed 1% with the target's law — are
     off by TV ≈ 6e-4 and 1e-3, far below what sampling could see (the strong tier detects 0.02)."""
     from specdecode.enumeration import engine_law, prefix_law, total_variation
@@ -321,7 +323,9 @@ def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes,
             sd.verify, "_residual", lambda p, q, x: 0.99 * (r := correct(p, q, x)) / r.sum() + 0.01 * p / p.sum()
         )
     kind = MisreportedDraftLaw if case == "misstated-law-control" else EagleProposer
-    decoder = sd.SpeculativeDecoder(large_target, kind(large_target, head=head_dir, tree_nodes=tree_nodes), gamma=1)
+    factor = 0.6 if case == "chain-sharpened" else None
+    proposer = kind(large_target, head=head_dir, tree_nodes=tree_nodes, temperature_factor=factor)
+    decoder = sd.SpeculativeDecoder(large_target, proposer, gamma=1)
     if tree_nodes:
         decoder.gamma = 3
     result = engine_law(decoder, prompt, ENUMERATED, tokens=2)
@@ -331,3 +335,47 @@ def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes,
         assert tv > 1e-4, tv
     else:
         assert tv < 1e-6, tv
+
+
+def test_the_calibration_measures_the_proposers_first_guess_acceptance(large_target, head_dir):
+    """``temperature_overlaps`` at depth 1, factor f, equals the mean over a text's positions of sum min(p, q),
+    q the law the proposer drafts its first guess from with ``temperature_factor=f`` and p the target's: the
+    calibration measures what drafting does (float32 features both ways)."""
+    from specdecode.heads.calibrate import overlap, temperature_overlaps
+    from specdecode.heads.model import lm_head_rows
+
+    text = PROMPTS[2] + PROMPTS[0]
+    runner = large_target.new_runner()
+    runner.capture_hidden = True
+    logits = runner.forward(torch.tensor(text))
+    features = runner.hidden
+    params = sd.SamplingParams(temperature=0.8)
+    for factor in (0.7, 1.3):
+        proposer = EagleProposer(
+            large_target, head=head_dir, dtype=torch.float32, int8=False, temperature_factor=factor
+        )
+        direct = []
+        for n in range(2, len(text) + 1):  # the proposer holds text[:n] and the features of text[:n-1]
+            proposer.observe_target([features[: n - 1]])
+            q = proposer.propose(text[:n], 1, params, torch.Generator().manual_seed(n)).probs[0]
+            p = torch.softmax(logits[n - 1].float() / params.temperature, -1)
+            direct.append(float(overlap(p, q)))
+        parts, rows = proposer.parts, lm_head_rows(large_target.model)[: large_target.vocab_size]
+        sequence = (features, torch.tensor(text), torch.arange(len(text)))
+        measured = temperature_overlaps(proposer.head, parts, rows, [sequence], (0.8,), (factor,), depths=1)
+        assert measured[0.8][factor][0] == pytest.approx(sum(direct) / len(direct), abs=2e-4)
+
+
+def test_train_head_stores_a_calibration_the_proposer_reads(large_target, head_dir):
+    import json
+
+    stored = json.loads((head_dir / "config.json").read_text())["sampling_calibration"]
+    assert stored["temperatures"] == [0.6, 0.8, 1.0, 1.2]
+    for t, f in zip(stored["temperatures"], stored["factors"], strict=True):
+        by_factor = stored["overlap_by_factor"][str(t)]
+        assert by_factor[str(f)][0] == max(v[0] for v in by_factor.values())  # the best depth-1 overlap
+    proposer = EagleProposer(large_target, head=head_dir)
+    assert proposer.calibration.factor(0.8) == stored["factors"][1]
+    assert EagleProposer(large_target, head=head_dir, temperature_factor=1.0).calibration.factor(0.8) == 1.0
+    with pytest.raises(ValueError, match="temperature_factor"):
+        EagleProposer(large_target, head=head_dir, temperature_factor=0.0)

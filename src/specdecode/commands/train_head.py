@@ -16,6 +16,7 @@ from specdecode.commands import (
     set_threads,
     training_reporter,
 )
+from specdecode.heads.calibrate import calibration_summary
 from specdecode.heads.data import HELD_OUT
 
 
@@ -109,3 +110,4 @@ def train_head(
             f"drafting from {size} ids (covering {figures['coverage']:.1%} of the target's tokens): "
             f"held-out top-1 agreement with the target, depths 1..{len(figures['top1_by_depth'])}: {depths}"
         )
+    print(calibration_summary(result.sampling_calibration))

@@ -36,8 +36,10 @@ def save_head(
     draft_vocab: torch.Tensor,
     target: LoadedModel,
     training: dict[str, Any] | None = None,
+    sampling_calibration: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``head.safetensors`` (bfloat16 weights) and ``config.json`` into ``folder``; return the folder."""
+    """Write ``head.safetensors`` (bfloat16 weights) and ``config.json`` into ``folder``; return the folder.
+    ``sampling_calibration``: the head's temperature factors (``heads.calibrate.calibration_record``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to("cpu", torch.bfloat16).contiguous() for name, p in head.state_dict().items()}
@@ -51,6 +53,8 @@ def save_head(
         "draft_vocab_size": int(draft_vocab.numel()),
         "training": training or {},
     }
+    if sampling_calibration is not None:
+        config["sampling_calibration"] = sampling_calibration
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 

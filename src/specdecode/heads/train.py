@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.loader import LoadedModel, resolve_dtype
+from .calibrate import calibration_record, temperature_overlaps
 from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
 from .model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
 from .saved import save_head
@@ -129,6 +130,7 @@ class TrainResult:
     coverage: float  # held-out share of the target's argmax tokens inside the drafting vocabulary
     by_vocab: dict[int, dict[str, Any]] = field(default_factory=dict)  # the same, drafting from the top N ids
     data: dict[str, Any] = field(default_factory=dict)
+    sampling_calibration: dict[str, Any] = field(default_factory=dict)  # heads.calibrate.calibration_record
 
 
 def tokenize(target: LoadedModel, sample: Sample, max_length: int) -> list[int]:
@@ -626,8 +628,11 @@ def train_head(
     draft_vocab = rank_by_target(draft_vocab, trained.target_counts)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
     sizes = [draft_vocab.numel(), *(n for n in (32768, 16384, 8192) if n < draft_vocab.numel())]
-    by_vocab = held_out_accuracy(head, parts, lm_head_rows(target.model)[: target.vocab_size], cache, held_out, sizes)
+    full_rows = lm_head_rows(target.model)[: target.vocab_size]
+    by_vocab = held_out_accuracy(head, parts, full_rows, cache, held_out, sizes)
     accuracy, coverage = by_vocab[sizes[0]]["top1_by_depth"], by_vocab[sizes[0]]["coverage"]
+    held = (batch_tensors(cache, "h", held_out, [i]) for i in range(len(held_out)))
+    calibration = calibration_record(temperature_overlaps(head, parts, full_rows, held))
     cache.flush()
     elapsed = trained.elapsed()
     data = {
@@ -653,5 +658,7 @@ def train_head(
         "data": data,
         "torch": torch.__version__,
     }
-    save_head(out, head, draft_vocab, target, training)
-    return TrainResult(out, trained.steps, trained.tokens, len(train), elapsed, accuracy, coverage, by_vocab, data)
+    save_head(out, head, draft_vocab, target, training, calibration)
+    return TrainResult(
+        out, trained.steps, trained.tokens, len(train), elapsed, accuracy, coverage, by_vocab, data, calibration
+    )

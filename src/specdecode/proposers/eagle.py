@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..choices import as_choices
+from ..heads.calibrate import TemperatureCalibration
 from ..heads.drafting import WEIGHT_BITS, KernelHead, TorchHead, TreeRows, supports_kernel_head
 from ..heads.model import TargetParts, lm_head_rows
 from ..heads.saved import load_head, shipped_head
@@ -62,6 +63,11 @@ class EagleProposer:
     through torch's int8 weight-only kernel on those bfloat16 activations. Drafting numerics never affect the output,
     only how often guesses are accepted.
 
+    Sampled guesses are drawn at temperature ``T * factor`` (``temperature_factor``; default: the factor the head's
+    config stores for T, measured after training as the one whose law overlaps the target's most on held-out
+    chats, ``heads.calibrate``; 1 for heads without one). Like every drafting choice it changes how often guesses
+    are accepted, never what is emitted.
+
     Tree mode grows the tree level by level: the ``branching`` best-scored nodes of a level (score = log of
     the path's draft probability) each get their ``branching`` most probable children (point masses at any
     temperature: a shape chosen by scores that read the drafted tokens is exact only for deterministic
@@ -88,7 +94,10 @@ class EagleProposer:
         kernels: bool | None = None,
         weight_bits: int = 8,
         readout_bits: int = 8,
+        temperature_factor: float | None = None,
     ) -> None:
+        if temperature_factor is not None and not temperature_factor > 0:
+            raise ValueError(f"temperature_factor must be positive or None (the head's), got {temperature_factor!r}")
         if int8 and dtype != torch.bfloat16:
             raise ValueError(f"int8 drafting runs on bfloat16 activations: pass int8=False to draft in {dtype}")
         if weight_bits not in WEIGHT_BITS or readout_bits not in WEIGHT_BITS:
@@ -104,6 +113,11 @@ class EagleProposer:
         self.target = load_model(target)
         folder = shipped_head(self.target) if head is None else Path(head)
         self.head, ranked, self.config = load_head(folder, self.target)
+        self.calibration = (
+            TemperatureCalibration.from_config(self.config)
+            if temperature_factor is None
+            else TemperatureCalibration((1.0,), (temperature_factor,))
+        )
         ops = compiled.ops() if kernels is not False and _on_cpu(self.target) else None
         on_kernels = ops is not None and int8 and supports_kernel_head(self.head, ops)
         if kernels and not on_kernels:
@@ -157,13 +171,15 @@ class EagleProposer:
         self._seen = len(hidden)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        sharpen = 1.0 / self.calibration.factor(params.temperature)  # the head drafts at temperature T * factor
+
         def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             # A tree keeps its best-scored nodes, and a score reads the node's own token: a sampled sibling's
             # existence would depend on its own draw, which biases recursive rejection sampling. Deterministic
             # top-k candidates (point masses) are exact for any tree shape; a chain samples with its law.
             if params.greedy or self.tree_nodes is not None:
                 return self._top(logits, self._width()), None
-            probs = probs_from_logits(logits, params)
+            probs = probs_from_logits(logits * sharpen, params)
             width = min(self._width(), int((probs > 0).sum()))
             # without replacement, in draw order (each draw from the renormalised rest)
             return as_choices(generator).draw_distinct(probs, width), self._full(probs)
@@ -174,10 +190,11 @@ class EagleProposer:
         """First child: the token the target's keyed noise would pick from the head's logits at that position
         (the guess plain sampling makes if the laws agree); further children: the most probable others."""
         start = len(context)
+        sharpen = 1.0 / self.calibration.factor(params.temperature)
 
         def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             full = torch.full((self.parts.vocab_size,), float("-inf"))
-            full[self.parts.draft_vocab] = logits
+            full[self.parts.draft_vocab] = logits * sharpen
             first = self._index[noise.token(full, params, start + depth - 1)]
             others = self._top(logits, self._width() + 1)
             others = others[others != first][: self._width() - 1]
