@@ -108,6 +108,17 @@ def test_kernel_steps_follow_the_torch_head(target, head_dir, bits):
         assert relative_error(wrong[row], dense_out[row]) > 3 * relative_error(kernel_out[row], dense_out[row])
 
 
+def test_embedding_rows_are_the_targets_inside_and_outside_the_drafting_vocabulary(target, head_dir):
+    """A step's embedding rows come from the drafting vocabulary's table, looked up once, or from the bounded memo
+    of other tokens: either way the target's own rows."""
+    _, kernel = drafters(target, head_dir, 8)
+    inside = kernel.parts.draft_vocab[:3].tolist()
+    outside = sorted(set(range(VOCAB)) - set(kernel.parts.draft_vocab.tolist()))[:2]
+    assert outside, "the head drafts from part of the vocabulary"
+    for ids in (inside + outside, outside + inside, list(range(VOCAB))):
+        assert torch.equal(kernel._embed(ids), kernel.parts.embed(torch.tensor(ids)).float())
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_blocks_round_each_group_to_its_own_float16_scale(bits):
     """Each block's step is the finest float16 one that covers it (max|w| / 127 for 8 bits; for 4, (max − m) / 15
