@@ -369,6 +369,7 @@ def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word
     assert result.exit_code == 0, result.output
     assert "held-out top-1 agreement" in result.stdout and (tmp_path / "h" / "head.safetensors").is_file()
     assert "features cached on disk: 0.00 GB" in result.stdout  # the tiny model's few kB
+    assert "sampling: the head drafts at T x factor" in result.stdout and "T 0.8 x" in result.stdout
     capped = CliRunner().invoke(cli.app, [*args[:4], str(tmp_path / "capped"), *args[5:], "--cache-gb", "0"])
     assert capped.exit_code == 0 and "were recomputed each epoch" in capped.stdout, capped.output
     negative = CliRunner().invoke(cli.app, [*args, "--cache-gb", "-1"])
