@@ -288,6 +288,28 @@ def test_plain_decode_reuses_its_runner_outside_the_timed_region(tiny_target, mo
     assert len(built) == 1 and first.token_ids == second.token_ids
 
 
+def test_a_question_gets_a_fresh_proposer_and_the_decoder_keeps_what_it_measured(tiny_target, monkeypatch):
+    """Per question a new proposer (no cache or text leaks), one decoder: gamma auto's costs and acceptance memory
+    carry over, as in a long-lived decoder or the server, instead of being re-learnt every question."""
+    from specdecode.engine import SpeculativeDecoder
+
+    decoders = []
+    original = SpeculativeDecoder.__init__
+    monkeypatch.setattr(
+        SpeculativeDecoder, "__init__", lambda self, *a, **k: decoders.append(self) or original(self, *a, **k)
+    )
+    method = build_methods(tiny_target, ["lookup"], ["auto"], transformers=False)[1]
+    params = BenchConfig(max_new_tokens=12).params(0)
+    proposers, rounds = [], []
+    for _ in range(3):
+        method.start()
+        method.generate([3, 4, 5, 6, 3, 4, 5, 6, 3, 4], params)
+        proposers.append(decoders[0].proposer)
+        rounds.append(decoders[0].costs.rounds)
+    assert len(decoders) == 1 and len({id(p) for p in proposers}) == 3
+    assert rounds[0] < rounds[1] < rounds[2]  # the cost model kept learning across questions
+
+
 def test_auto_gamma_and_reproducible_mode_are_bench_methods(tiny_target, tmp_path):
     items = [WorkItem(1, "summarization", ([3, 4, 5, 6, 3, 4, 5, 6, 3, 4],))]
     methods = build_methods(tiny_target, ["lookup"], [2, "auto"], transformers=False, modes=["exact", "reproducible"])

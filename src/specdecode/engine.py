@@ -205,17 +205,24 @@ class SpeculativeDecoder:
         if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
             raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
         self.target = load_model(target)
-        self.proposer = PromptLookupProposer() if proposer is None else proposer
-        draft_model = getattr(self.proposer, "model", None)
-        if isinstance(draft_model, LoadedModel):
-            check_vocabularies(self.target, draft_model)
         self.gamma = gamma
         self.max_gamma = max_gamma
         self.mode = mode
         self.costs = CostModel()
         self.acceptance_memory = AcceptanceMemory(max_gamma)  # gamma="auto": acceptance carried across requests
         self.last_output: GenerationOutput | None = None
-        self.bind_proposer(self.proposer)
+        self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
+
+    def use_proposer(self, proposer: Proposer) -> None:
+        """Draft with ``proposer`` from the next request on, keeping what this decoder has measured (the target's
+        costs, ``gamma="auto"``'s acceptance memory) and its runner, as a long-lived decoder does."""
+        draft_model = getattr(proposer, "model", None)
+        if isinstance(draft_model, LoadedModel):
+            check_vocabularies(self.target, draft_model)
+        self.proposer = proposer
+        if "_runner" in self.__dict__:  # allocated: an EAGLE head reads the features it captures
+            self._runner.capture_hidden = getattr(proposer, "needs_target_hidden", False)
+        self.bind_proposer(proposer)
 
     def bind_proposer(self, proposer: Proposer | None) -> None:
         """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""

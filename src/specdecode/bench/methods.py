@@ -64,7 +64,9 @@ class Generation:
 
 
 class Method:
-    """A method bound to a loaded target; ``start()`` gives a fresh per-question session (fresh proposer)."""
+    """A method bound to a loaded target; ``start()`` gives a fresh per-question session (a fresh proposer; a
+    speculative method's decoder keeps what it measured, its costs and ``gamma="auto"``'s acceptance memory, as a
+    long-lived decoder or a server does)."""
 
     def __init__(
         self,
@@ -83,7 +85,7 @@ class Method:
         return self.spec.name
 
     def start(self) -> None:
-        """Reset per-question state (untimed): a fresh proposer, so no cache leaks between questions."""
+        """Reset per-question state (untimed): a fresh proposer, so no cache or text leaks between questions."""
         if self._start is not None:
             self._start()
 
@@ -134,8 +136,11 @@ def _ours_speculative(
 ) -> Method:
     state: dict[str, SpeculativeDecoder] = {}
 
-    def start() -> None:
-        state["decoder"] = SpeculativeDecoder(target, make(), gamma, mode=mode)
+    def start() -> None:  # a fresh proposer per question; the decoder's measured costs and memory kept, as a server's
+        if "decoder" in state:
+            state["decoder"].use_proposer(make())
+        else:
+            state["decoder"] = SpeculativeDecoder(target, make(), gamma, mode=mode)
 
     def run(prompt_ids: list[int], params: SamplingParams) -> Generation:
         if "decoder" not in state:
