@@ -54,6 +54,7 @@ def main() -> None:
     for t, by_f in overlaps.items():
         print(f"T {t}: " + "  ".join(f"x{f} {v}" for f, v in by_f.items()), flush=True)
     print("chosen:", json.dumps({k: record[k] for k in ("temperatures", "factors")}))
+    record["contexts"] = {t.split("=", 1)[0]: t.split("=", 1)[1] for t in args.at}  # where each T was measured
     if args.write:
         config["sampling_calibration"] = record
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

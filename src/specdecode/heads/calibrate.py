@@ -2,12 +2,13 @@
 target's most.
 
 A chain guess drawn from the head's law q is accepted with probability ``sum_x min(p(x), q(x))`` (p the target's
-law at the request's temperature T, both after top-k/top-p). The head is trained against the target's law at
-temperature 1, and after more training it can be sharper (or flatter) than the target away from 1: at T = 0.8
-the shipped stage 5 head accepted 32.9% of its sampled guesses where stage 4's accepted 36.5%. Drafting at
-temperature ``T * factor(T)`` instead of T changes only q, never what the verification rule emits, so any
-factor is exact; the factor that maximises the held-out overlap is measured once, after training, and stored
-with the head (config.json ``sampling_calibration``).
+law at the request's temperature T). The head is trained against the target's law at temperature 1; how its
+sharpness compares at other temperatures is whatever training left. Drafting at temperature ``T * factor(T)``
+instead of T changes only q, never what the verification rule emits, so any factor is exact; the factor that
+maximises the held-out overlap (measured without top-k/top-p) is found once, after training, and stored with the
+head (config.json ``sampling_calibration``). The shipped SmolLM2 heads are a little flatter than the target (best
+factors 0.85-0.95 on sampled held-out chats): +0.3-0.6 points of first-guess overlap there, +1.6-3.3 points of
+acceptance on mt_bench (docs/HEADS.md).
 """
 
 from __future__ import annotations
@@ -78,10 +79,9 @@ def temperature_overlaps(
     depths: int = DEPTHS,
 ) -> dict[float, dict[float, list[float]]]:
     """Mean overlap of the head's law at temperature ``T * factor`` with the target's at T, per T, factor and
-    depth 1..``depths``, over every position of ``sequences``, each (the target's features [n, H], tokens [n],
-    positions [n]) (teacher-forced as in ``held_out_accuracy``: at
-    depth d the head has read true features up to t-d+1 and its own predictions after). The head's law is zero
-    outside its drafting vocabulary."""
+    depth 1..``depths``, over every position of ``sequences`` (each: the target's features [n, H], tokens [n],
+    positions [n]), teacher-forced as in ``held_out_accuracy``: at depth d the head has read true features up to
+    t-d+1 and its own predictions after. The head's law is zero outside its drafting vocabulary."""
     sums = {t: {f: [0.0] * depths for f in factors} for t in temperatures}
     counts = [0] * depths
     for sequence in sequences:

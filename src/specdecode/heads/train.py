@@ -633,6 +633,7 @@ def train_head(
     accuracy, coverage = by_vocab[sizes[0]]["top1_by_depth"], by_vocab[sizes[0]]["coverage"]
     held = (batch_tensors(cache, "h", held_out, [i]) for i in range(len(held_out)))
     calibration = calibration_record(temperature_overlaps(head, parts, full_rows, held))
+    calibration["contexts"] = "the held-out chats"
     cache.flush()
     elapsed = trained.elapsed()
     data = {

@@ -63,10 +63,10 @@ class EagleProposer:
     through torch's int8 weight-only kernel on those bfloat16 activations. Drafting numerics never affect the output,
     only how often guesses are accepted.
 
-    Sampled guesses are drawn at temperature ``T * factor`` (``temperature_factor``; default: the factor the head's
-    config stores for T, measured after training as the one whose law overlaps the target's most on held-out
-    chats, ``heads.calibrate``; 1 for heads without one). Like every drafting choice it changes how often guesses
-    are accepted, never what is emitted.
+    Sampled guesses (and reproducible mode's keyed-noise guess) are drawn at temperature ``T * factor``
+    (``temperature_factor``; default: the factor the head's config stores for T, measured after training as the
+    one whose law overlaps the target's most on held-out chats, ``heads.calibrate``; 1 for heads without one). Like
+    every drafting choice it changes how often guesses are accepted, never what is emitted.
 
     Tree mode grows the tree level by level: the ``branching`` best-scored nodes of a level (score = log of
     the path's draft probability) each get their ``branching`` most probable children (point masses at any
