@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -171,7 +171,7 @@ class EagleProposer:
         self._seen = len(hidden)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
-        sharpen = 1.0 / self.calibration.factor(params.temperature)  # the head drafts at temperature T * factor
+        drafting = self._drafting_params(params)
 
         def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             # A tree keeps its best-scored nodes, and a score reads the node's own token: a sampled sibling's
@@ -179,7 +179,7 @@ class EagleProposer:
             # top-k candidates (point masses) are exact for any tree shape; a chain samples with its law.
             if params.greedy or self.tree_nodes is not None:
                 return self._top(logits, self._width()), None
-            probs = probs_from_logits(logits * sharpen, params)
+            probs = probs_from_logits(logits, drafting)
             width = min(self._width(), int((probs > 0).sum()))
             # without replacement, in draw order (each draw from the renormalised rest)
             return as_choices(generator).draw_distinct(probs, width), self._full(probs)
@@ -190,17 +190,22 @@ class EagleProposer:
         """First child: the token the target's keyed noise would pick from the head's logits at that position
         (the guess plain sampling makes if the laws agree); further children: the most probable others."""
         start = len(context)
-        sharpen = 1.0 / self.calibration.factor(params.temperature)
+        drafting = self._drafting_params(params)
 
         def children(logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             full = torch.full((self.parts.vocab_size,), float("-inf"))
-            full[self.parts.draft_vocab] = logits * sharpen
-            first = self._index[noise.token(full, params, start + depth - 1)]
+            full[self.parts.draft_vocab] = logits
+            first = self._index[noise.token(full, drafting, start + depth - 1)]
             others = self._top(logits, self._width() + 1)
             others = others[others != first][: self._width() - 1]
             return torch.cat([first[None], others]), None
 
         return self._draft(context, k, children)
+
+    def _drafting_params(self, params: SamplingParams) -> SamplingParams:
+        """The request's warps at the head's temperature, T * the calibration's factor at T (greedy stays greedy)."""
+        factor = self.calibration.factor(params.temperature)
+        return params if params.greedy or factor == 1.0 else replace(params, temperature=params.temperature * factor)
 
     def _width(self) -> int:
         return 1 if self.tree_nodes is None else self.branching
