@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 from conftest import with_eos
 from scipy.stats import chi2
 
 import specdecode as sd
-from specdecode.keyed_noise import KeyedNoise, gumbel_max, gumbel_noise
+from specdecode.keyed_noise import KeyedNoise, gumbel_max, gumbel_noise, keyed_argmax, philox_uniforms
+from specdecode.models import kernels
 from specdecode.sampling import probs_from_logits
 from specdecode.verify import coupled_verify
 
@@ -85,6 +87,57 @@ def test_noise_is_keyed_by_seed_and_position_only():
     params = sd.SamplingParams(temperature=1.0)
     rows = gumbel_max(logits, params, seed=9, start=20)
     assert rows.tolist() == [KeyedNoise(9).token(logits[r], params, 20 + r) for r in range(4)]
+
+
+def _hard_rows() -> list[tuple[torch.Tensor, int, int]]:
+    """(warped row, seed, position) cases for the pruned argmax: random, flat (every token a contender), huge
+    logits (temperature 0.01), warped-away tokens (-inf), one finite token, and vocabularies of 1, 5 and 49,152."""
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for case in range(60):
+        vocab = (1, 5, 50, 1001, 49_152)[case % 5]
+        logits = torch.randn(vocab, generator=g, dtype=torch.float64) * (0.5, 3.0, 300.0)[case % 3]
+        if case % 4 == 1:
+            logits = torch.zeros(vocab, dtype=torch.float64)
+        if case % 6 == 2 and vocab > 1:
+            logits[torch.randperm(vocab, generator=g)[: vocab // 2]] = -torch.inf
+        if case % 10 == 3:
+            logits = torch.full((vocab,), -torch.inf, dtype=torch.float64)
+            logits[vocab // 2] = 1.0
+        rows.append((logits, case * 7919, case * 13 + (2**40 if case % 7 == 0 else 0)))
+    return rows
+
+
+def test_keyed_argmax_is_the_argmax_of_logits_plus_the_keyed_noise():
+    """The pruning (tokens that cannot beat argmax(l)'s noisy value skip their logarithms) never changes the
+    token: equal to argmax(l + gumbel_noise) computed over the whole vocabulary, on every hard case."""
+    for row, seed, position in _hard_rows():
+        full = int((row + gumbel_noise(seed, position, len(row))).argmax())
+        assert int(keyed_argmax(row[None], seed, [position])[0]) == full, (len(row), seed, position)
+
+
+@pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
+def test_the_kernel_and_the_numpy_path_draw_the_same_noise_and_tokens(monkeypatch):
+    """The C kernel computes numpy's Philox stream bitwise and the same keyed argmax as the numpy path (which
+    runs where the kernels are off), in every instruction set's build and with one or two threads."""
+    native = kernels.ops("native")
+    for seed, position, count in ((0, 0, 37), (5, 100, 1000), (2**62 + 3, 2**40, 9)):
+        expected = philox_uniforms(seed, position, count)
+        assert np.array_equal(native.philox_uniforms(seed, position, count).numpy(), expected)
+    cases = _hard_rows()
+    built = [(row, seed, position, int(keyed_argmax(row[None], seed, [position])[0])) for row, seed, position in cases]
+    monkeypatch.setenv("SPECDECODE_KERNELS", "0")
+    for row, seed, position, token in built:
+        assert int(keyed_argmax(row[None], seed, [position])[0]) == token
+    threads = torch.get_num_threads()
+    try:
+        for variant, n_threads in (("native", 1), ("avx2", 2), ("portable", 2)):
+            torch.set_num_threads(n_threads)
+            build = kernels.ops(variant)
+            for row, seed, position, token in built:
+                assert int(build.keyed_gumbel_argmax(row[None], seed, [position])[0]) == token, variant
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_gumbel_max_draws_from_the_warped_distribution():

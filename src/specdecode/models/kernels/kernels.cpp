@@ -1523,6 +1523,109 @@ std::vector<at::Tensor> head_step(const at::Tensor& features, const at::Tensor& 
   return {x, logits};
 }
 
+// ------------------------------------------------------------------------------------------------ keyed sampling
+
+// Philox4x64-10 (Salmon et al. 2011, Random123) as numpy's ``np.random.Philox(key=(position << 64) | seed)``: block
+// b of the stream is philox(counter (b + 1, 0, 0, 0), key (seed, position)) (numpy bumps the counter before each
+// block), its 4 words the stream's values 4b .. 4b + 3; ``random()`` maps a word w to (w >> 11) · 2^-53.
+static inline void philox4x64(uint64_t block, uint64_t k0, uint64_t k1, uint64_t out[4]) {
+  uint64_t c0 = block + 1, c1 = 0, c2 = 0, c3 = 0;
+  for (int round = 0; round < 10; ++round) {
+    if (round) {
+      k0 += 0x9E3779B97F4A7C15ULL;
+      k1 += 0xBB67AE8584CAA73BULL;
+    }
+    const unsigned __int128 p0 = static_cast<unsigned __int128>(0xD2E7470EE14C6C93ULL) * c0;
+    const unsigned __int128 p1 = static_cast<unsigned __int128>(0xCA5A826395121157ULL) * c2;
+    c0 = static_cast<uint64_t>(p1 >> 64) ^ c1 ^ k0;
+    c1 = static_cast<uint64_t>(p1);
+    c2 = static_cast<uint64_t>(p0 >> 64) ^ c3 ^ k1;
+    c3 = static_cast<uint64_t>(p0);
+  }
+  out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+}
+
+static inline double philox_uniform(uint64_t word) { return static_cast<double>(word >> 11) * (1.0 / 9007199254740992.0); }
+
+// Standard Gumbel noise -log(-log u), -inf at u = 0, with the C library's log (which Python's math.log calls).
+static inline double gumbel_of(double u) {
+  return u == 0.0 ? -std::numeric_limits<double>::infinity() : -std::log(-std::log(u));
+}
+
+// argmax_x (l_x + g_x) over one row, g_x = gumbel_of(u_x), u = the Philox stream of (seed, position); ties: the
+// lowest x. Most x are ruled out without a logarithm: with best0 = l_m + g_m at m = argmax l, x can win only if
+// l_x - log E_x >= best0, E_x = -log u_x >= 1 - u_x = f·2^e (f in [1/2, 1)), so only if (e - 1)·ln 2 <= l_x - best0
+// (plus a slack for rounding); m and the survivors are compared exactly. keyed_noise.py's numpy path is the same
+// function, operation for operation.
+static int64_t keyed_gumbel_argmax_row(const double* l, int64_t vocab, uint64_t seed, uint64_t position) {
+  constexpr double kLn2 = 0.6931471805599453;
+  int64_t m = 0;
+  for (int64_t x = 1; x < vocab; ++x)
+    if (l[x] > l[m]) m = x;
+  uint64_t words[4];
+  philox4x64(static_cast<uint64_t>(m / 4), seed, position, words);
+  const double best0 = l[m] + gumbel_of(philox_uniform(words[m % 4]));
+  const double slack = 1e-9 * (1.0 + std::fabs(best0));
+  const int64_t blocks = (vocab + 3) / 4;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks / 2048));
+  std::vector<double> best(chunks, -std::numeric_limits<double>::infinity());
+  std::vector<int64_t> winner(chunks, -1);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      double top = -std::numeric_limits<double>::infinity();
+      int64_t at_top = -1;
+      uint64_t block_words[4];
+      for (int64_t b = blocks * chunk / chunks; b < blocks * (chunk + 1) / chunks; ++b) {
+        philox4x64(static_cast<uint64_t>(b), seed, position, block_words);
+        for (int64_t lane = 0; lane < 4 && 4 * b + lane < vocab; ++lane) {
+          const int64_t x = 4 * b + lane;
+          // 1 - u = (2^53 - w)·2^-53 with w = word >> 11, so frexp's exponent e is bit_length(2^53 - w) - 53
+          const uint64_t w = block_words[lane] >> 11;
+          const int e = 64 - __builtin_clzll((1ULL << 53) - w) - 53;
+          if (x != m && !(static_cast<double>(e - 1) * kLn2 <= (l[x] - best0) + slack)) continue;
+          const double u = philox_uniform(block_words[lane]);
+          const double value = l[x] + gumbel_of(u);
+          if (at_top < 0 || value > top) top = value, at_top = x;
+        }
+      }
+      best[chunk] = top, winner[chunk] = at_top;
+    }
+  });
+  int64_t chosen = -1;
+  double top = 0.0;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk)
+    if (winner[chunk] >= 0 && (chosen < 0 || best[chunk] > top)) top = best[chunk], chosen = winner[chunk];
+  return chosen;
+}
+
+// Reproducible sampling's token per row r of ``warped`` [n, V] (float64 warped logits, -inf where warped away):
+// argmax_x (warped[r, x] + g(seed, positions[r])_x), the Gumbel-max draw keyed_noise.gumbel_max defines.
+at::Tensor keyed_gumbel_argmax(const at::Tensor& warped, int64_t seed, at::IntArrayRef positions) {
+  TORCH_CHECK(warped.dim() == 2 && warped.scalar_type() == at::kDouble, "keyed_gumbel_argmax: warped [n, V] float64");
+  TORCH_CHECK(static_cast<int64_t>(positions.size()) == warped.size(0), "keyed_gumbel_argmax: one position per row");
+  TORCH_CHECK(seed >= 0, "keyed_gumbel_argmax: seed in [0, 2^63)");
+  const at::Tensor l = warped.contiguous();
+  const int64_t n = l.size(0), vocab = l.size(1);
+  at::Tensor tokens = at::empty({n}, at::kLong);
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(positions[r] >= 0, "keyed_gumbel_argmax: positions are >= 0");
+    tokens.data_ptr<int64_t>()[r] = keyed_gumbel_argmax_row(l.data_ptr<double>() + r * vocab, vocab,
+                                                           static_cast<uint64_t>(seed), static_cast<uint64_t>(positions[r]));
+  }
+  return tokens;
+}
+
+// The first ``count`` values of numpy's Philox(key=(position << 64) | seed).random() stream (tests' probe).
+at::Tensor philox_uniforms(int64_t seed, int64_t position, int64_t count) {
+  at::Tensor u = at::empty({count}, at::kDouble);
+  uint64_t words[4];
+  for (int64_t x = 0; x < count; ++x) {
+    if (x % 4 == 0) philox4x64(static_cast<uint64_t>(x / 4), static_cast<uint64_t>(seed), static_cast<uint64_t>(position), words);
+    u.data_ptr<double>()[x] = philox_uniform(words[x % 4]);
+  }
+  return u;
+}
+
 // ------------------------------------------------------------------------------------------------ tests' probes
 
 std::vector<at::Tensor> quantize(const at::Tensor& x, int64_t g) {
@@ -1580,6 +1683,8 @@ TORCH_LIBRARY(SD_NS, m) {
         &sd::head_step);
   m.def("quantize(Tensor x, int g) -> Tensor[]", &sd::quantize);
   m.def("exp_lanes(Tensor x) -> Tensor", &sd::exp_lanes);
+  m.def("keyed_gumbel_argmax(Tensor warped, int seed, int[] positions) -> Tensor", &sd::keyed_gumbel_argmax);
+  m.def("philox_uniforms(int seed, int position, int count) -> Tensor", &sd::philox_uniforms);
   m.def("isa() -> str", &sd::isa);
   m.def("quad_layout() -> bool", &sd::quad_layout);
   m.def("profile(bool enable) -> float[]", &sd::profile);
