@@ -72,6 +72,8 @@ class GeneratorChoices:
         return int(inverse_cdf(probs, torch.rand((), dtype=torch.float64, generator=self.generator)))
 
     def draw_distinct(self, probs: torch.Tensor, count: int) -> torch.Tensor:
+        if count == 1:  # a chain's one child: no copy to remove it from
+            return torch.tensor([self.draw(probs, emitted=False)], dtype=torch.int64)
         rest = probs.double().clone()
         drawn = []
         for _ in range(count):  # each draw from the renormalised rest: the drawn token's mass removed

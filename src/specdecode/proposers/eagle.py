@@ -180,7 +180,8 @@ class EagleProposer:
             if params.greedy or self.tree_nodes is not None:
                 return self._top(logits, self._width()), None
             probs = probs_from_logits(logits, drafting)
-            width = min(self._width(), int((probs > 0).sum()))
+            width = self._width()
+            width = width if width == 1 else min(width, int((probs > 0).sum()))  # a chain: one child, never 0 mass
             # without replacement, in draw order (each draw from the renormalised rest)
             return as_choices(generator).draw_distinct(probs, width), self._full(probs)
 
