@@ -86,7 +86,7 @@ def keyed_argmax(warped: torch.Tensor, seed: int, positions: list[int]) -> torch
     from .models.kernels import ops
 
     kernels = ops()
-    if kernels is not None and hasattr(kernels, "keyed_gumbel_argmax"):
+    if kernels is not None:
         return kernels.keyed_gumbel_argmax(warped.contiguous(), seed, positions)
     rows = warped.numpy()
     return torch.tensor([_keyed_argmax_row(rows[r], seed, t) for r, t in enumerate(positions)], dtype=torch.int64)
