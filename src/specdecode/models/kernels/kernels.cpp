@@ -1545,7 +1545,9 @@ static inline void philox4x64(uint64_t block, uint64_t k0, uint64_t k1, uint64_t
   out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
 }
 
-static inline double philox_uniform(uint64_t word) { return static_cast<double>(word >> 11) * (1.0 / 9007199254740992.0); }
+static inline double philox_uniform(uint64_t word) {
+  return static_cast<double>(word >> 11) * (1.0 / 9007199254740992.0);
+}
 
 // Standard Gumbel noise -log(-log u), -inf at u = 0, with the C library's log (which Python's math.log calls).
 static inline double gumbel_of(double u) {
@@ -1606,11 +1608,13 @@ at::Tensor keyed_gumbel_argmax(const at::Tensor& warped, int64_t seed, at::IntAr
   TORCH_CHECK(seed >= 0, "keyed_gumbel_argmax: seed in [0, 2^63)");
   const at::Tensor l = warped.contiguous();
   const int64_t n = l.size(0), vocab = l.size(1);
+  TORCH_CHECK(vocab >= 1, "keyed_gumbel_argmax: an empty vocabulary");
   at::Tensor tokens = at::empty({n}, at::kLong);
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(positions[r] >= 0, "keyed_gumbel_argmax: positions are >= 0");
     tokens.data_ptr<int64_t>()[r] = keyed_gumbel_argmax_row(l.data_ptr<double>() + r * vocab, vocab,
-                                                           static_cast<uint64_t>(seed), static_cast<uint64_t>(positions[r]));
+                                                           static_cast<uint64_t>(seed),
+                                                           static_cast<uint64_t>(positions[r]));
   }
   return tokens;
 }
@@ -1620,7 +1624,8 @@ at::Tensor philox_uniforms(int64_t seed, int64_t position, int64_t count) {
   at::Tensor u = at::empty({count}, at::kDouble);
   uint64_t words[4];
   for (int64_t x = 0; x < count; ++x) {
-    if (x % 4 == 0) philox4x64(static_cast<uint64_t>(x / 4), static_cast<uint64_t>(seed), static_cast<uint64_t>(position), words);
+    if (x % 4 == 0)
+      philox4x64(static_cast<uint64_t>(x / 4), static_cast<uint64_t>(seed), static_cast<uint64_t>(position), words);
     u.data_ptr<double>()[x] = philox_uniform(words[x % 4]);
   }
   return u;
