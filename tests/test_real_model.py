@@ -39,6 +39,21 @@ def test_bundled_model_loads_with_its_tokenizer_and_chat_template(smollm2):
     assert 2 in smollm2.eos_token_ids  # <|im_end|>
 
 
+def test_answer_rows_of_a_bundled_chat_are_the_assistant_turn(smollm2):
+    from specdecode.heads.answer_rows import answer_markers, answer_positions
+
+    markers = answer_markers(smollm2.tokenizer)
+    assert smollm2.tokenizer.decode(list(markers.header)) == "<|im_start|>assistant\n"
+    assert smollm2.tokenizer.decode([markers.end]) == "<|im_end|>"
+    chat = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    ids = smollm2.tokenizer.apply_chat_template(chat, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    inside = answer_positions(ids, markers)
+    assert smollm2.tokenizer.decode([t for t, keep in zip(ids, inside.tolist(), strict=True) if keep]) == (
+        "Blue.<|im_end|>"
+    )
+
+
 @pytest.mark.parametrize(
     ("proposer", "gamma"), [("lookup", 4), ("lookup", 8), ("self:12", 3), ("lookup", "auto")], ids=str
 )

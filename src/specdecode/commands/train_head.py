@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import Enum
+
 import typer
 
 from specdecode.commands import (
@@ -18,6 +20,11 @@ from specdecode.commands import (
 )
 from specdecode.heads.calibrate import calibration_summary
 from specdecode.heads.data import HELD_OUT
+
+
+class LossRows(str, Enum):
+    all = "all"
+    answers = "answers"
 
 
 def train_head(
@@ -54,6 +61,11 @@ def train_head(
         help="Fine-tune a saved head (a folder, or shipped: the target's shipped head) instead of starting from the "
         "target's last layer; it keeps that head's drafting vocabulary.",
     ),
+    loss_rows: LossRows = typer.Option(
+        LossRows.all,
+        help="Rows the loss reads: all, or answers (only rows whose guess is an assistant's token, the ones "
+        "drafting meets; the prompts still feed the attention).",
+    ),
     checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
     spec_bench: str | None = typer.Option(
         None, help="Spec-Bench question.jsonl whose questions are never trained on (default: the project's copy)."
@@ -80,6 +92,7 @@ def train_head(
         epochs=epochs,
         batch_tokens=batch_tokens,
         passes=passes,
+        loss_rows=loss_rows.value,
         lr=lr,
         draft_vocab=draft_vocab,
         init_from=init,
@@ -106,8 +119,10 @@ def train_head(
     print(cache_summary(result.data))
     for size, figures in result.by_vocab.items():
         depths = " ".join(f"{a:.3f}" for a in figures["top1_by_depth"])
+        answers = " ".join(f"{a:.3f}" for a in figures["answers_top1_by_depth"])
         print(
             f"drafting from {size} ids (covering {figures['coverage']:.1%} of the target's tokens): "
-            f"held-out top-1 agreement with the target, depths 1..{len(figures['top1_by_depth'])}: {depths}"
+            f"held-out top-1 agreement with the target, depths 1..{len(figures['top1_by_depth'])}: {depths} "
+            f"(answer rows alone: {answers})"
         )
     print(calibration_summary(result.sampling_calibration))

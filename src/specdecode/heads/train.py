@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.loader import LoadedModel, resolve_dtype
+from .answer_rows import AnswerMarkers, answer_markers, answer_rows
 from .calibrate import calibration_record, temperature_overlaps
 from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
 from .model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from .medusa import MedusaSettings
 
 EVAL_DEPTHS = 5
+LOSS_ROWS = ("all", "answers")  # every row of a sequence, or only those that guess an answer token
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class TrainSettings:
     pass_decay: float = 0.8
     feature_weight: float = 1.0
     ce_weight: float = 0.1
+    loss_rows: str = "all"  # "answers": the loss reads only rows that guess an assistant's token (answer_rows)
     lr: float = 1e-3
     warmup_steps: int = 20
     grad_clip: float = 1.0
@@ -87,6 +90,8 @@ class TrainSettings:
             raise ValueError("lr and grad_clip must be > 0 and pass_decay in (0, 1]")
         if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
             raise ValueError("feature_weight and ce_weight must be >= 0, not both 0")
+        if self.loss_rows not in LOSS_ROWS:
+            raise ValueError(f"loss_rows must be one of {', '.join(LOSS_ROWS)}, got {self.loss_rows!r}")
         if self.draft_vocab < 0 or self.warmup_steps < 0:
             raise ValueError("draft_vocab and warmup_steps must be >= 0")
         if self.init_from is not None and self.draft_vocab:
@@ -317,6 +322,14 @@ def batch_tensors(
     return features, tokens, positions
 
 
+def packed_answer_rows(tokens: torch.Tensor, positions: torch.Tensor, markers: AnswerMarkers | None) -> torch.Tensor:
+    """``answer_rows`` of each sequence packed in ``tokens`` (a sequence begins where its position is 0)."""
+    starts = (positions == 0).nonzero().squeeze(1).tolist() + [int(tokens.shape[0])]
+    ids = tokens.tolist()
+    rows = [answer_rows(ids[a:b], markers) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return torch.cat(rows).to(tokens.device) if rows else torch.zeros(0, dtype=torch.bool, device=tokens.device)
+
+
 def head_loss(
     head: EagleHead,
     parts: TargetParts,
@@ -324,13 +337,17 @@ def head_loss(
     settings: TrainSettings,
     scale: float,
     inputs: torch.Tensor | None = None,
+    markers: AnswerMarkers | None = None,
 ) -> tuple[torch.Tensor, float, torch.Tensor]:
     """(training loss, depth-1 top-1 agreement with the target over the drafting vocabulary, the target's argmax
     ids at the rows trained on). The feature loss compares the head's output with the target's next features
     divided by ``scale``, their typical per-dimension size (the head predicts in those units), so that it weighs
     the same whatever the target's feature magnitudes. ``inputs``: what the head's first pass reads in place of
-    the features (an experiment's other input, e.g. fused layers); the targets stay the features."""
+    the features (an experiment's other input, e.g. fused layers); the targets stay the features. With
+    ``settings.loss_rows == "answers"`` only the rows that guess an answer token (``answer_rows`` under the
+    template's ``markers``) count; every row still feeds the attention of the rows after it."""
     features, tokens, positions = batch
+    counted = packed_answer_rows(tokens, positions, markers) if settings.loss_rows == "answers" else None
     next_features = torch.cat([features[1:], features[:1]])
     with torch.no_grad():
         target_log_probs = F.log_softmax(parts.logits(next_features), dim=-1)
@@ -339,7 +356,7 @@ def head_loss(
     target_ids = torch.zeros(0, dtype=torch.int64)
     passes = unrolled(head, parts, features if inputs is None else inputs, tokens, positions, settings.passes)
     for j, (predicted, valid) in enumerate(passes):
-        rows = valid.nonzero().squeeze(1)
+        rows = (valid if counted is None else valid & counted).nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
         feature_loss = F.smooth_l1_loss(predicted[rows], next_features[rows] / scale)
@@ -361,33 +378,45 @@ def held_out_accuracy(
     cache: FeatureCache,
     sequences: list[list[int]],
     sizes: list[int],
+    markers: AnswerMarkers | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Per drafting vocabulary size N (the first N ids of ``parts.draft_vocab``): top-1 agreement with the
-    target at depths 1..EVAL_DEPTHS, and the share of the target's tokens among those N ids. At depth d the
-    head has read true features up to t-d+1 and its own guesses' features after, with the text's tokens; the
-    reference is the target's argmax over its whole vocabulary."""
+    target at depths 1..EVAL_DEPTHS over every row (``top1_by_depth``) and over the answer rows alone
+    (``answers_top1_by_depth``: the rows drafting meets, ``answer_rows``), and the share of the target's tokens
+    among those N ids. At depth d the head has read true features up to t-d+1 and its own guesses' features
+    after, with the text's tokens; the reference is the target's argmax over its whole vocabulary."""
     hits = {n: [0] * EVAL_DEPTHS for n in sizes}
+    answer_hits = {n: [0] * EVAL_DEPTHS for n in sizes}
     inside = dict.fromkeys(sizes, 0)
     counts = [0] * EVAL_DEPTHS
+    answer_counts = [0] * EVAL_DEPTHS
     device = full_rows.device
     rank = torch.full((full_rows.shape[0],), full_rows.shape[0], dtype=torch.int64, device=device)
     rank[parts.draft_vocab] = torch.arange(parts.draft_vocab.numel(), device=device)
     for i in range(len(sequences)):
         features, tokens, positions = (t.to(device) for t in batch_tensors(cache, "h", sequences, [i]))
+        answers = answer_rows(sequences[i], markers).to(device)
         normed = F.rms_norm(features, (parts.hidden_size,), parts.norm_weight, parts.eps)
         # row t guesses the token after t+1: the target's argmax at row t+1
         target_next = (normed @ full_rows.T).argmax(-1).roll(-1)
         for j, (predicted, valid) in enumerate(unrolled(head, parts, features, tokens, positions, EVAL_DEPTHS)):
             logits = parts.logits(predicted[valid])
             wanted = target_next[valid]
+            counted = answers[valid]
             counts[j] += int(valid.sum())
+            answer_counts[j] += int(counted.sum())
             for n in sizes:
-                hits[n][j] += int((parts.to_vocab(logits[:, :n].argmax(-1)) == wanted).sum())
+                agree = parts.to_vocab(logits[:, :n].argmax(-1)) == wanted
+                hits[n][j] += int(agree.sum())
+                answer_hits[n][j] += int((agree & counted).sum())
                 if j == 0:
                     inside[n] += int((rank[wanted] < n).sum())
     return {
         n: {
             "top1_by_depth": [round(h / max(c, 1), 4) for h, c in zip(hits[n], counts, strict=True)],
+            "answers_top1_by_depth": [
+                round(h / max(c, 1), 4) for h, c in zip(answer_hits[n], answer_counts, strict=True)
+            ],
             "coverage": round(inside[n] / max(counts[0], 1), 4),
         }
         for n in sizes
@@ -609,13 +638,14 @@ def train_head(
         if settings.init_from_target:
             head.layer.load_target_layer(target.model.get_decoder().layers[-1], scale, target.model)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    markers = answer_markers(target.tokenizer)
     head.to(device)
     trained = training_loop(
         head,
         settings,
         cache,
         train,
-        lambda batch: head_loss(head, parts, batch, settings, scale),
+        lambda batch: head_loss(head, parts, batch, settings, scale, markers=markers),
         target.vocab_size,
         checkpoint_path,
         state,
@@ -629,7 +659,7 @@ def train_head(
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
     sizes = [draft_vocab.numel(), *(n for n in (32768, 16384, 8192) if n < draft_vocab.numel())]
     full_rows = lm_head_rows(target.model)[: target.vocab_size]
-    by_vocab = held_out_accuracy(head, parts, full_rows, cache, held_out, sizes)
+    by_vocab = held_out_accuracy(head, parts, full_rows, cache, held_out, sizes, markers)
     accuracy, coverage = by_vocab[sizes[0]]["top1_by_depth"], by_vocab[sizes[0]]["coverage"]
     held = (batch_tensors(cache, "h", held_out, [i]) for i in range(len(held_out)))
     calibration = calibration_record(temperature_overlaps(head, parts, full_rows, held))
@@ -654,6 +684,7 @@ def train_head(
         "tokens_seen": trained.tokens,
         "wall_seconds": round(elapsed, 1),
         "held_out_top1_by_depth": accuracy,
+        "held_out_answers_top1_by_depth": by_vocab[sizes[0]]["answers_top1_by_depth"],
         "held_out_draft_vocab_coverage": coverage,
         "held_out_by_draft_vocab": {str(n): v for n, v in by_vocab.items()},
         "data": data,

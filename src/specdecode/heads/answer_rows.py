@@ -1,0 +1,92 @@
+"""Which training rows guess an answer token: drafting only ever guesses the assistant's tokens.
+
+A chat's token ids hold the system prompt, the user's turns and the assistant's; a head drafts only inside
+assistant turns. Row t of a training sequence (the head reading f_t and token t+1) guesses the token at t+2, so
+it is an *answer row* when position t+2 lies in an assistant turn: after the template's assistant header, up to
+and including the id that ends the turn (which the target writes, so a head drafts it too). A chat cut off before
+its first answer (a long prompt) has no answer rows; a sequence with neither an assistant header nor a turn-ending
+id (a plain text) is all answer rows: every row is one a head could draft at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+
+
+@dataclass(frozen=True)
+class AnswerMarkers:
+    """How the target's chat template opens an assistant turn (``header`` ids), the id that ends it, and the special
+    ids only a chat holds (the end's and the header's), which tell a chat cut off in its prompt from a text."""
+
+    header: tuple[int, ...]
+    end: int
+    chat_ids: frozenset[int] = frozenset()
+
+
+def _template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+
+
+def answer_markers(tokenizer: Any) -> AnswerMarkers | None:
+    """The assistant header and turn-ending id of ``tokenizer``'s chat template, read off a probe chat: the header
+    is what the generation prompt appends to the user turn, the end the first special id (not the unknown token's)
+    after it. None when the
+    tokenizer has no template or the template does not render that way (then every row counts)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        user = _template_ids(tokenizer, _PROBE[:1], generation_prompt=False)
+        prompt = _template_ids(tokenizer, _PROBE[:1], generation_prompt=True)
+        full = _template_ids(tokenizer, _PROBE, generation_prompt=False)
+    except Exception:  # a template that cannot render the probe: no markers, every row counts
+        return None
+    header = prompt[len(user) :]
+    if not header or prompt[: len(user)] != user or full[: len(prompt)] != prompt:
+        return None
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) - {getattr(tokenizer, "unk_token_id", None)}
+    ends = [t for t in full[len(prompt) :] if t in special]
+    if not ends:
+        return None
+    return AnswerMarkers(tuple(header), ends[0], frozenset({ends[0], *(t for t in header if t in special)}))
+
+
+def answer_positions(ids: Sequence[int], markers: AnswerMarkers | None) -> torch.Tensor:
+    """bool [len(ids)]: the positions inside assistant turns (the header excluded, the ending id included); all
+    True for a plain text (no header and no ending id in it) or without markers. A turn cut off by the sequence's
+    end runs to it."""
+    n = len(ids)
+    if markers is None:
+        return torch.ones(n, dtype=torch.bool)
+    inside = torch.zeros(n, dtype=torch.bool)
+    header, width = list(markers.header), len(markers.header)
+    found = False
+    t = 0
+    while t + width <= n:
+        if list(ids[t : t + width]) != header:
+            t += 1
+            continue
+        found = True
+        start = end = t + width
+        while end < n and ids[end] != markers.end:
+            end += 1
+        inside[start : min(end + 1, n)] = True
+        t = end + 1
+    is_chat = found or markers.end in ids or any(t in markers.chat_ids for t in ids)
+    return inside if is_chat else torch.ones(n, dtype=torch.bool)
+
+
+def answer_rows(ids: Sequence[int], markers: AnswerMarkers | None) -> torch.Tensor:
+    """bool [len(ids)]: rows t whose guess, the token at t+2, is an answer token (a row past the text guesses
+    what follows its last position, which counts as that position does)."""
+    inside = answer_positions(ids, markers)
+    if inside.numel() == 0:
+        return inside
+    ahead = torch.cat([inside[2:], inside[-1:].expand(min(2, inside.numel()))])
+    return ahead
