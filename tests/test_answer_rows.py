@@ -102,6 +102,12 @@ def test_the_answers_loss_reads_only_answer_rows(tmp_path, chat_target):
     valid[len(train[0]) - 1] = valid[-1] = False  # each sequence's last row has no next feature
     assert ids_answers.numel() == int((counted & valid).sum()) < ids_all.numel() == int(valid.sum())
     assert not torch.isclose(loss_all, loss_answers)
+    # a chat cut off in its prompt has no answer rows: the loss is zero and still trains (a zero gradient)
+    cut = batch_tensors(cache, "c", [[TURN, USER, *range(10)]], [0])
+    empty, _, no_ids = head_loss(head, parts, cut, answers, 1.0, markers=markers)
+    empty.backward()
+    assert float(empty.detach()) == 0.0 and no_ids.numel() == 0
+    assert all(p.grad is not None and not p.grad.any() for p in head.parameters() if p.requires_grad)
     # a plain text is all answer rows: the two settings train the same
     text = batch_tensors(cache, "x", [list(range(20))], [0])
     assert torch.equal(head_loss(head, parts, text, base, 1.0)[0], head_loss(head, parts, text, answers, 1.0)[0])
