@@ -4,6 +4,7 @@ held-out figures restricted to them."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,7 @@ def test_the_answers_loss_reads_only_answer_rows(tmp_path, chat_target):
     torch.manual_seed(0)
     head = EagleHead(HeadShape.of(chat_target.model))
     parts = TargetParts(chat_target.model, chat_target.vocab_size, torch.arange(chat_target.vocab_size))
-    answers = TrainSettings(**{**base.__dict__, "loss_rows": "answers"})
+    answers = replace(base, loss_rows="answers")
     loss_all, _, ids_all = head_loss(head, parts, batch, base, 1.0, markers=markers)
     loss_answers, _, ids_answers = head_loss(head, parts, batch, answers, 1.0, markers=markers)
     counted = packed_answer_rows(batch[1], batch[2], markers)

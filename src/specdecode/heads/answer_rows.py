@@ -37,8 +37,8 @@ def _template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_pro
 def answer_markers(tokenizer: Any) -> AnswerMarkers | None:
     """The assistant header and turn-ending id of ``tokenizer``'s chat template, read off a probe chat: the header
     is what the generation prompt appends to the user turn, the end the first special id (not the unknown token's)
-    after it. None when the
-    tokenizer has no template or the template does not render that way (then every row counts)."""
+    after it. None when the tokenizer has no template or the template does not render that way (then every row
+    counts)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return None
     try:
@@ -88,5 +88,4 @@ def answer_rows(ids: Sequence[int], markers: AnswerMarkers | None) -> torch.Tens
     inside = answer_positions(ids, markers)
     if inside.numel() == 0:
         return inside
-    ahead = torch.cat([inside[2:], inside[-1:].expand(min(2, inside.numel()))])
-    return ahead
+    return torch.cat([inside[2:], inside[-1:].expand(min(2, inside.numel()))])
