@@ -1,6 +1,7 @@
 """Held-out top-1 agreement with the target, depths 1..5, of several heads on the same held-out chats: the first
 32 of a make-data answers file (sorted by prompt index, as train-head reads them) and the first 32 ShareGPT
-conversations (the stage-1 held-out set). Features are computed once and shared by the heads.
+conversations (the stage-1 held-out set), over every row and over the answer rows alone (``SET answers``: the rows
+whose guess is an assistant's token, ``heads/answer_rows.py``). Features are computed once and shared by the heads.
 
     .venv/bin/python scripts/score_heads.py --answers DIR/answers.jsonl --out DIR --head NAME=DIR [--head ...]
 
