@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from compare_head_data import sorted_answers  # scripts/ is on sys.path when run as a script
 
 import specdecode as sd
 from specdecode.heads.answer_rows import answer_markers, answer_positions, answer_rows
@@ -29,15 +30,6 @@ from specdecode.heads.train import FeatureCache, TrainSettings, batch_tensors, r
 
 UNSEEN = Path(__file__).resolve().parent.parent / "docs" / "bench" / "eagle" / "unseen_chat.jsonl"
 EDGES = [1, 16, 32, 64, 128, 192, 256, 384, 1 << 20]
-
-
-def sorted_chats(answers: Path, out: Path, count: int) -> Path:
-    """The first ``count`` answers in prompt order, as chats."""
-    rows = [json.loads(line) for line in answers.read_text().split("\n") if line.strip()]
-    rows.sort(key=lambda row: row["index"])
-    path = out / "chats.jsonl"
-    path.write_text("".join(json.dumps({"messages": row["messages"]}) + "\n" for row in rows[:count]))
-    return path
 
 
 def depth1_hits(
@@ -146,7 +138,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     target = sd.load_model("smollm2", dtype="float32", quantization=None)
-    chats = sorted_chats(args.answers, args.out, args.held_out + 1)
+    chats = sorted_answers(args.answers, args.out)
     held, _, _ = read_samples(target, TrainSettings(data=str(chats), held_out=args.held_out, limit=1))
     unseen = []
     params = sd.SamplingParams(max_new_tokens=args.new_tokens)
