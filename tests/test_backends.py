@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import specdecode as sd
-from specdecode.models.hf import HFRunner
+from specdecode.models.hf import HFRunner, cache_keyword
 from specdecode.models.native_llama import NativeLlamaRunner
 
 
@@ -103,3 +104,40 @@ def test_captured_hidden_states_are_the_pre_norm_features(backend):
     with torch.no_grad():
         expected = model(ids[None], output_hidden_states=True).hidden_states[-1][0]  # after the final norm
         torch.testing.assert_close(model.model.norm(runner.hidden), expected, atol=1e-5, rtol=0)
+
+
+class OlderForwardLlama(transformers.LlamaForCausalLM):
+    """A Llama whose ``forward`` takes its cache as ``past_key_values`` (transformers before 5.2x's ``cache``) and,
+    like those versions, lets an unknown keyword pass unused."""
+
+    def forward(
+        self,
+        input_ids=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=None,
+        logits_to_keep=0,
+        attention_mask=None,
+        **unused,
+    ):
+        return super().forward(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **{cache_keyword(transformers.LlamaForCausalLM): past_key_values},
+        )
+
+
+def test_the_runner_hands_its_cache_over_by_the_keyword_the_model_takes():
+    """On a model whose forward knows only ``past_key_values`` the runner still decodes with its cache: the same
+    greedy tokens as the model with today's keyword (a cache passed as ``cache=`` would be dropped silently)."""
+    model = tiny_llama(64, seed=3)
+    older = OlderForwardLlama(model.config).eval()
+    older.load_state_dict(model.state_dict())
+    assert cache_keyword(older) == "past_key_values"
+    params = sd.SamplingParams(max_new_tokens=12)
+    expected = sd.autoregressive_generate(sd.load_model(model, backend="transformers"), [5, 9, 2, 7], params)
+    got = sd.autoregressive_generate(sd.load_model(older, backend="transformers"), [5, 9, 2, 7], params)
+    assert got.token_ids == expected.token_ids

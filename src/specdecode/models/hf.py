@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +26,20 @@ _RETAINABLE_LAYERS = _layer_classes("DynamicLayer", "DummyLayer")
 # Attention kinds whose token-tree mask this runner can build (the window is applied to the tree's mask).
 _TREE_KINDS = frozenset({"full_attention", "sliding_attention"})
 MaskArg = torch.Tensor | dict[str, torch.Tensor]
+
+
+@functools.cache
+def _cache_keyword(forward_class: type) -> str:
+    """The keyword a model's ``forward`` takes its KV cache by: ``cache`` (transformers 5.2x on) or, before that
+    rename, ``past_key_values`` (an unknown keyword is swallowed by ``**kwargs``: the model would run without
+    its cache, every token as if it were the first)."""
+    names = inspect.signature(forward_class.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def cache_keyword(model: torch.nn.Module | type) -> str:
+    """``_cache_keyword`` of a model (or a model class)."""
+    return _cache_keyword(model if isinstance(model, type) else type(model))
 
 
 def full_cache(config: PreTrainedConfig) -> DynamicCache:
@@ -130,9 +146,9 @@ class HFRunner:
             out = self.model(
                 input_ids=tokens.view(1, k),
                 position_ids=positions.view(1, k),
-                cache=self._cache,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
+                **{cache_keyword(self.model): self._cache},
                 **kwargs,
             )
         finally:
