@@ -42,6 +42,17 @@ def test_markers_are_read_off_the_chat_template(chat_target):
     assert answer_markers(odd) is None
 
 
+def test_a_turn_end_marked_special_but_not_named_is_found():
+    """transformers 5.17 converts smollm2's GGUF tokenizer with <|im_start|> as its EOS token: <|im_end|> is an
+    added special token but not among the named ones. The end is still found."""
+    tokenizer = word_tokenizer(WORDS, eos="<turn>")
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<turn>"]})
+    tokenizer.add_tokens(["<end>"], special_tokens=True)
+    assert END not in tokenizer.all_special_ids and len(tokenizer) == len(WORDS)
+    assert answer_markers(tokenizer) == AnswerMarkers((TURN, ASSISTANT), END, frozenset({TURN, END}))
+
+
 def test_answer_positions_cover_each_assistant_turn_and_its_end():
     markers = AnswerMarkers((TURN, ASSISTANT), END, frozenset({TURN, END}))
     ids = [TURN, USER, 5, 6, END, TURN, ASSISTANT, 7, 8, END, TURN, USER, 9, END, TURN, ASSISTANT, 10, 11]

@@ -50,11 +50,19 @@ def answer_markers(tokenizer: Any) -> AnswerMarkers | None:
     header = prompt[len(user) :]
     if not header or prompt[: len(user)] != user or full[: len(prompt)] != prompt:
         return None
-    special = set(getattr(tokenizer, "all_special_ids", []) or []) - {getattr(tokenizer, "unk_token_id", None)}
+    special = _special_ids(tokenizer) - {getattr(tokenizer, "unk_token_id", None)}
     ends = [t for t in full[len(prompt) :] if t in special]
     if not ends:
         return None
     return AnswerMarkers(tuple(header), ends[0], frozenset({ends[0], *(t for t in header if t in special)}))
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special ids: its named ones and every added token marked special (a tokenizer converted
+    from a GGUF by transformers 5.17 names only <|im_start|> and <|endoftext|>, though <|im_end|> is special)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return ids | {int(i) for i, token in added.items() if getattr(token, "special", False)}
 
 
 def answer_positions(ids: Sequence[int], markers: AnswerMarkers | None) -> torch.Tensor:
