@@ -67,7 +67,7 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
-def _check_context_window(target: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
+def check_context_window(target: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
     """Refuse a request that would run past the positions the model was trained on (prompt + new ≤ window)."""
     window = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
     if window is None or prompt_tokens + max_new_tokens <= window:
@@ -110,7 +110,7 @@ class Request:
         if params.stop and target.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
         self.prompt_ids = target.encode(prompt)
-        _check_context_window(target, len(self.prompt_ids), params.max_new_tokens)
+        check_context_window(target, len(self.prompt_ids), params.max_new_tokens)
         self.context = list(self.prompt_ids)
         self.params = params
         self.seed = fresh_seed() if params.seed is None else params.seed

@@ -26,10 +26,22 @@ def make_data(
         "new prompts only, e.g. --skip 1468 after --limit 1500; with train-head --init, prompts the head never saw.",
     ),
     max_new_tokens: int = typer.Option(512, help="Most tokens per answer."),
+    max_prompt_tokens: int | None = typer.Option(
+        None,
+        help="Skip prompts longer than this (chat template applied; counted as too long): train-head cuts chats at "
+        "--max-length, so a longer prompt's answer would not be trained on.",
+    ),
     temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
     seed: int = typer.Option(0, help="Answer i is sampled with seed + i: the same answers on every run."),
-    batch: int = typer.Option(8, help="Requests decoded together by the engine (one target pass for all)."),
+    batch: int = typer.Option(
+        8, help="Requests decoded together (one target pass for all); on a GPU a few hundred keep it busy."
+    ),
+    batching: str = typer.Option(
+        "auto",
+        help="engine (our serving engine: reproducible answers, prompt lookup), padded (up to --batch prompts in "
+        "one left-padded tensor, one forward a token for all: what a GPU needs), or auto (padded on a GPU).",
+    ),
     proposer: str = typer.Option("lookup", help="lookup (speculate where it pays: same answers, sooner) or none."),
     quantization: str = typer.Option("auto", help="The target's weights, as for generate (auto, gguf, none, ...)."),
     spec_bench: str | None = typer.Option(
@@ -50,22 +62,26 @@ def make_data(
 
     set_threads(threads)
     on_gpu = training_device(device).type != "cpu"
+    if batching not in ("auto", "engine", "padded"):
+        raise ValueError(f"--batching must be auto, engine or padded, got {batching!r}")
 
     settings = AnswerSettings(
         prompts=prompts,
         limit=limit,
         skip=skip,
         max_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
         temperature=temperature,
         top_p=top_p,
         seed=seed,
         batch=batch,
         proposer=proposer,
         spec_bench=spec_bench,
+        batching=("padded" if on_gpu else "engine") if batching == "auto" else batching,
     )
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        if on_gpu:
+        if on_gpu or settings.batching == "padded":
             model = load_model(target, dtype="float32", backend="transformers", quantization=None)
             model.model.to(device)
         else:
@@ -91,7 +107,8 @@ def make_data(
         stats = make_answers(model, settings, out, on_answer=on_answer, on_start=on_start)
     print(
         f"{stats.answered} answers ({stats.tokens:,} tokens) written to {out}/{ANSWERS_FILE}; "
-        f"{stats.already} there before, {stats.too_long} prompts too long for the context window, "
+        f"{stats.already} there before, {stats.too_long} prompts too long "
+        f"(past {'--max-prompt-tokens or ' if max_prompt_tokens else ''}the context window), "
         f"{stats.failed} failed"
     )
     for error in stats.errors[:5]:

@@ -4,7 +4,9 @@ regenerates ShareGPT's answers with the target for the same reason).
 Each prompt is a chat's first user turn (ShareGPT, a JSONL/JSON file of chats, or a folder; Spec-Bench questions
 are never used). Answers come from our own serving engine (``serving.scheduler``): up to ``batch`` requests
 decoded together, speculating with prompt lookup where it pays, in reproducible mode — answer i is what plain
-decoding gives with seed ``seed + i`` (greedy at temperature 0), whatever the batch. Each finished answer is one
+decoding gives with seed ``seed + i`` (greedy at temperature 0), whatever the batch. ``batching="padded"`` answers
+up to ``batch`` prompts in one left-padded tensor instead (``heads.padded``: what keeps a GPU busy; greedy without
+a bitwise promise, sampled rows drawing from one generator per batch). Each finished answer is one
 JSON line, written as it ends: ``{"messages": [user, assistant], "index", "finish_reason", "tokens", "seed"}``,
 which ``train-head --data`` reads as a chat. A run that stops is resumed by running it again: the prompts already
 answered are skipped (a line cut off by the stop is dropped first).
@@ -18,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine import Request, SpeculativeDecoder
+from ..engine import Request, SpeculativeDecoder, check_context_window
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..proposers import PromptLookupProposer
@@ -26,6 +28,8 @@ from .data import HELD_OUT, DataStats, first_user_turn, iter_jsonl, iter_samples
 
 ANSWERS_FILE = "answers.jsonl"
 PROPOSERS = ("lookup", "none")
+BATCHINGS = ("engine", "padded")
+PADDED_TOKENS = 1 << 18  # most (prompt + answer) tokens in one padded batch: ~12 GB of float32 KV for smollm2
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class AnswerSettings:
     batch: int = 8  # requests decoded together
     proposer: str = "lookup"  # speculation for speed ("none": plain decoding); never changes an answer
     spec_bench: str | None = None  # Spec-Bench question.jsonl to exclude (default: the project's copy if present)
+    batching: str = "engine"  # "padded": up to `batch` prompts in one left-padded tensor (heads.padded; GPUs)
+    max_prompt_tokens: int | None = None  # longer prompts (chat template applied) are skipped as too long
 
     def __post_init__(self) -> None:
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
@@ -52,7 +58,25 @@ class AnswerSettings:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        if self.max_prompt_tokens is not None and (
+            isinstance(self.max_prompt_tokens, bool)
+            or not isinstance(self.max_prompt_tokens, int)
+            or self.max_prompt_tokens < 1
+        ):
+            raise ValueError(f"max_prompt_tokens must be a positive integer or None, got {self.max_prompt_tokens!r}")
+        if self.batching not in BATCHINGS:
+            raise ValueError(f"batching must be one of {', '.join(BATCHINGS)}, got {self.batching!r}")
         SamplingParams(self.temperature, 0, self.top_p, self.max_new_tokens, self.seed)  # validates the rest
+
+    def fits(self, target: LoadedModel, prompt_ids: list[int]) -> bool:
+        """Whether a prompt is answered: within ``max_prompt_tokens`` and, with its answer, the context window."""
+        if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
+            return False
+        try:
+            check_context_window(target, len(prompt_ids), self.max_new_tokens)
+        except ValueError:
+            return False
+        return True
 
     def params(self, index: int) -> SamplingParams:
         return SamplingParams(self.temperature, 0, self.top_p, self.max_new_tokens, self.seed + index)
@@ -118,9 +142,6 @@ def make_answers(
     on_start: Callable[[AnswerStats], None] | None = None,
 ) -> AnswerStats:
     """Answer every prompt of ``settings`` not yet in ``out/answers.jsonl`` with ``target``; return the counts."""
-    from ..serving.policy import SpeculationPolicy
-    from ..serving.scheduler import PLAIN, Event, Job, Scheduler, Speculation
-
     if target.tokenizer is None:
         raise ValueError("make-data needs the target's tokenizer (prompts are text)")
     folder = Path(out).expanduser()
@@ -132,6 +153,13 @@ def make_answers(
     stats.already = stats.prompts - len(todo)
     if on_start is not None:
         on_start(stats)
+    if settings.batching == "padded":
+        with open(path, "a", encoding="utf-8") as file:
+            _answer_padded(target, todo, settings, stats, file, on_answer)
+        return stats
+    from ..serving.policy import SpeculationPolicy  # the serving package needs the [serve] extra's FastAPI
+    from ..serving.scheduler import PLAIN, Event, Job, Scheduler, Speculation
+
     decoder = SpeculativeDecoder(target, None, gamma="auto", mode="reproducible")
     proposers = {} if settings.proposer == "none" else {"lookup": PromptLookupProposer}
     scheduler = Scheduler(decoder, proposers, SpeculationPolicy("auto"), max_batch=settings.batch)
@@ -157,18 +185,7 @@ def make_answers(
                     stats.errors.append(f"prompt {index}: {event.error}")
                 else:
                     output = event.output
-                    record = {
-                        "messages": [
-                            {"role": "user", "content": question},
-                            {"role": "assistant", "content": output.text},
-                        ],
-                        "index": index,
-                        "finish_reason": output.finish_reason,
-                        "tokens": len(output.token_ids),
-                        "seed": output.seed,
-                    }
-                    file.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    file.flush()
+                    _write(file, index, question, output.text, output.finish_reason, output.token_ids, output.seed)
                     stats.answered += 1
                     stats.tokens += len(output.token_ids)
                 if on_answer is not None:
@@ -176,6 +193,72 @@ def make_answers(
     finally:
         scheduler.stop()
     return stats
+
+
+def _write(file, index: int, question: str, text: str, finish_reason: str, token_ids: list[int], seed) -> None:
+    record = {
+        "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": text}],
+        "index": index,
+        "finish_reason": finish_reason,
+        "tokens": len(token_ids),
+        "seed": seed,
+    }
+    file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    file.flush()
+
+
+def padded_batches(lengths: list[int], batch: int, max_new_tokens: int) -> list[list[int]]:
+    """Positions of ``lengths`` (prompt lengths, in prompt order) grouped for padded decoding: windows of 8 batches
+    taken in order, each sorted by length (less padding) and cut into batches of at most ``batch`` rows whose padded
+    size, rows × (longest prompt + ``max_new_tokens``), stays within ``PADDED_TOKENS`` (a lone prompt past it still
+    gets its own batch). A run stopped early has answered every window before the one it was in and that window's
+    shorter prompts."""
+    groups: list[list[int]] = []
+    window = 8 * batch
+    for start in range(0, len(lengths), window):
+        order = sorted(range(start, min(start + window, len(lengths))), key=lambda i: (lengths[i], i))
+        current: list[int] = []
+        for i in order:  # ascending length: the newest prompt is the longest of its batch
+            rows = len(current) + 1
+            if current and (rows > batch or rows * (lengths[i] + max_new_tokens) > PADDED_TOKENS):
+                groups.append(current)
+                current = []
+            current.append(i)
+        if current:
+            groups.append(current)
+    return groups
+
+
+def _answer_padded(target: LoadedModel, todo, settings: AnswerSettings, stats: AnswerStats, file, on_answer) -> None:
+    """Answer ``todo`` in left-padded batches (``heads.padded``); answer i's record carries the batch's seed."""
+    from .padded import answer_padded
+
+    fitting = []
+    for index, question in todo:
+        ids = target.chat_prompt(question)
+        if not settings.fits(target, ids):
+            stats.too_long += 1
+            continue
+        fitting.append((index, question, ids))
+    pad_id = min(target.eos_token_ids) if target.eos_token_ids else 0
+    for group in padded_batches([len(ids) for _, _, ids in fitting], settings.batch, settings.max_new_tokens):
+        rows = [fitting[i] for i in group]
+        params = settings.params(rows[0][0])
+        try:
+            answers = answer_padded(
+                target.model, [ids for _, _, ids in rows], params, target.eos_token_ids, target.vocab_size, pad_id
+            )
+        except (RuntimeError, ValueError) as error:  # e.g. out of GPU memory: these prompts fail, the run goes on
+            stats.failed += len(rows)
+            stats.errors.append(f"prompts {', '.join(str(i) for i, _, _ in rows)}: {error}")
+            continue
+        for (index, question, _), answer in zip(rows, answers, strict=True):
+            text = target.decode(answer.token_ids)
+            _write(file, index, question, text, answer.finish_reason, answer.token_ids, params.seed)
+            stats.answered += 1
+            stats.tokens += len(answer.token_ids)
+            if on_answer is not None:
+                on_answer(stats)
 
 
 def _collector(finished: queue.SimpleQueue, index: int, question: str) -> Callable:
@@ -189,12 +272,11 @@ def _collector(finished: queue.SimpleQueue, index: int, question: str) -> Callab
 def _requests(
     target: LoadedModel, todo: list[tuple[int, str]], settings: AnswerSettings, stats: AnswerStats
 ) -> Iterator[tuple[int, str, Request]]:
-    """Each prompt's engine request (its chat template applied); prompts past the context window are counted and
-    skipped."""
+    """Each prompt's engine request (its chat template applied); prompts that do not fit (``settings.fits``) are
+    counted and skipped."""
     for index, question in todo:
-        try:
-            request = Request(target, target.chat_prompt(question), settings.params(index), None)
-        except ValueError:  # prompt + max_new_tokens past the model's context window
+        ids = target.chat_prompt(question)
+        if not settings.fits(target, ids):
             stats.too_long += 1
             continue
-        yield index, question, request
+        yield index, question, Request(target, ids, settings.params(index), None)

@@ -1,0 +1,120 @@
+"""make-data's padded batching (heads/padded.py): many prompts in one left-padded tensor, as a GPU answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import LARGE_VOCAB, chisquare_pvalue, tiny_llama, word_tokenizer
+from typer.testing import CliRunner
+
+import specdecode as sd
+import specdecode.cli as cli
+from specdecode.heads import answers
+from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers, padded_batches
+from specdecode.heads.padded import answer_padded, left_pad
+from specdecode.params import SamplingParams
+from specdecode.sampling import probs_from_logits
+
+WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
+QUESTIONS = [" ".join(f"w{(7 * i + j * j) % LARGE_VOCAB}" for j in range(2 + i % 5)) for i in range(9)]
+FALSE_ALARM = 1e-3
+
+
+@pytest.fixture(scope="module")
+def target() -> sd.LoadedModel:
+    tokenizer = word_tokenizer(WORDS, eos="w3")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=11), tokenizer=tokenizer, backend="transformers")
+
+
+@pytest.fixture
+def chats(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    lines = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "w1"}]} for q in QUESTIONS]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_left_pad_right_aligns_each_prompt():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_greedy_padded_answers_are_each_prompts_own_greedy_answer(target, chats, tmp_path):
+    """Prompts of different lengths decoded together give, token for token, what each gives alone (float32 on
+    the CPU: padding is masked and positions start at each prompt's first token), stopping at the EOS id."""
+    settings = AnswerSettings(prompts=str(chats), max_new_tokens=10, batch=4, batching="padded", seed=2)
+    stats = make_answers(target, settings, tmp_path / "out")
+    assert stats.answered == len(QUESTIONS) and stats.failed == 0
+    records = sorted(
+        (json.loads(x) for x in (tmp_path / "out" / ANSWERS_FILE).read_text().splitlines()), key=lambda r: r["index"]
+    )
+    assert [r["index"] for r in records] == list(range(len(QUESTIONS)))
+    reasons = set()
+    for record in records:
+        user, assistant = record["messages"]
+        plain = sd.autoregressive_generate(target, target.chat_prompt(user["content"]), settings.params(0))
+        assert assistant["content"] == plain.text and record["tokens"] == len(plain.token_ids)
+        assert record["finish_reason"] == ("eos" if plain.token_ids[-1] == 3 else "length")
+        reasons.add(record["finish_reason"])
+    assert reasons == {"eos", "length"}  # rows stop at EOS while others go on
+    again = make_answers(target, settings, tmp_path / "out")  # resumable as the engine's runs are
+    assert again.already == len(QUESTIONS) and again.answered == 0
+
+
+def test_sampled_padded_rows_draw_from_the_targets_law(target):
+    """Every row of a sampled batch draws its first token from the target's warped law (chi-square against the
+    law computed from the logits, false-alarm rate 1e-3), and a seed repeats the draws."""
+    prompt = target.chat_prompt(QUESTIONS[4])
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=1, seed=7)
+    rows = 3000
+    first = [a.token_ids[0] for a in answer_padded(target.model, [prompt] * rows, params, frozenset({3}), LARGE_VOCAB)]
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt])).logits[0, -1]
+    law = probs_from_logits(logits, params).double().numpy()
+    counts = torch.bincount(torch.tensor(first), minlength=LARGE_VOCAB).numpy()
+    assert chisquare_pvalue(counts, law) > FALSE_ALARM
+    repeat = answer_padded(target.model, [prompt] * 50, params, frozenset({3}), LARGE_VOCAB)
+    assert [a.token_ids for a in repeat] == [
+        a.token_ids for a in answer_padded(target.model, [prompt] * 50, params, frozenset({3}), LARGE_VOCAB)
+    ]
+
+
+def test_padded_batches_take_prompts_in_windows_sorted_by_length_within_the_token_budget(monkeypatch):
+    lengths = [5, 1, 9, 3, 7, 2, 8, 4, 6, 10]
+    groups = padded_batches(lengths, batch=2, max_new_tokens=0)
+    by_length = sorted(range(10), key=lambda i: lengths[i])  # one window of 8 batches of 2 holds all 10
+    assert [i for g in groups for i in g] == by_length and [len(g) for g in groups] == [2] * 5
+    windows = padded_batches(list(range(1, 21)), batch=1, max_new_tokens=0)
+    assert [g[0] for g in windows[:8]] == list(range(8))  # the first window is the first 8 prompts
+    monkeypatch.setattr(answers, "PADDED_TOKENS", 20)
+    capped = padded_batches([6, 6, 6, 30], batch=8, max_new_tokens=4)
+    assert capped == [[0, 1], [2], [3]]  # 2 rows x (6 + 4) fit 20; a lone prompt past it still gets a batch
+
+
+def test_make_data_batching_option(target, chats, tmp_path, monkeypatch):
+    monkeypatch.setattr("specdecode.models.loader.load_model", lambda *a, **k: target)
+    args = ["make-data", "--prompts", str(chats), "--out", str(tmp_path / "d"), "--limit", "3", "--max-new-tokens", "4"]
+    result = CliRunner().invoke(cli.app, [*args, "--batching", "padded"])
+    assert result.exit_code == 0, result.output
+    assert "3 answers" in result.stdout
+    bad = CliRunner().invoke(cli.app, [*args, "--batching", "sideways"])
+    assert bad.exit_code == 1 and "--batching" in bad.stderr and "Traceback" not in bad.output
+    with pytest.raises(ValueError, match="batching"):
+        AnswerSettings(batching="sideways")
+
+
+@pytest.mark.parametrize("batching", ["engine", "padded"])
+def test_prompts_past_max_prompt_tokens_are_skipped_as_too_long(target, chats, tmp_path, batching):
+    lengths = [len(target.chat_prompt(q)) for q in QUESTIONS]
+    cap = sorted(lengths)[4]
+    settings = AnswerSettings(prompts=str(chats), max_new_tokens=4, batching=batching, max_prompt_tokens=cap)
+    stats = make_answers(target, settings, tmp_path / batching)
+    kept = [i for i, n in enumerate(lengths) if n <= cap]
+    assert stats.too_long == len(QUESTIONS) - len(kept) > 0 and stats.answered == len(kept)
+    answered = sorted(json.loads(x)["index"] for x in (tmp_path / batching / ANSWERS_FILE).read_text().splitlines())
+    assert answered == kept
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        AnswerSettings(max_prompt_tokens=0)
