@@ -465,3 +465,18 @@ def test_a_head_trains_and_drafts_for_gemma_and_qwen_targets(tmp_path, corpus, f
         proposer = EagleProposer(target, head=tmp_path / "head", tree_nodes=tree_nodes)
         out = sd.SpeculativeDecoder(target, proposer, gamma=3).generate(prompt, params)
         assert out.token_ids == plain and out.stats.drafted > 0
+
+
+def test_a_time_limit_saves_the_head_as_it_stands_and_a_resume_finishes_the_same_schedule(
+    tmp_path, word_target, corpus
+):
+    """max_seconds=0 stops after the first step: the head is evaluated and saved, config.json records the steps
+    done and planned, and --resume ends with the weights of an uninterrupted run."""
+    whole = train_head(word_target, settings(corpus), tmp_path / "whole")
+    stopped = train_head(word_target, settings(corpus), tmp_path / "split", max_seconds=0)
+    config = json.loads((tmp_path / "split" / "config.json").read_text())["training"]
+    assert stopped.steps == config["steps"] == 1 and config["planned_steps"] == whole.steps > 1
+    resumed = train_head(word_target, settings(corpus), tmp_path / "split", resume=True)
+    assert resumed.steps == whole.steps and resumed.accuracy == whole.accuracy
+    a, b = (load_file(str(tmp_path / name / "head.safetensors")) for name in ("whole", "split"))
+    assert all(torch.equal(a[name], b[name]) for name in a)

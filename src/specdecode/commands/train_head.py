@@ -73,6 +73,11 @@ def train_head(
     threads: int | None = typer.Option(None, help=THREADS_HELP),
     cache_gb: float = typer.Option(20.0, help=CACHE_HELP),
     device: str = typer.Option("cpu", help=DEVICE_HELP),
+    max_minutes: float | None = typer.Option(
+        None,
+        help="Stop the training steps after this many minutes (a borrowed GPU's time, say): the head is evaluated "
+        "and saved as it then stands, and --resume continues the same schedule.",
+    ),
 ) -> None:
     """Train a draft head on a frozen target (teacher forcing, distilling the target's own outputs)."""
     from specdecode.commands import load
@@ -81,6 +86,8 @@ def train_head(
 
     set_threads(threads)
     max_cache = cache_bytes(cache_gb)
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"--max-minutes must be > 0, got {max_minutes}")
     training_device(device)  # an unusable device is refused before the model loads
     settings = TrainSettings(
         data=data,
@@ -114,6 +121,7 @@ def train_head(
             on_start=on_start,
             cache_bytes=max_cache,
             device=device,
+            max_seconds=None if max_minutes is None else 60 * max_minutes,
         )
     print(f"saved {result.folder}: {result.steps} steps, {result.tokens:,} tokens, {result.elapsed:.0f} s")
     print(cache_summary(result.data))

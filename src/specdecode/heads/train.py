@@ -500,6 +500,7 @@ class Trained:
     target_counts: torch.Tensor  # how often each id was the target's argmax in training
     elapsed_before: float  # seconds of the earlier runs of a resumed training
     started: float  # time.perf_counter() when this run's loop began
+    planned_steps: int = 0  # the schedule's steps; more than ``steps`` when a time limit stopped the run
 
     def elapsed(self) -> float:
         """Seconds of training so far, earlier runs included."""
@@ -521,6 +522,7 @@ def training_loop(
     on_step: Callable[[Progress], None] | None = None,
     on_start: Callable[[int, int, DataStats], None] | None = None,
     device: torch.device | str = "cpu",
+    max_seconds: float | None = None,
 ) -> Trained:
     """Train ``model`` (on ``device``) on ``sequences`` (their cached features, packed by ``epoch_batches``): AdamW at
     ``learning_rate``, ``loss_of(batch)`` = (loss, the step's accuracy for ``Progress``, the target's argmax ids
@@ -528,7 +530,8 @@ def training_loop(
     checkpoint (the ``extra`` entries, ``model``'s weights under ``key``, the optimizer's state, where the run
     stands, the torch thread count) is written every ``checkpoint_every`` steps and at each epoch's end;
     ``state``, one read back, continues the run bit for bit. ``on_start`` gets (total steps, steps already done,
-    ``stats``)."""
+    ``stats``). ``max_seconds`` ends this run after the first step that reaches it (checkpointed, so a resume
+    continues the same schedule); the learning-rate schedule is the whole run's either way."""
     device = torch.device(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     lengths = [len(s) for s in sequences]
@@ -587,12 +590,18 @@ def training_loop(
             save = last or step % settings.checkpoint_every == 0
             if save:
                 checkpoint(epoch + 1 if last else epoch, 0 if last else b + 1)
+            out_of_time = max_seconds is not None and time.perf_counter() - started >= max_seconds
+            if out_of_time and not save:
+                checkpoint(epoch, b + 1)
             if on_step is not None:
                 elapsed = elapsed_before + time.perf_counter() - started
-                on_step(Progress(step, total_steps, epoch, tokens, loss.item(), accuracy, elapsed, save))
+                on_step(Progress(step, total_steps, epoch, tokens, loss.item(), accuracy, elapsed, save or out_of_time))
+            if out_of_time:
+                model.eval()
+                return Trained(step, tokens, target_counts, elapsed_before, started, total_steps)
         epoch, done_in_epoch = epoch + 1, 0
     model.eval()
-    return Trained(step, tokens, target_counts, elapsed_before, started)
+    return Trained(step, tokens, target_counts, elapsed_before, started, total_steps)
 
 
 def initial_head(target: LoadedModel, source: str) -> tuple[EagleHead, torch.Tensor, float]:
@@ -617,11 +626,13 @@ def train_head(
     on_start: Callable[[int, int, DataStats], None] | None = None,
     device: str = "cpu",
     cache_bytes: int | None = None,
+    max_seconds: float | None = None,
 ) -> TrainResult:
     """Train a head for ``target`` and save it in ``out`` (see the module docstring). ``on_start`` receives
     (total steps, steps already done, reader stats) once the data is read. ``device`` other than the CPU moves
     the target's model there (it stays there) and trains there. ``cache_bytes`` bounds the features cached on disk
-    (``FeatureCache``; None: unbounded); it never changes the weights."""
+    (``FeatureCache``; None: unbounded); it never changes the weights. ``max_seconds`` stops the training steps
+    after that long (``training_loop``); the head is evaluated and saved as it then stands."""
     out = Path(out)
     checkpoint_path = out / "checkpoint.pt"
     device = training_device(device)
@@ -655,6 +666,7 @@ def train_head(
         on_step=on_step,
         on_start=on_start,
         device=device,
+        max_seconds=max_seconds,
     )
 
     draft_vocab = rank_by_target(draft_vocab, trained.target_counts)
@@ -683,6 +695,7 @@ def train_head(
         "settings": asdict(settings),
         "feature_scale": round(scale, 4),
         "steps": trained.steps,
+        "planned_steps": trained.planned_steps,
         "tokens_seen": trained.tokens,
         "wall_seconds": round(elapsed, 1),
         "held_out_top1_by_depth": accuracy,
