@@ -379,6 +379,8 @@ def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word
     assert again.exit_code == 1 and "--resume" in again.output
     resumed = CliRunner().invoke(cli.app, [*args, "--resume"])
     assert resumed.exit_code == 0, resumed.output
+    no_time = CliRunner().invoke(cli.app, [*args[:4], str(tmp_path / "t"), *args[5:], "--max-minutes", "0"])
+    assert no_time.exit_code == 1 and "--max-minutes" in no_time.output and "Traceback" not in no_time.output
 
 
 def test_one_long_text_file_trains_as_windows_of_max_length(tmp_path, monkeypatch, word_target):
