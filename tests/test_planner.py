@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 import specdecode
 from specdecode.commands.plan import plan
+from specdecode.models.hf import cache_keyword
 from specdecode.planner import (
     MemoryPlan,
     ModelMemory,
@@ -246,7 +247,7 @@ def test_memory_estimate_matches_measured_allocation(dtype):
     n = 40
     cache = DynamicCache(config=config)
     with torch.no_grad():
-        model(torch.randint(0, config.vocab_size, (1, n)), cache=cache, use_cache=True)
+        model(torch.randint(0, config.vocab_size, (1, n)), use_cache=True, **{cache_keyword(model): cache})
     weights = sum(p.nbytes for p in model.parameters())
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     estimate = model_memory(config, dtype)
