@@ -93,6 +93,7 @@ class HFRunner:
         self.model = model
         self.vocab_size = vocab_size
         self._cache = full_cache(model.config)
+        self._cache_keyword = cache_keyword(model)  # read once, not on every forward
         self._kinds = attention_kinds(model.config)
         self._window = (
             model.config.get_text_config(decoder=True).sliding_window if "sliding_attention" in self._kinds else None
@@ -148,7 +149,7 @@ class HFRunner:
                 position_ids=positions.view(1, k),
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
-                **{cache_keyword(self.model): self._cache},
+                **{self._cache_keyword: self._cache},
                 **kwargs,
             )
         finally:
