@@ -9,7 +9,8 @@ import torch
 from conftest import chisquare_pvalue
 
 from specdecode import SamplingParams
-from specdecode.choices import GeneratorChoices, inverse_cdf
+from specdecode.choices import GeneratorChoices, inverse_cdf, inverse_cdf_torch
+from specdecode.models import kernels
 from specdecode.sampling import probs_from_logits, sample, warp_logits
 
 
@@ -174,15 +175,42 @@ def test_distinct_draws_follow_the_law_without_replacement():
     assert choices.draw_distinct(probs, 3).sort().values.tolist() == [0, 1, 2]
 
 
-def test_inverse_cdf_edges():
-    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
-    at = lambda u: int(inverse_cdf(probs, torch.tensor(u, dtype=torch.float64)))  # noqa: E731
+@pytest.mark.parametrize("draw", [inverse_cdf, inverse_cdf_torch], ids=["kernels", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inverse_cdf_edges(draw, dtype):
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0], dtype=dtype)
+    at = lambda u: int(draw(probs, torch.tensor(u, dtype=torch.float64)))  # noqa: E731
     assert at(0.0) == 1  # the first entry with mass, never the zero before it
-    assert at(0.2 - 1e-12) == 1 and at(0.2 + 1e-12) == 3
+    assert at(0.2 - 1e-7) == 1 and at(0.2 + 1e-7) == 3
     assert at(1.0 - 2**-53) == 4 and at(1.0) == 4  # u·C rounded up to C: the last entry with mass
-    batched = inverse_cdf(probs.expand(3, 6), torch.tensor([0.0, 0.5, 0.99], dtype=torch.float64))
+    batched = draw(probs.expand(3, 6), torch.tensor([0.0, 0.5, 0.99], dtype=torch.float64))
     assert batched.tolist() == [1, 3, 4]
     with pytest.raises(ValueError, match="no positive, finite mass"):
-        inverse_cdf(torch.zeros(4), torch.tensor(0.5, dtype=torch.float64))
+        draw(torch.zeros(4, dtype=dtype), torch.tensor(0.5, dtype=torch.float64))
     with pytest.raises(ValueError, match="NaN"):
-        inverse_cdf(torch.tensor([0.5, float("nan")]), torch.tensor(0.5, dtype=torch.float64))
+        draw(torch.tensor([0.5, float("nan")], dtype=dtype), torch.tensor(0.5, dtype=torch.float64))
+
+
+def test_the_kernels_draw_where_the_torch_ops_draw():
+    """``inverse_cdf`` on the kernels (block sums) picks the index ``inverse_cdf_torch`` (one cumsum) picks, on
+    random rows of 1..49,152 entries (float32 and float64, a third of them with zero runs) at 64 uniforms each,
+    u = 0 and u just below 1 included: the two orders of summation differ by float64 rounding only."""
+    if kernels.ops() is None:
+        pytest.skip("the CPU kernels did not build here")
+    rows = torch.Generator().manual_seed(12)
+    for case in range(120):
+        vocab = (49_152, 64, 65, 1)[case % 4] if case < 8 else int(torch.randint(1, 2_000, (), generator=rows))
+        probs = torch.rand(vocab, generator=rows, dtype=torch.float64) ** 4
+        if case % 3 == 0:
+            probs[torch.rand(vocab, generator=rows) < 0.7] = 0.0
+            probs[-1] = probs[-1] + 1e-3
+        if case % 2:
+            probs = probs.float()
+        uniforms = torch.cat(
+            [
+                torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64),
+                torch.rand(62, generator=rows, dtype=torch.float64),
+            ]
+        )
+        grid = probs.expand(64, vocab)
+        assert torch.equal(inverse_cdf(grid, uniforms), inverse_cdf_torch(grid, uniforms)), case

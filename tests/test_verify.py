@@ -1,19 +1,26 @@
 """Acceptance rules: hand-made cases, then chi-square tests of the laws they must produce.
 
 Statistical tests: each chi-square test (scipy.stats.chisquare, cells with expected count < 5 pooled into
-one) uses a fixed seed and ≥ 10,000 trials and fails when p < ALPHA = 1e-3. There are 16 such tests that
-must pass (10 for chains, 6 for trees), so by Bonferroni the chance that a correct verifier fails any of
-them for a freshly chosen seed is ≤ 1.6%. The negative controls run the same tests on deliberately wrong
-verifiers and require p < ALPHA, which shows the trials are enough to detect a realistic bug.
+one) uses a fixed seed and ≥ 10,000 trials and fails when p < ALPHA = 1e-3. There are 20 such tests that
+must pass (10 for chains on the torch path, 4 for chains in the kernels' one call, 6 for trees), so by
+Bonferroni the chance that a correct verifier fails any of them for a freshly chosen seed is ≤ 2%. The negative
+controls run the same tests on deliberately wrong verifiers and require p < ALPHA, which shows the trials are
+enough to detect a realistic bug.
 """
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from conftest import biased_tree_sample, chisquare_pvalue, draw_tree, random_tables, resample_from_target
 
+import specdecode.choices
+import specdecode.verify
+from specdecode.models import kernels
 from specdecode.verify import (
     greedy_verify,
     speculative_sample,
@@ -206,14 +213,64 @@ def joint_law(target: torch.Tensor, draft: torch.Tensor | None, fixed: torch.Ten
     return law
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled"])
 @pytest.mark.parametrize("name", ["k1-random-q", "k2-random-q", "k1-q-with-zeros", "k2-point-mass-unlikely"])
-def test_joint_law_of_accepted_count_and_next_token(name):
+def test_joint_law_of_accepted_count_and_next_token(name, compiled):
+    """Float64 rows take the torch path; float32 rows (a runner's) the kernels' one call (``exact_chain``)."""
     target, draft, fixed = CASES[name]
+    if compiled:
+        if kernels.ops() is None:
+            pytest.skip("the CPU kernels did not build here")
+        target, draft = target.float(), None if draft is None else draft.float()
+        target = target / target.sum(-1, keepdim=True)
+        draft = None if draft is None else draft / draft.sum(-1, keepdim=True)
     trials = run_trials(speculative_sample, target, draft, fixed, seed=200)
     counts = np.zeros((target.shape[0], target.shape[1]))
     for _, n_accepted, token in trials:
         counts[n_accepted, token] += 1
     assert chisquare_pvalue(counts, joint_law(target, draft, fixed)) > ALPHA
+
+
+@contextlib.contextmanager
+def torch_only():
+    """Both exact-sampling fast paths turned off: ``speculative_sample`` and ``inverse_cdf`` in torch ops."""
+    with (
+        mock.patch.object(specdecode.verify, "_chain_kernels", lambda *rows: None),
+        mock.patch.object(specdecode.choices, "_sampling_kernels", lambda probs: None),
+    ):
+        yield
+
+
+def test_the_compiled_chain_makes_the_torch_paths_decisions():
+    """With the same generator seed, ``exact_chain`` (one kernel call) returns what the torch ops return: the
+    same uniforms are drawn in the same order, so only float64 rounding of the cumulative sums could differ.
+    600 random cases: k 0..3, vocabularies across block edges up to 49,152, q random, a point mass, or equal to
+    p (the residual falls back to p), targets with zero-mass halves."""
+    if kernels.ops() is None:
+        pytest.skip("the CPU kernels did not build here")
+    cases = torch.Generator().manual_seed(11)
+    for case in range(600):
+        vocab = 49_152 if case % 50 == 0 else int(torch.randint(1, 300, (), generator=cases))
+        k = int(torch.randint(0, 4, (), generator=cases))
+        target = torch.softmax(3 * torch.randn(k + 1, vocab, generator=cases), -1)
+        if case % 5 == 0:
+            target[:, : vocab // 2] = 0.0
+        draft = None if case % 4 == 0 else torch.softmax(3 * torch.randn(k, vocab, generator=cases), -1)
+        if draft is not None and k and case % 7 == 0:
+            draft[0] = target[0]
+        guesses = torch.randint(0, vocab, (k,), generator=cases)
+        compiled = speculative_sample(target, draft, guesses, gen(case))
+        with torch_only():
+            reference = speculative_sample(target, draft, guesses, gen(case))
+        assert compiled == reference, case
+
+
+def test_the_compiled_chain_refuses_a_row_without_mass():
+    target = torch.tensor([[1.0, 0.0, 0.0], [float("nan"), 0.0, 0.0]])
+    with pytest.raises(ValueError, match="no positive, finite mass"):
+        speculative_sample(target, None, tokens(0), gen(0))  # always accepted (p = 1), then the NaN row
+    with pytest.raises(ValueError, match="no positive, finite mass"):
+        speculative_sample(torch.zeros(1, 3), None, tokens(), gen(0))
 
 
 def test_negative_control_the_first_token_test_detects_a_wrong_residual():

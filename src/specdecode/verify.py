@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .choices import Choices, as_choices
+from .choices import NO_MASS, Choices, as_choices
 from .tree import children
 
 RESIDUAL_EPS = 1e-12
@@ -58,10 +58,19 @@ def speculative_sample(
     norm(max(0, p_n − q_n)) after a rejection at n (from p_n when that mass is ≤ eps), or from p_k (bonus).
     ``generator`` may also be any ``choices.Choices`` (``exactness.enumerate_law`` enumerates the decisions).
     """
-    choices = as_choices(generator)
     k = int(draft_tokens.shape[0])
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs needs k+1 = {k + 1} rows, got {target_probs.shape[0]}")
+    if isinstance(generator, torch.Generator):
+        kernels = _chain_kernels(target_probs, draft_probs)
+        if kernels is not None:  # the same rule in one call, with the same uniforms drawn in the same order
+            accept_u = torch.rand(k, dtype=torch.float64, generator=generator)
+            draw_u = float(torch.rand((), dtype=torch.float64, generator=generator))
+            n_accepted, token = kernels.exact_chain(target_probs, draft_probs, draft_tokens, accept_u, draw_u)
+            if token < 0:
+                raise ValueError(NO_MASS)
+            return n_accepted, token
+    choices = as_choices(generator)
     n_accepted = k
     if k:
         rows = torch.arange(k)
@@ -74,6 +83,16 @@ def speculative_sample(
         draft = None if draft_probs is None else draft_probs[n_accepted].double()
         p = _residual(p, draft, int(draft_tokens[n_accepted]))
     return n_accepted, choices.draw(p)
+
+
+def _chain_kernels(target_probs: torch.Tensor, draft_probs: torch.Tensor | None):
+    """The CPU kernels' operators when ``speculative_sample`` can run as one call (float32 CPU rows), else None."""
+    rows = (target_probs,) if draft_probs is None else (target_probs, draft_probs)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in rows):
+        return None
+    from .models.kernels import ops
+
+    return ops()
 
 
 def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:

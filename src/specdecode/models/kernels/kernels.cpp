@@ -1631,6 +1631,170 @@ at::Tensor philox_uniforms(int64_t seed, int64_t position, int64_t count) {
   return u;
 }
 
+// ------------------------------------------------------------------------------------------------ exact sampling
+
+// Inverse-CDF draws for exact sampling (choices.inverse_cdf, verify.speculative_sample). The cumulative sums are
+// float64 in a fixed order: the row in blocks of kDrawBlock entries, each block summed in 8 lanes (lane l takes
+// entries l, l + 8, ...; combined as ((0+1)+(2+3))+((4+5)+(6+7)), then the block's tail in order); P_b, the mass
+// before block b, is the running sum of the block sums in order, and inside block b, C(j) = P_b + w_start + ... + w_j
+// in order. The draw at u is the first j with C(j) > u·P_B (P_B the total); a zero-weight entry never qualifies
+// (adding 0 leaves C unchanged). Where rounding leaves block b's last C(j) at or below u·P_B although
+// P_{b+1} > u·P_B, or u·P_B reaches P_B, the draw is the last entry with weight there: off by at most float64
+// rounding, as any cumulative sum is.
+constexpr int64_t kDrawBlock = 64;
+constexpr double kResidualEps = 1e-12;  // verify.RESIDUAL_EPS
+
+enum class Weight { kP, kResidual, kWithout };  // p; max(0, p - q); p with one entry zeroed
+
+template <Weight W, typename T>
+static inline double draw_weight(const T* p, const float* q, int64_t removed, int64_t j) {
+  if constexpr (W == Weight::kP) {
+    return static_cast<double>(p[j]);
+  } else if constexpr (W == Weight::kResidual) {
+    const double d = static_cast<double>(p[j]) - static_cast<double>(q[j]);
+    return d < 0.0 ? 0.0 : d;  // NaN stays NaN, as torch's clamp_min keeps it
+  } else {
+    return j == removed ? 0.0 : static_cast<double>(p[j]);
+  }
+}
+
+template <Weight W, typename T>
+static double block_sum(const T* p, const float* q, int64_t removed, int64_t start, int64_t end) {
+  double lane[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  int64_t j = start;
+  for (; j + 8 <= end; j += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += draw_weight<W>(p, q, removed, j + l);
+  double s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; j < end; ++j) s += draw_weight<W>(p, q, removed, j);
+  return s;
+}
+
+// The total mass of the weights and their block sums (into ``sums``).
+template <Weight W, typename T>
+static double draw_mass(const T* p, const float* q, int64_t removed, int64_t vocab, std::vector<double>& sums) {
+  const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+  sums.resize(blocks);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    sums[b] = block_sum<W>(p, q, removed, b * kDrawBlock, std::min(vocab, (b + 1) * kDrawBlock));
+    total += sums[b];
+  }
+  return total;
+}
+
+// The draw at uniform u given ``draw_mass``'s total and block sums; -1 when the mass is not positive and finite.
+template <Weight W, typename T>
+static int64_t draw_from(const T* p, const float* q, int64_t removed, int64_t vocab, const std::vector<double>& sums,
+                         double total, double u) {
+  if (!(std::isfinite(total) && total > 0.0)) return -1;
+  const double goal = u * total;
+  double before = 0.0;  // P_b
+  int64_t last_block = -1;
+  for (int64_t b = 0; b < static_cast<int64_t>(sums.size()); ++b) {
+    if (sums[b] > 0.0) last_block = b;
+    const double after = before + sums[b];
+    if (after > goal) {
+      const int64_t start = b * kDrawBlock, end = std::min(vocab, start + kDrawBlock);
+      double c = before;
+      int64_t last = -1;
+      for (int64_t j = start; j < end; ++j) {
+        const double w = draw_weight<W>(p, q, removed, j);
+        c += w;
+        if (c > goal) return j;
+        if (w > 0.0) last = j;
+      }
+      return last;
+    }
+    before = after;
+  }
+  const int64_t start = last_block * kDrawBlock, end = std::min(vocab, start + kDrawBlock);
+  for (int64_t j = end - 1; j >= start; --j)
+    if (draw_weight<W>(p, q, removed, j) > 0.0) return j;
+  return -1;
+}
+
+template <typename T>
+static int64_t draw_row(const T* p, int64_t vocab, double u, std::vector<double>& sums) {
+  const double total = draw_mass<Weight::kP>(p, static_cast<const float*>(nullptr), -1, vocab, sums);
+  return draw_from<Weight::kP>(p, static_cast<const float*>(nullptr), -1, vocab, sums, total, u);
+}
+
+// choices.inverse_cdf: per row r of ``probs`` [n, V] (float32 or float64, non-negative), the draw at u[r]; -1 for a
+// row with no positive, finite mass.
+at::Tensor inverse_cdf_rows(const at::Tensor& probs, const at::Tensor& u) {
+  TORCH_CHECK(probs.dim() == 2 && (probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble),
+              "inverse_cdf_rows: probs [n, V] float32 or float64");
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == at::kDouble && u.size(0) == probs.size(0),
+              "inverse_cdf_rows: one float64 uniform per row");
+  const at::Tensor rows = probs.contiguous();
+  const at::Tensor uc = u.contiguous();
+  const int64_t n = rows.size(0), vocab = rows.size(1);
+  at::Tensor drawn = at::empty({n}, at::kLong);
+  std::vector<double> sums;
+  for (int64_t r = 0; r < n; ++r) {
+    const double ur = uc.data_ptr<double>()[r];
+    drawn.data_ptr<int64_t>()[r] = rows.scalar_type() == at::kFloat
+                                       ? draw_row(rows.data_ptr<float>() + r * vocab, vocab, ur, sums)
+                                       : draw_row(rows.data_ptr<double>() + r * vocab, vocab, ur, sums);
+  }
+  return drawn;
+}
+
+// verify.speculative_sample for a chain, in one call: guess i (token x_i) is accepted iff accept_u[i] < p_i(x_i) /
+// q_i(x_i) in float64 (0 where q_i(x_i) = 0; q_i(x_i) = 1 without ``draft``, point masses); after a rejection at n
+// the next token is drawn at draw_u from max(0, p_n - q_n) (p_n with x_n zeroed for a point mass; p_n itself when
+// that mass is <= kResidualEps or not finite), after k acceptances from p_k. ``target`` [k+1, V] and ``draft``
+// [k, V] float32. Returns {n_accepted, token}, token -1 when the row drawn from has no positive, finite mass.
+std::vector<int64_t> exact_chain(const at::Tensor& target, const c10::optional<at::Tensor>& draft,
+                                 const at::Tensor& tokens, const at::Tensor& accept_u, double draw_u) {
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "exact_chain: tokens [k] int64");
+  const int64_t k = tokens.size(0);
+  TORCH_CHECK(target.dim() == 2 && target.scalar_type() == at::kFloat && target.size(0) == k + 1,
+              "exact_chain: target [k+1, V] float32");
+  TORCH_CHECK(accept_u.dim() == 1 && accept_u.scalar_type() == at::kDouble && accept_u.size(0) == k,
+              "exact_chain: accept_u [k] float64");
+  const int64_t vocab = target.size(1);
+  const at::Tensor p = target.contiguous();
+  at::Tensor q;
+  if (draft.has_value()) {
+    TORCH_CHECK(draft->dim() == 2 && draft->scalar_type() == at::kFloat && draft->size(0) == k &&
+                    draft->size(1) == vocab,
+                "exact_chain: draft [k, V] float32");
+    q = draft->contiguous();
+  }
+  const at::Tensor x = tokens.contiguous();
+  const at::Tensor ua = accept_u.contiguous();
+  const float* pp = p.data_ptr<float>();
+  const float* qp = q.defined() ? q.data_ptr<float>() : nullptr;
+  int64_t n = k;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t token = x.data_ptr<int64_t>()[i];
+    TORCH_CHECK(token >= 0 && token < vocab, "exact_chain: a drafted token outside the vocabulary");
+    const double px = pp[i * vocab + token];
+    const double qx = qp ? static_cast<double>(qp[i * vocab + token]) : 1.0;
+    const double ratio = qx > 0.0 ? px / std::max(qx, std::numeric_limits<double>::min()) : 0.0;
+    if (!(ua.data_ptr<double>()[i] < ratio)) {
+      n = i;
+      break;
+    }
+  }
+  const float* row = pp + n * vocab;
+  std::vector<double> sums;
+  if (n < k) {
+    const int64_t rejected = x.data_ptr<int64_t>()[n];
+    if (qp) {
+      const float* qrow = qp + n * vocab;
+      const double mass = draw_mass<Weight::kResidual>(row, qrow, -1, vocab, sums);
+      if (mass > kResidualEps) return {n, draw_from<Weight::kResidual>(row, qrow, -1, vocab, sums, mass, draw_u)};
+    } else {
+      const double mass = draw_mass<Weight::kWithout>(row, qp, rejected, vocab, sums);
+      if (mass > kResidualEps)
+        return {n, draw_from<Weight::kWithout>(row, qp, rejected, vocab, sums, mass, draw_u)};
+    }
+  }
+  return {n, draw_row(row, vocab, draw_u, sums)};
+}
+
 // ------------------------------------------------------------------------------------------------ tests' probes
 
 std::vector<at::Tensor> quantize(const at::Tensor& x, int64_t g) {
@@ -1690,6 +1854,8 @@ TORCH_LIBRARY(SD_NS, m) {
   m.def("exp_lanes(Tensor x) -> Tensor", &sd::exp_lanes);
   m.def("keyed_gumbel_argmax(Tensor warped, int seed, int[] positions) -> Tensor", &sd::keyed_gumbel_argmax);
   m.def("philox_uniforms(int seed, int position, int count) -> Tensor", &sd::philox_uniforms);
+  m.def("inverse_cdf_rows(Tensor probs, Tensor u) -> Tensor", &sd::inverse_cdf_rows);
+  m.def("exact_chain(Tensor target, Tensor? draft, Tensor tokens, Tensor accept_u, float draw_u) -> int[]", &sd::exact_chain);
   m.def("isa() -> str", &sd::isa);
   m.def("quad_layout() -> bool", &sd::quad_layout);
   m.def("profile(bool enable) -> float[]", &sd::profile);
