@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -134,6 +135,13 @@ def word_tokenizer(words: list[str], eos: str | None = None) -> PreTrainedTokeni
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0], eos_token=eos)
+
+
+def write_chats(path, questions: list[str]):
+    """A JSONL file of one-turn chats (each question with a placeholder answer, "w1"), as make-data reads them."""
+    lines = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "w1"}]} for q in questions]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
 
 
 def chisquare_pvalue(counts, probs) -> float:

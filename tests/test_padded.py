@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, chisquare_pvalue, tiny_llama, word_tokenizer
+from conftest import LARGE_VOCAB, chisquare_pvalue, tiny_llama, word_tokenizer, write_chats
 from typer.testing import CliRunner
 
 import specdecode as sd
@@ -31,10 +31,7 @@ def target() -> sd.LoadedModel:
 
 @pytest.fixture
 def chats(tmp_path):
-    path = tmp_path / "chats.jsonl"
-    lines = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "w1"}]} for q in QUESTIONS]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
+    return write_chats(tmp_path / "chats.jsonl", QUESTIONS)
 
 
 def test_left_pad_right_aligns_each_prompt():
