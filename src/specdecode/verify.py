@@ -57,6 +57,9 @@ def speculative_sample(
     ``generator`` (strict, so p = 0 never passes; q_i(x_i) = 0 rejects). The next token is drawn from
     norm(max(0, p_n − q_n)) after a rejection at n (from p_n when that mass is ≤ eps), or from p_k (bonus).
     ``generator`` may also be any ``choices.Choices`` (``exactness.enumerate_law`` enumerates the decisions).
+    With a generator, float32 CPU rows and the CPU kernels, the rule runs as one call (``exact_chain``: ~20 µs
+    against ~160 µs of torch ops at V = 49,152) fed the same uniforms in the same order, so a seed gives the same
+    result on either path (to float64 rounding of the cumulative sums).
     """
     k = int(draft_tokens.shape[0])
     if target_probs.shape[0] != k + 1:
