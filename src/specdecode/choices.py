@@ -40,7 +40,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     C(i−1) ≤ u·C(V−1) < C(i), C the row's cumulative sums in float64 and u its entry of ``uniforms`` (``[...]``,
     in [0, 1)): for u ~ U[0, 1) a draw from the normalised row, exact to float64 rounding. A zero-mass entry is
     never drawn (its C equals its predecessor's). On the CPU kernels (float32 or float64 rows) C is summed in
-    fixed blocks and the row is read about twice, ~25 µs for V = 49,152 here; ``inverse_cdf_torch`` (~75 µs)
+    fixed blocks and the row is read about twice, ~25 µs for V = 49,152 here; ``inverse_cdf_torch`` (~90 µs)
     runs elsewhere. ``torch.multinomial`` takes ~780 µs (it draws one exponential per entry)."""
     kernels = _sampling_kernels(probs)
     if kernels is None:

@@ -69,7 +69,7 @@ def speculative_sample(
         if kernels is not None:  # the same rule in one call, with the same uniforms drawn in the same order
             accept_u = torch.rand(k, dtype=torch.float64, generator=generator)
             draw_u = float(torch.rand((), dtype=torch.float64, generator=generator))
-            n_accepted, token = kernels.exact_chain(target_probs, draft_probs, draft_tokens, accept_u, draw_u)
+            n_accepted, token = kernels.exact_chain(target_probs, draft_probs, draft_tokens.long(), accept_u, draw_u)
             if token < 0:
                 raise ValueError(NO_MASS)
             return n_accepted, token
