@@ -7,12 +7,13 @@
 #   scripts/gpu_head.sh TARGET PROMPTS OUT
 #
 # TARGET: the target (a .gguf file or a bundled name); PROMPTS: make-data's --prompts (chats in ShareGPT's order,
-# so indices match `--prompts sharegpt`). Settings (environment): DEVICE (cuda), ANSWER_SECONDS (240),
+# so indices match `--prompts sharegpt`). Settings (environment): DEVICE (cuda), DTYPE (the answering target's:
+# bfloat16), ANSWER_SECONDS (240),
 # TRAIN_MINUTES (3), BATCH (256), MAX_NEW (384), MAX_PROMPT (1536), RANGES (skip:limit per make-data process), ARMS
 # (name=train-head options;...). Tried on the CPU at small scale with DEVICE=cpu and small settings.
 set -u
 TARGET=$1 PROMPTS=$2 OUT=$3
-DEVICE=${DEVICE:-cuda} ANSWER_SECONDS=${ANSWER_SECONDS:-240} TRAIN_MINUTES=${TRAIN_MINUTES:-3}
+DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} ANSWER_SECONDS=${ANSWER_SECONDS:-240} TRAIN_MINUTES=${TRAIN_MINUTES:-3}
 BATCH=${BATCH:-256} MAX_NEW=${MAX_NEW:-384} MAX_PROMPT=${MAX_PROMPT:-1536} THREADS=${THREADS:-4}
 # ShareGPT's 17,390 prompts in four ranges (each also answers the 32 held-out prompts; duplicates are merged):
 # first those no shipped stage saw (13,968 on), then the rest.
@@ -28,7 +29,7 @@ python3 -c "from specdecode.models.loader import load_model as m; m('$TARGET', d
 echo "loaded in $(($(date +%s) - start)) s"
 # the 32 prompts train-head holds out, whatever their length, so its figures are on the usual held-out chats
 timeout -s INT 120 "${CLI[@]}" make-data --target "$TARGET" --prompts "$PROMPTS" --out work/answers_held --limit 32 \
-  --batching padded --batch 8 --max-new-tokens "$MAX_NEW" --device "$DEVICE" --threads "$THREADS" \
+  --batching padded --batch 8 --max-new-tokens "$MAX_NEW" --device "$DEVICE" --dtype "$DTYPE" --threads "$THREADS" \
   >work/logs/make-data-held.log 2>&1
 echo "held-out prompts answered at $(($(date +%s) - start)) s"
 
@@ -37,7 +38,7 @@ for range in $RANGES; do
   skip=${range%%:*} limit=${range##*:}
   timeout -s INT "$ANSWER_SECONDS" "${CLI[@]}" make-data --target "$TARGET" --prompts "$PROMPTS" --out "work/answers$i" \
     --skip "$skip" --limit "$limit" --batching padded --batch "$BATCH" --max-new-tokens "$MAX_NEW" \
-    --max-prompt-tokens "$MAX_PROMPT" --device "$DEVICE" \
+    --max-prompt-tokens "$MAX_PROMPT" --device "$DEVICE" --dtype "$DTYPE" \
     --threads "$THREADS" >"work/logs/make-data$i.log" 2>&1 &
   i=$((i + 1))
 done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -115,3 +116,61 @@ def test_prompts_past_max_prompt_tokens_are_skipped_as_too_long(target, chats, t
     assert answered == kept
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         AnswerSettings(max_prompt_tokens=0)
+
+
+def test_finished_rows_leave_the_batch_and_the_others_answer_as_before(target):
+    """A row that ends at an EOS id is dropped from the next forward (its KV rows with it) and the rows left
+    go on exactly as a batch without that EOS id would (greedy, float32 on the CPU)."""
+    prompts = [target.chat_prompt(q) for q in QUESTIONS[:4]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    free = answer_padded(target.model, prompts, params, frozenset(), LARGE_VOCAB)
+    eos = free[0].token_ids[1]  # row 0 ends at its second token
+    sizes: list[int] = []
+    hook = target.model.register_forward_pre_hook(
+        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        ended = answer_padded(target.model, prompts, params, frozenset({eos}), LARGE_VOCAB)
+    finally:
+        hook.remove()
+    for alone, answer in zip(free, ended, strict=True):
+        stop = alone.token_ids.index(eos) + 1 if eos in alone.token_ids else len(alone.token_ids)
+        assert answer.token_ids == alone.token_ids[:stop]
+        assert answer.finish_reason == ("eos" if eos in alone.token_ids else "length")
+    expected = [sum(eos not in a.token_ids[:step] for a in free) for step in range(len(sizes))]
+    assert sizes == expected and sizes[0] == 4 and sizes[-1] < 4
+
+
+def test_bfloat16_padded_answers(target):
+    """The target in bfloat16 (make-data --dtype bfloat16) answers a padded batch: every row its full length or
+    ended at the EOS id, with ids inside the vocabulary."""
+    model = copy.deepcopy(target.model).to(torch.bfloat16)
+    prompts = [target.chat_prompt(q) for q in QUESTIONS[:5]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+    for answer in answer_padded(model, prompts, params, frozenset({3}), LARGE_VOCAB):
+        ids = answer.token_ids
+        assert all(0 <= t < LARGE_VOCAB for t in ids)
+        if 3 in ids:
+            assert answer.finish_reason == "eos" and len(ids) == ids.index(3) + 1
+        else:
+            assert answer.finish_reason == "length" and len(ids) == 5
+
+
+def test_make_data_dtype_option(target, chats, tmp_path, monkeypatch):
+    seen: list[object] = []
+
+    def load(*args, **kwargs):
+        seen.append(kwargs.get("dtype"))
+        return target
+
+    monkeypatch.setattr("specdecode.models.loader.load_model", load)
+    args = ["make-data", "--prompts", str(chats), "--out", str(tmp_path / "d"), "--limit", "2", "--max-new-tokens", "3"]
+    result = CliRunner().invoke(cli.app, [*args, "--batching", "padded", "--dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    assert seen == ["bfloat16"]
+    for extra, message in (
+        (["--batching", "padded", "--dtype", "float64"], "--dtype"),
+        (["--batching", "engine", "--dtype", "bfloat16"], "padded"),
+    ):
+        bad = CliRunner().invoke(cli.app, [*args, *extra])
+        assert bad.exit_code == 1 and message in bad.stderr and "Traceback" not in bad.output

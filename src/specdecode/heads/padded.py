@@ -4,9 +4,10 @@ Our engine runs one forward per request on the transformers runner, which leaves
 kernels; a GPU answers fastest with every prompt of a batch in one tensor. Prompts are left-padded to the longest,
 the padding masked out of attention, each row's positions counted from its first real token (RoPE then sees
 what an unpadded run sees); every step feeds each row's newest token. A row stops at an end-of-sequence id or
-``max_new_tokens``; the batch stops when every row has. Rows see the same weights as a lone run, but other
-reduction shapes, so an answer can differ from the engine's where two tokens nearly tie (greedy on a GPU: no
-bitwise promise). Sampling (temperature > 0) draws every row from one generator seeded per batch.
+``max_new_tokens``; a finished row leaves the batch (its KV cache rows dropped), so one long answer does not keep
+the finished rows computing, and the batch stops when every row has. Rows see the same weights as a lone run, but
+other reduction shapes, so an answer can differ from the engine's where two tokens nearly tie (greedy on a GPU: no
+bitwise promise). Sampling (temperature > 0) draws every live row from one generator seeded per batch.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def answer_padded(
     if params.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(params.seed if params.seed is not None else 0)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.int64, device=device)
-    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    columns: list[torch.Tensor] = []
+    rows = torch.arange(len(prompts), device=device)  # the prompt each live row answers
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their chosen ids) a step
     past = None
     for _ in range(params.max_new_tokens):
         out = model(
@@ -79,20 +80,19 @@ def answer_padded(
         else:
             probs = probs_from_logits(logits, params)
             chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        chosen = torch.where(finished, torch.full_like(chosen, pad_id), chosen)
-        columns.append(chosen)
-        finished |= torch.isin(chosen, eos)
-        if bool(finished.all()):
-            break
+        steps.append((rows, chosen))
+        live = ~torch.isin(chosen, eos)
+        if not bool(live.all()):  # finished rows leave the batch, their cache with them
+            if not bool(live.any()):
+                break
+            keep = live.nonzero().squeeze(1)
+            past.batch_select_indices(keep)
+            rows, chosen, mask, positions = rows[keep], chosen[keep], mask[keep], positions[keep]
         ids = chosen[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-    generated = torch.stack(columns, dim=1).tolist()
-    answers = []
-    for row in generated:
-        stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
-        if stop is None:
-            answers.append(PaddedAnswer(row, "length"))
-        else:
-            answers.append(PaddedAnswer(row[: stop + 1], "eos"))
-    return answers
+    generated: list[list[int]] = [[] for _ in prompts]
+    for step_rows, step_chosen in steps:
+        for row, token in zip(step_rows.tolist(), step_chosen.tolist(), strict=True):
+            generated[row].append(token)
+    return [PaddedAnswer(row, "eos" if row and row[-1] in eos_ids else "length") for row in generated]
