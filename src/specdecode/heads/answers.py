@@ -97,13 +97,14 @@ class AnswerStats:
 
 
 def training_prompts(settings: AnswerSettings, stats: AnswerStats) -> list[tuple[int, str]]:
-    """(index, first user turn) of the chats of ``settings.prompts``, up to ``limit`` of them; plain texts are
+    """(index, first user turn) of the chats of ``settings.prompts`` (in the user's files, chats of a user turn
+    alone count too), up to ``limit`` of them; plain texts are
     skipped, and so are the ``skip`` prompts after the first ``HELD_OUT`` (indices stay those of the whole list, so
     runs with and without ``skip`` write the same line for a prompt)."""
     reader = DataStats()
     prompts: list[tuple[int, str]] = []
     index = -1
-    for sample in iter_samples(settings.prompts, spec_bench_questions(settings.spec_bench), reader):
+    for sample in iter_samples(settings.prompts, spec_bench_questions(settings.spec_bench), reader, questions=True):
         question = None if isinstance(sample, str) else first_user_turn(sample)
         if question and question.strip():
             index += 1

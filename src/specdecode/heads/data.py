@@ -38,9 +38,10 @@ def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def chat_messages(record: dict) -> list[Message] | None:
+def chat_messages(record: dict, need_answer: bool = True) -> list[Message] | None:
     """The messages of a ShareGPT (``conversations``: from/value) or OpenAI-style (``messages``: role/content)
-    record, roles mapped to user/assistant/system, leading assistant turns dropped; None if unusable."""
+    record, roles mapped to user/assistant/system, leading assistant turns dropped; None if unusable (with
+    ``need_answer``, also when no assistant turn is left: nothing to train on)."""
     turns = record.get("messages", record.get("conversations"))
     if not isinstance(turns, list):
         return None
@@ -54,7 +55,8 @@ def chat_messages(record: dict) -> list[Message] | None:
             return None
         if content.strip() and (messages or role != "assistant"):
             messages.append({"role": role, "content": content})
-    return messages if any(m["role"] == "assistant" for m in messages) else None
+    wanted = "assistant" if need_answer else "user"
+    return messages if any(m["role"] == wanted for m in messages) else None
 
 
 def first_user_turn(messages: list[Message]) -> str | None:
@@ -144,7 +146,7 @@ def spec_bench_questions(path: str | os.PathLike | None = None) -> frozenset[str
     return None
 
 
-def _samples_of_file(path: Path) -> Iterator[Sample]:
+def _samples_of_file(path: Path, need_answer: bool = True) -> Iterator[Sample]:
     if path.suffix == ".txt":
         text = path.read_text(encoding="utf-8")
         if text.strip():
@@ -153,7 +155,7 @@ def _samples_of_file(path: Path) -> Iterator[Sample]:
     records = _in_prompt_order(iter_jsonl(path)) if path.suffix == ".jsonl" else iter_json_array(path)
     for record in records:
         if isinstance(record, dict):
-            messages = chat_messages(record)
+            messages = chat_messages(record, need_answer)
             if messages is not None:
                 yield messages
             elif isinstance(record.get("text"), str) and record["text"].strip():
@@ -191,10 +193,13 @@ class DataStats:
 
 
 def iter_samples(
-    source: str, spec_bench: frozenset[str] | None = None, stats: DataStats | None = None
+    source: str, spec_bench: frozenset[str] | None = None, stats: DataStats | None = None, questions: bool = False
 ) -> Iterator[Sample]:
     """Samples of ``source``: ``sharegpt``, a .json array / .jsonl of chats, a .txt file, or a folder of those
-    (recursively, in name order). Chats whose first user turn is a Spec-Bench question are skipped."""
+    (recursively, in name order). Chats whose first user turn is a Spec-Bench question are skipped. A chat needs
+    an assistant turn (training reads its answer) unless ``questions`` (make-data's prompts) asks only for a user
+    turn in the user's own files; ShareGPT keeps its chats with an answer either way (the numbering every
+    made dataset and held-out set uses)."""
     stats = DataStats() if stats is None else stats
     stats.spec_bench_checked = spec_bench is not None
     if source == "sharegpt":
@@ -211,8 +216,9 @@ def iter_samples(
             files = [path]
         else:
             raise FileNotFoundError(f"training data not found: {source} (use sharegpt, a file or a folder)")
+    need_answer = not questions or source == "sharegpt"
     for file in files:
-        for sample in _samples_of_file(file):
+        for sample in _samples_of_file(file, need_answer):
             if spec_bench and not isinstance(sample, str):
                 first = first_user_turn(sample)
                 if first is not None and normalise(first) in spec_bench:
