@@ -14,7 +14,14 @@ from safetensors.torch import load_file
 import specdecode as sd
 from specdecode.heads import data
 from specdecode.heads.saved import load_head
-from specdecode.heads.train import FeatureCache, TrainSettings, read_samples, train_head, training_device
+from specdecode.heads.train import (
+    FeatureCache,
+    TrainSettings,
+    extract_batch_tokens,
+    read_samples,
+    train_head,
+    training_device,
+)
 
 WORDS = [f"w{i}" for i in range(64)]
 
@@ -239,6 +246,31 @@ def test_a_capped_feature_cache_recomputes_past_its_size_and_trains_the_same_wei
         assert all(torch.equal(weights[key], capped[key]) for key in weights)
     with pytest.raises(ValueError, match=">= 0 bytes"):
         FeatureCache(tmp_path / "bad", word_target, torch.float32, max_bytes=-1)
+
+
+def test_features_computed_in_padded_batches_are_each_sequences_own(tmp_path, monkeypatch, word_target, corpus):
+    """``batch_tokens`` (a GPU's setting) computes a batch's missing features in right-padded forwards of at
+    most that many tokens; each row is its sequence's features alone (causal: padding comes after it), stored
+    under the same key, and stored ones are not computed again. On the CPU training keeps one a forward."""
+    sequences = read_samples(word_target, settings(corpus))[1][:6]
+    keys = [f"t{i}" for i in range(len(sequences))]
+    alone = FeatureCache(tmp_path / "alone", word_target, torch.float32).get_many(keys, sequences)
+    budget = 2 * max(len(ids) for ids in sequences)
+    forwards: list[int] = []
+    real = FeatureCache._extract_padded
+    monkeypatch.setattr(
+        FeatureCache, "_extract_padded", lambda self, rows: forwards.append(len(rows)) or real(self, rows)
+    )
+    monkeypatch.setattr(FeatureCache, "_extract", lambda self, ids: pytest.fail("a feature computed alone"))
+    batched = FeatureCache(tmp_path / "batched", word_target, torch.float32, batch_tokens=budget)
+    got = batched.get_many(keys, sequences)
+    assert sum(forwards) == len(sequences) and len(forwards) > 1 and max(forwards) <= 2
+    for one, other in zip(alone, got, strict=True):
+        assert one.shape == other.shape and torch.allclose(one, other, rtol=1e-2, atol=1e-2)
+    again = batched.get_many(keys[:3], sequences[:3])
+    assert all(torch.equal(a, b) for a, b in zip(again, got[:3], strict=True))
+    assert sum(forwards) == len(sequences)  # the second call found them stored
+    assert extract_batch_tokens(torch.device("cpu")) == 0 and extract_batch_tokens(torch.device("cuda")) > 0
 
 
 def test_a_resume_needs_the_thread_count_and_takes_checkpoints_older_than_new_settings(
