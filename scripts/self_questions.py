@@ -5,8 +5,8 @@ instruct model then writes the kind of question it was tuned to answer, a prompt
 
     .venv/bin/python scripts/self_questions.py --count 1500 --out questions.jsonl [--temperature 1.0] [--seed 0]
 
-Question i is sampled with seed + i (the same file on every run); a run appends to --out and resumes after the
-questions there. Kept: 4–120 words, not a repeat, not a Spec-Bench question. Each line is a chat of a user turn
+Sample i is drawn with seed + i (the same file on every run); a run appends to --out and resumes after the last
+sample there. Kept: 4–120 words, not a repeat, not a Spec-Bench question. Each line is a chat of a user turn
 alone: ``make-data --prompts questions.jsonl`` answers them.
 """
 
@@ -31,8 +31,8 @@ def pre_query_ids(target: sd.LoadedModel) -> list[int]:
     return target.encode(text[: text.index(PROBE)])
 
 
-def kept(question: str, seen: set[str], spec_bench: frozenset[str]) -> bool:
-    key = normalise(question)
+def kept(question: str, key: str, seen: set[str], spec_bench: frozenset[str]) -> bool:
+    """A question of 4–120 words whose normalised ``key`` is neither a repeat nor a Spec-Bench question."""
     return 4 <= len(question.split()) <= 120 and key not in seen and key not in spec_bench
 
 
@@ -65,9 +65,10 @@ def main() -> None:
             )
             result = sd.autoregressive_generate(target, prefix, params, runner=runner)
             question = result.text.strip()
-            if result.finish_reason != "eos" or not kept(question, seen, spec_bench):
+            key = normalise(question)
+            if result.finish_reason != "eos" or not kept(question, key, seen, spec_bench):
                 continue
-            seen.add(normalise(question))
+            seen.add(key)
             out.write(json.dumps({"messages": [{"role": "user", "content": question}], "seed": seed}) + "\n")
             out.flush()
             bar.update(1)
