@@ -9,12 +9,14 @@
 # TARGET: the target (a .gguf file or a bundled name); PROMPTS: make-data's --prompts (chats in ShareGPT's order,
 # so indices match `--prompts sharegpt`). Settings (environment): DEVICE (cuda), DTYPE (the answering target's:
 # bfloat16), ANSWER_SECONDS (240),
-# TRAIN_MINUTES (3), BATCH (256), MAX_NEW (384), MAX_PROMPT (1536), RANGES (skip:limit per make-data process), ARMS
-# (name=train-head options;...). Tried on the CPU at small scale with DEVICE=cpu and small settings.
+# TRAIN_MINUTES (3), BATCH (256), MAX_NEW (384), MAX_PROMPT (1536), RANGES (skip:limit per make-data process), SELF
+# (questions the target writes itself, make-data --prompts self, answered by one more process in the same time and
+# trained on after ShareGPT's answers; 0 = none), ARMS (name=train-head options;...). Tried on the CPU at small
+# scale with DEVICE=cpu and small settings.
 set -u
 TARGET=$1 PROMPTS=$2 OUT=$3
 DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} ANSWER_SECONDS=${ANSWER_SECONDS:-240} TRAIN_MINUTES=${TRAIN_MINUTES:-3}
-BATCH=${BATCH:-256} MAX_NEW=${MAX_NEW:-384} MAX_PROMPT=${MAX_PROMPT:-1536} THREADS=${THREADS:-4}
+BATCH=${BATCH:-256} MAX_NEW=${MAX_NEW:-384} MAX_PROMPT=${MAX_PROMPT:-1536} THREADS=${THREADS:-4} SELF=${SELF:-0}
 # ShareGPT's 17,390 prompts in four ranges (each also answers the 32 held-out prompts; duplicates are merged):
 # first those no shipped stage saw (13,968 on), then the rest.
 RANGES=${RANGES:-"13936:3600 0:4600 4568:4632 9168:4800"}
@@ -42,6 +44,11 @@ for range in $RANGES; do
     --threads "$THREADS" >"work/logs/make-data$i.log" 2>&1 &
   i=$((i + 1))
 done
+if [ "$SELF" -gt 0 ]; then  # written and answered in one process: questions first, then their answers
+  timeout -s INT "$ANSWER_SECONDS" "${CLI[@]}" make-data --target "$TARGET" --prompts self --limit "$SELF" \
+    --out work/self --batching padded --batch "$BATCH" --max-new-tokens "$MAX_NEW" --device "$DEVICE" \
+    --dtype "$DTYPE" --threads "$THREADS" >work/logs/make-data-self.log 2>&1 &
+fi
 wait
 echo "answering took $(($(date +%s) - start)) s"; tail -n 2 work/logs/make-data*.log
 
@@ -59,8 +66,18 @@ pathlib.Path("work/merged").mkdir(exist_ok=True)
 with open("work/merged/answers.jsonl", "w", encoding="utf-8") as file:
     for index in sorted(records):
         file.write(json.dumps(records[index], ensure_ascii=False) + "\n")
-tokens = sum(r["tokens"] for r in records.values())
-print(f"{len(records)} answers, {tokens:,} answer tokens; held out (0-31) all there: {all(i in records for i in range(32))}")
+    own = []  # the target's own questions (their own numbering), after ShareGPT's: its held-out 32 stay first
+    path = pathlib.Path("work/self/answers.jsonl")
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            own.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    for record in own:
+        file.write(json.dumps(record, ensure_ascii=False) + "\n")
+tokens = sum(r["tokens"] for r in [*records.values(), *own])
+print(f"{len(records)} ShareGPT answers and {len(own)} to the target's own questions, {tokens:,} answer tokens; "
+      f"held out (0-31) all there: {all(i in records for i in range(32))}")
 EOF
 gzip -c work/merged/answers.jsonl >"$OUT/answers.jsonl.gz"
 

