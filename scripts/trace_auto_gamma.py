@@ -6,7 +6,8 @@ timed (best of ``--repeats``, each decoder fresh per prompt as the bench builds 
     .venv/bin/python scripts/trace_auto_gamma.py docs/bench/eagle/unseen_chat.jsonl [--limit 10] \
         [--proposer eagle] [--head DIR]
 
-Greedy, 128 new tokens, 2 threads; the decisions are printed every ``--every`` rounds.
+Greedy (or exact sampling at ``--temperature``, seed 0), 128 new tokens, 2 threads; the decisions are printed
+every ``--every`` rounds.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: exact sampling, seed 0")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = sd.load_model("smollm2")
     proposer = build_proposer(args.proposer, target, None, head=args.head, tree_nodes=0)
-    params = sd.SamplingParams(max_new_tokens=args.tokens)
+    params = sd.SamplingParams(temperature=args.temperature, max_new_tokens=args.tokens, seed=0)
     rounds: list[tuple[int, float, float, float, float, float]] = []
     choose = AdaptiveGamma.choose
 

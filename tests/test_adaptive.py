@@ -343,3 +343,19 @@ def test_optimism_keeps_a_paying_proposer_drafting_through_chance_dips_and_a_use
     assert _drafting_share_at(0.35, optimism=1.0) > _drafting_share_at(0.35, optimism=0.0) + 0.05
     assert _drafting_share_at(0.35, optimism=1.0) > 0.9
     assert _drafting_share_at(0.05, optimism=1.0) < 0.1
+
+
+def test_a_lone_timing_spike_does_not_move_an_estimate_but_a_lasting_change_does():
+    """Each time goes through the median of the estimate's last 3 (within RECENT_ROUNDS rounds): a forward that once
+    takes 3x its usual time leaves the step where it was; a slowdown seen twice in a row moves it."""
+    costs = CostModel(smoothing=0.5)
+    for _ in range(3):
+        costs.observe(1, 0.010, 0, 0.0)
+    costs.observe(1, 0.030, 0, 0.0)  # a lone spike: the median of (10, 10, 30) ms
+    assert costs.step_seconds == 0.010
+    costs.observe(2, 0.011, 1, 0.001)
+    costs.observe(2, 0.033, 1, 0.001)  # two times only: the lower is taken
+    assert abs(costs.verify_seconds[2] - 0.011) < 1e-12
+    for _ in range(2):
+        costs.observe(1, 0.020, 0, 0.0)  # the step doubles and stays doubled
+    assert costs.step_seconds > 0.012

@@ -32,6 +32,7 @@ from .planner import expected_tokens_per_position
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
 MEMORY_WEIGHT = 8.0  # a request's prior from the decoder's memory counts as this many rounds of its own
+RECENT_ROUNDS = 16  # times taken within this many rounds are compared to filter out a lone spike
 
 
 def fold_round(accepted: list[float], reached: list[float], drafted: int, n_accepted: int, forgetting: float) -> None:
@@ -83,6 +84,7 @@ class CostModel:
     tree_rounds: dict[int, tuple[float, float]] = field(default_factory=dict)  # γ -> (rows, draft seconds)
     rounds: int = 0  # rounds observed: the clock estimates age by
     measured_at: dict[object, int] = field(default_factory=dict)  # estimate -> the round it was last measured in
+    recent: dict[object, list[tuple[int, float]]] = field(default_factory=dict)  # estimate -> its last (round, time)s
 
     def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None) -> None:
         """Fold one round's timings in (``verified`` = tokens in the target forward = drafted + 1; ``draft_seconds``
@@ -144,7 +146,20 @@ class CostModel:
 
     def _ema(self, estimate: object, old: float | None, new: float) -> float:
         keep = self._keep(estimate)
+        new = self._filtered(estimate, new)
         return new if old is None else keep * old + (1 - keep) * new
+
+    def _filtered(self, estimate: object, new: float) -> float:
+        """A time with a lone spike filtered out: the median of this estimate's last 3 times taken within
+        ``RECENT_ROUNDS`` rounds (the lower of 2; the time itself when alone). A forward or a draft here now and
+        then takes 2-3x its usual time (the OS, another thread); moved a fifth to a half of the way by it, a per-k
+        time that is not measured again for a while (γ auto then drafts at another k) kept v(2) at 2.3 instead of
+        1.2 and sent γ auto to γ2-3 at 40% acceptance (docs/BENCHMARKS.md)."""
+        times = [(at, t) for at, t in self.recent.get(estimate, []) if self.rounds - at < RECENT_ROUNDS]
+        times = [*times[-2:], (self.rounds, new)]
+        self.recent[estimate] = times
+        values = sorted(t for _, t in times)
+        return values[1] if len(values) == 3 else values[0]
 
     def verify_cost(self, tokens: int) -> float:
         """v(k): a k-token target forward relative to a 1-token one (measured at k, else the line; 1 at first)."""
