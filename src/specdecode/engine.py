@@ -189,7 +189,8 @@ class SpeculativeDecoder:
     A proposer may return a token tree (``Draft.parents``): the target scores every node in one pass (depth
     positions; each node attends to the cache, the newest token and its ancestors), the mode's tree rule
     keeps one root path, and ``runner.retain`` keeps that path's cache entries. ``gamma`` then bounds the
-    tree's depth (the tokens a round can accept); the proposer chooses the width.
+    tree's depth (the tokens a round can accept); the proposer chooses the width. A proposer with
+    ``chooses_length`` (``HybridProposer``) gets k = ``max_gamma`` under ``gamma="auto"`` instead of a controller.
     """
 
     def __init__(
@@ -277,14 +278,16 @@ class SpeculativeDecoder:
         self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None, logprobs: int | None
     ) -> Request:
         request = Request(self.target, prompt, params, on_text, logprobs)
-        if self.gamma == "auto":
+        if self.gamma == "auto" and not getattr(self.proposer, "chooses_length", False):
             request.controller = AdaptiveGamma(self.max_gamma, self.costs, self.acceptance_memory)
         request.prefill(self._runner)
         return request
 
     def _round(self, request: Request) -> None:
         controller = request.controller
-        k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
+        # no controller: a fixed γ, or a proposer that chooses its own length under γ auto (a hybrid: max_gamma)
+        fixed = self.max_gamma if self.gamma == "auto" else self.gamma
+        k = min(fixed if controller is None else controller.choose(), request.sink.remaining - 1)
         pending = self.draft(request, self.proposer, k)
         started = time.perf_counter()
         if pending.positions is None:

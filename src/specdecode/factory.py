@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from .proposers import Proposer, SuffixProposer
 
 
+HYBRID_MODELS = ("eagle", "medusa", "draft")  # what drafts a hybrid's rounds where nothing is copied
+
+
 def parse_quantization(text: str) -> str | None:
     """``--quantization`` words: ``none`` = dense, else auto / gguf / int8 / int4."""
     from .models.quantize import QUANTIZATIONS
@@ -51,18 +54,31 @@ def build_proposer(
     0 = a chain), ``medusa`` (with a ``heads`` folder or the shipped heads; ``tree_nodes`` as for eagle),
     ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a path, ``self:N``
     or ``skip:SKIP.json`` / ``skip:LIST`` (the target without those layers); ``tree_width`` > 1: lookup offers
-    that many distinct matches as a token tree. A draft model loads with ``loader`` (default ``load``)."""
+    that many distinct matches as a token tree; ``MODEL+suffix`` (``eagle+suffix``): a ``HybridProposer``
+    copying where the text repeats, else drafting with MODEL. A draft model loads with ``loader`` (default
+    ``load``)."""
     from .proposers import DraftModelProposer, EagleProposer, MedusaProposer, PromptLookupProposer
+    from .proposers.hybrid import HybridProposer
     from .proposers.layer_skip import self_draft_model
 
     if tree_width < 1:
         raise ValueError(f"--tree-width must be >= 1, got {tree_width}")
-    if suffix_cache is not None and kind != "suffix":
+    if suffix_cache is not None and kind != "suffix" and not kind.endswith("+suffix"):
         raise ValueError(f"--suffix-cache applies to the suffix proposer, not {kind}")
     if tree_width > 1 and kind != "lookup":
         raise ValueError(f"--tree-width applies to the lookup proposer, not {kind}")
-    if heads is not None and kind != "medusa":
+    if heads is not None and kind.partition("+")[0] != "medusa":
         raise ValueError(f"--heads applies to the medusa proposer, not {kind}")
+    if "+" in kind:  # a model + a copier: HybridProposer
+        model_kind, _, copier = kind.partition("+")
+        if copier != "suffix" or model_kind not in HYBRID_MODELS:
+            raise ValueError(
+                f"unknown proposer {kind!r}: a hybrid is MODEL+suffix, MODEL one of {', '.join(HYBRID_MODELS)}"
+            )
+        model = build_proposer(
+            model_kind, target, draft, dtype, quantization, group_size, head, tree_nodes, heads, loader=loader
+        )
+        return HybridProposer(model, suffix_proposer(suffix_cache))
     if kind == "lookup":
         return PromptLookupProposer(branches=tree_width)
     if kind in ("eagle", "medusa"):
@@ -75,7 +91,7 @@ def build_proposer(
     if kind == "suffix":
         return suffix_proposer(suffix_cache, tree_nodes)
     if kind != "draft":
-        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, medusa, suffix or none")
+        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, medusa, suffix, eagle+suffix or none")
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
     own = self_draft_model(target, draft)

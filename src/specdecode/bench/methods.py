@@ -17,6 +17,7 @@ from ..params import SamplingParams
 from ..proposers import (
     DraftModelProposer,
     EagleProposer,
+    HybridProposer,
     MedusaProposer,
     PromptLookupProposer,
     Proposer,
@@ -29,7 +30,7 @@ from ..stats import DecodeStats
 PLAIN = "ours:plain"
 HF_PLAIN = "hf:plain"
 HF_PROMPT_LOOKUP_TOKENS = 10
-PROPOSERS = ("lookup", "draft", "eagle", "medusa", "suffix")
+PROPOSERS = ("lookup", "draft", "eagle", "medusa", "suffix", "eagle+suffix")
 
 
 @dataclass(frozen=True)
@@ -255,14 +256,18 @@ def build_methods(
         elif proposer == "lookup":
             makers.append((proposer, PromptLookupProposer))
         elif proposer == "eagle":
-            makers += [(_tree_name("eagle", n), _eagle_factory(target, head, n)) for n in tree_nodes or [None]]
+            makers += _eagle_makers(target, head, tree_nodes)
         elif proposer == "medusa":
             makers += [(_tree_name("medusa", n), _medusa_factory(target, heads, n)) for n in tree_nodes or [None]]
-        elif proposer == "suffix":
-            for m in modes:
-                for g in gammas:
-                    make, forget = suffix_factory()
-                    methods.append(_ours_speculative(target, proposer, make, g, m, setting, forget))
+        elif proposer in ("suffix", "eagle+suffix"):
+            for name, make_model in [("", None)] if proposer == "suffix" else _eagle_makers(target, head, tree_nodes):
+                for m in modes:
+                    for g in gammas:
+                        make, forget = suffix_factory()
+                        if make_model is not None:
+                            make = _hybrid_maker(make_model, make)
+                        label = f"{name}+suffix" if name else proposer
+                        methods.append(_ours_speculative(target, label, make, g, m, setting, forget))
     for name, make in makers:
         methods += [_ours_speculative(target, name, make, g, m, setting) for m in modes for g in gammas]
     if transformers:
@@ -294,6 +299,17 @@ def _tree_shape(tree_nodes: int | None) -> dict[str, int | None]:
     if tree_nodes is not None and tree_nodes < 0:
         raise ValueError(f"tree sizes must be >= 0 (0 = a chain), got {tree_nodes}")
     return {} if tree_nodes is None else {"tree_nodes": tree_nodes or None}
+
+
+def _eagle_makers(
+    target: LoadedModel, head: str | None, tree_nodes: Sequence[int]
+) -> list[tuple[str, Callable[[], Proposer]]]:
+    return [(_tree_name("eagle", n), _eagle_factory(target, head, n)) for n in tree_nodes or [None]]
+
+
+def _hybrid_maker(make_model: Callable[[], Proposer], make_copier: Callable[[], Proposer]) -> Callable[[], Proposer]:
+    """Fresh ``HybridProposer``s: a new model proposer each, the copier over the run's one history."""
+    return lambda: HybridProposer(make_model(), make_copier())  # type: ignore[arg-type]
 
 
 def _eagle_factory(target: LoadedModel, head: str | None, tree_nodes: int | None) -> Callable[[], Proposer]:

@@ -98,6 +98,7 @@ class ProposerChoice(str, Enum):
     eagle = "eagle"
     medusa = "medusa"
     suffix = "suffix"
+    eagle_suffix = "eagle+suffix"
     none = "none"
 
 

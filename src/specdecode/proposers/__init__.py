@@ -3,6 +3,7 @@
 from .base import Draft, Proposer
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
+from .hybrid import HybridProposer
 from .layer_skip import LayerSkipProposer
 from .medusa import MedusaProposer
 from .prompt_lookup import PromptLookupProposer
@@ -12,6 +13,7 @@ __all__ = [
     "Draft",
     "DraftModelProposer",
     "EagleProposer",
+    "HybridProposer",
     "LayerSkipProposer",
     "MedusaProposer",
     "PromptLookupProposer",

@@ -193,6 +193,7 @@ class SuffixProposer:
         history) and the list it was last synced from."""
         self._request = SuffixIndex()
         self._source: list[int] | None = None
+        self.last_order = 0  # the matched suffix's length behind the last draft (0: none)
 
     # -- sharing and persistence ---------------------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class SuffixProposer:
     # -- drafting ------------------------------------------------------------------------------------------
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        self.last_order = 0
         if k <= 0 or not context:
             return EMPTY_DRAFT
         self._sync(context)
@@ -271,8 +273,10 @@ class SuffixProposer:
             with history.lock:  # eviction re-indexes: find and read under one hold
                 longer, found = self._longest(history.index, context, hashes, m)
                 if longer > m:
+                    self.last_order = longer
                     depth = self._depth(longer, k)
                     return [history.index.continuation(s, depth) for s in found]
+        self.last_order = m
         depth = self._depth(m, k)
         return [request.continuation(s, depth) for s in starts]
 

@@ -121,6 +121,11 @@ class ServerConfig:
             raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_scope!r}")
         if self.suffix_cache is not None and self.proposer != "suffix":
             raise ValueError("--suffix-cache applies to --proposer suffix")
+        if "+" in self.proposer:
+            raise ValueError(
+                f"--proposer {self.proposer} is not served yet (its copied runs need the scheduler to let a proposer "
+                "choose its draft length): use it with generate, bench or the Python API (HybridProposer)"
+            )
         if self.heads is not None and self.proposer != "medusa":
             raise ValueError("--heads applies to --proposer medusa")
 

@@ -1,0 +1,120 @@
+"""Copy where the text repeats, else ask a model: suffix decoding's guesses when the context's suffix matched at
+least ``min_order`` tokens of earlier text, the draft model's (an EAGLE head's) otherwise.
+
+A copied run is accepted far more often than a head's guess where text repeats (a summary quoting its source, a
+second turn revising the first, code), and costs ~40 µs to find; a head guesses anywhere but is accepted ~45% of
+the time on chat and costs ~0.15 of a step a guess. So each round drafts one way: the copier's draft, as deep as
+its match earns (up to the round's k), when its match is long enough and it offers at least ``min_copied``
+tokens; else the model's, at most ``model_gamma`` guesses (γ1 pays best for the shipped head on a CPU). On
+Spec-Bench this beats both alone (docs/BENCHMARKS.md).
+
+Exactness: which proposer drafts is a function of the context alone (the suffix match), never of a draw, so the
+round is verified against the chosen proposer's own law (``probs``; a copied run is a point mass) and every
+verification rule stays exact; in reproducible mode the model drafts with the keyed noise, copies are fixed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..keyed_noise import KeyedNoise
+from ..params import SamplingParams
+from .base import CoupledProposer, Draft, Proposer
+from .suffix import SuffixProposer
+
+DEFAULT_MIN_ORDER = 4  # tokens of matched suffix before a copy is trusted (2 to 8 measured: docs/BENCHMARKS.md)
+
+
+class HybridProposer:
+    """Drafts each round with ``copier`` (suffix decoding) or ``model`` (EAGLE, Medusa, a draft model).
+
+    The decoder runs it at a fixed length: ``gamma`` caps a copied run, and ``gamma="auto"`` means
+    ``max_gamma`` (``chooses_length``: γ auto's controller prices one proposer's acceptance, and a head's ~45%
+    would cut copies of ~90% to one token). The model drafts at most ``model_gamma`` guesses a round.
+    """
+
+    chooses_length = True
+
+    def __init__(
+        self,
+        model: Proposer,
+        copier: SuffixProposer | None = None,
+        *,
+        min_order: int = DEFAULT_MIN_ORDER,
+        min_copied: int = 2,
+        model_gamma: int = 1,
+    ) -> None:
+        if min_order < 1:
+            raise ValueError(f"min_order must be >= 1, got {min_order}")
+        if min_copied < 1:
+            raise ValueError(f"min_copied must be >= 1, got {min_copied}")
+        if model_gamma < 1:
+            raise ValueError(f"model_gamma must be >= 1, got {model_gamma}")
+        self.model = model
+        self.copier = SuffixProposer() if copier is None else copier
+        self.min_order = min_order
+        self.min_copied = min_copied
+        self.model_gamma = model_gamma
+        self.needs_target_hidden = getattr(model, "needs_target_hidden", False)
+        self.copied_rounds = 0  # rounds drafted by each side, for reports and tests
+        self.model_rounds = 0
+
+    def fork(self) -> HybridProposer:
+        """A proposer for another request stream: the copier's request state its own (the history shared), the
+        model shared (it resyncs to the context it is given)."""
+        return HybridProposer(
+            self.model,
+            self.copier.fork(),
+            min_order=self.min_order,
+            min_copied=self.min_copied,
+            model_gamma=self.model_gamma,
+        )
+
+    def save(self, path) -> None:
+        """Write the copier's history (``SuffixProposer.save``): ``generate --suffix-cache`` keeps it for next time."""
+        self.copier.save(path)
+
+    # -- what the decoder hands over -----------------------------------------------------------------------
+
+    def observe_target(self, hidden: list[torch.Tensor]) -> None:
+        """An EAGLE head's features: kept by the model on copied rounds too, so it can catch up when it next drafts."""
+        self.model.observe_target(hidden)  # type: ignore[attr-defined]
+
+    def bind_target(self, vocabulary: str, costs=None, vocab_size: int | None = None) -> None:
+        self.copier.bind_target(vocabulary, costs, vocab_size)
+        bind = getattr(self.model, "bind_target", None)
+        if bind is not None:
+            bind(vocabulary, costs, vocab_size)
+
+    def end_request(self, context: list[int]) -> None:
+        self.copier.end_request(context)
+        end = getattr(self.model, "end_request", None)
+        if end is not None:
+            end(context)
+
+    # -- drafting ------------------------------------------------------------------------------------------
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        copied = self._copy(context, k, params, generator)
+        if copied is not None:
+            return copied
+        self.model_rounds += 1
+        return self.model.propose(context, min(k, self.model_gamma), params, generator)
+
+    def propose_coupled(self, context: list[int], k: int, params: SamplingParams, noise: KeyedNoise) -> Draft:
+        copied = self._copy(context, k, params, torch.Generator())  # a copy draws nothing
+        if copied is not None:
+            return copied
+        self.model_rounds += 1
+        depth = min(k, self.model_gamma)
+        if isinstance(self.model, CoupledProposer):
+            return self.model.propose_coupled(context, depth, params, noise)
+        raise TypeError(f"{type(self.model).__name__} cannot draft with keyed noise (reproducible mode)")
+
+    def _copy(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft | None:
+        """The copier's draft if its match is at least ``min_order`` tokens and it offers ``min_copied`` tokens."""
+        draft = self.copier.propose(context, k, params, generator)
+        if self.copier.last_order < self.min_order or len(draft) < self.min_copied:
+            return None
+        self.copied_rounds += 1
+        return draft
