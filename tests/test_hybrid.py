@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB
+from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from test_eagle import WORDS
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
 
 import specdecode as sd
@@ -47,6 +48,22 @@ def test_a_long_enough_match_is_copied_and_anything_else_goes_to_the_model_cappe
     assert model.asked == [2, 1]
     assert propose(hybrid, [1, 7, 8, 9, 10, 11, 12, 13]).tokens.tolist() == [1, 1]  # only 1 token to copy (< 2)
     assert (hybrid.copied_rounds, hybrid.model_rounds) == (1, 3)
+
+
+def test_preview_names_the_side_and_length_propose_then_drafts_and_a_short_round_copies_what_fits():
+    history = SuffixHistory()
+    history.add([7, 8, 9, 10, 11, 12, 13, 14])
+    model = CountingModel()
+    hybrid = HybridProposer(model, SuffixProposer(history), min_order=3, model_gamma=2)
+    cases = [([1, 7, 8, 9], 8, ("copy", 5)), ([1, 2, 8, 9], 8, ("model", 2)), ([1, 7, 8, 9], 1, ("copy", 1))]
+    cases.append(([1, 7, 8, 9, 10, 11, 12, 13], 8, ("model", 2)))  # 1 token to copy, fewer than min_copied
+    for context, k, expected in cases:
+        counts = (hybrid.copied_rounds, hybrid.model_rounds, len(model.asked))
+        assert hybrid.preview(context, k) == expected
+        assert (hybrid.copied_rounds, hybrid.model_rounds, len(model.asked)) == counts  # a preview drafts nothing
+        draft = propose(hybrid, context, k)
+        assert (hybrid.last_side, len(draft)) == expected, context
+    assert propose(hybrid, [1, 7, 8, 9], k=1).tokens.tolist() == [10]  # k 1 < min_copied: still a copy
 
 
 def test_settings_are_validated():
@@ -125,8 +142,9 @@ def test_the_cli_words_build_a_hybrid_and_refuse_what_is_not_one(large_target, h
         build_proposer("eagle+lookup", large_target, None)
     with pytest.raises(ValueError, match="--tree-width applies to the lookup proposer"):
         build_proposer("eagle+suffix", large_target, None, tree_width=2)
-    with pytest.raises(ValueError, match="not served yet"):
-        ServerConfig(target=large_target, proposer="eagle+suffix")
+    assert ServerConfig(target=large_target, proposer="eagle+suffix", suffix_cache="h.bin").copies
+    with pytest.raises(ValueError, match="--heads applies to --proposer medusa"):
+        ServerConfig(target=large_target, proposer="eagle+suffix", heads="heads")
 
 
 def test_bench_runs_the_hybrid_with_plain_output(large_target, head_dir):
@@ -148,3 +166,27 @@ def test_generate_cli_keeps_the_copiers_history_in_the_suffix_cache(large_target
     decoder.generate(PROMPTS[0], GREEDY)
     hybrid.save(history_file)
     assert len(SuffixProposer.load(history_file).history) > len(PROMPTS[0])
+
+
+@pytest.mark.parametrize("mode", ["reproducible", "exact"])
+def test_the_server_serves_the_hybrid_as_plain_decoding_and_keeps_each_sides_books(head_dir, mode):
+    """Greedy requests through the scheduler: the first answer goes to the copier's history (global scope), so
+    the repeat is mostly copied; the texts are plain decoding's, and the policy learns each side apart."""
+    import httpx
+
+    from specdecode.serving import ServerConfig, create_app
+    from specdecode.serving.local import LocalServer
+
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS), backend="native")
+    hybrid = HybridProposer(EagleProposer(target, head=head_dir), SuffixProposer())
+    config = ServerConfig(target=target, mode=mode, policy="always", proposers={"eagle+suffix": hybrid.fork})
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0]]
+    with LocalServer(create_app(config)) as running:
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "speculative": {"proposer": "eagle+suffix"}}
+            answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
+            assert answer["choices"][0]["text"] == sd.autoregressive_generate(target, prompt, GREEDY).text
+        books = running.app.state.server.scheduler._acceptance
+    assert {"eagle+suffix:copy", "eagle+suffix:model"} <= set(books)
+    copy, model = books["eagle+suffix:copy"], books["eagle+suffix:model"]
+    assert len(copy.reached) > 1 and len(model.reached) == 1  # copies ran several deep; the head guesses once

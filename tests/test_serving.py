@@ -582,6 +582,9 @@ def test_bench_serve_writes_a_report_and_plots(cli_target, tmp_path):
     assert "| 2 | auto |" in report and "best fixed policy" in report
     for name in ("serve_tokens_per_s.png", "serve_ttft.png", "serve_itl.png"):
         assert (tmp_path / name).stat().st_size > 1000
+    refused = CliRunner().invoke(cli.app, [*args, "--suffix-scope", "user", "--out", str(tmp_path / "x")])
+    assert refused.exit_code != 0 and "--suffix-scope must be global or request" in refused.output
+    assert "Traceback" not in refused.output
 
 
 def test_bench_serve_rotates_the_policy_order_and_starts_each_run_fresh(target):

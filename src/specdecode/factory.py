@@ -49,6 +49,7 @@ def build_proposer(
     tree_width: int = 1,
     suffix_cache: str | None = None,
     loader: Callable[[str, str, str, int], LoadedModel] | None = None,
+    suffix_remember: bool = True,
 ) -> Proposer:
     """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
     0 = a chain), ``medusa`` (with a ``heads`` folder or the shipped heads; ``tree_nodes`` as for eagle),
@@ -56,7 +57,8 @@ def build_proposer(
     or ``skip:SKIP.json`` / ``skip:LIST`` (the target without those layers); ``tree_width`` > 1: lookup offers
     that many distinct matches as a token tree; ``MODEL+suffix`` (``eagle+suffix``): a ``HybridProposer``
     copying where the text repeats, else drafting with MODEL. A draft model loads with ``loader`` (default
-    ``load``)."""
+    ``load``); ``suffix_remember`` False: a hybrid's copier keeps no request's text once it ends (the server's
+    request scope)."""
     from .proposers import DraftModelProposer, EagleProposer, MedusaProposer, PromptLookupProposer
     from .proposers.hybrid import HybridProposer
     from .proposers.layer_skip import self_draft_model
@@ -78,7 +80,7 @@ def build_proposer(
         model = build_proposer(
             model_kind, target, draft, dtype, quantization, group_size, head, tree_nodes, heads, loader=loader
         )
-        return HybridProposer(model, suffix_proposer(suffix_cache))
+        return HybridProposer(model, suffix_proposer(suffix_cache, remember=suffix_remember))
     if kind == "lookup":
         return PromptLookupProposer(branches=tree_width)
     if kind in ("eagle", "medusa"):

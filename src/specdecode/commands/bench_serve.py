@@ -94,6 +94,14 @@ def bench_serve(
     max_batch: Annotated[int | None, typer.Option(help="Server's max batch (default: the most clients).")] = None,
     warmup: Annotated[float, typer.Option(help="Seconds of untimed load before the runs.")] = 5.0,
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
+    suffix_scope: Annotated[
+        str,
+        typer.Option(
+            help="--proposer suffix or eagle+suffix: global (the history keeps every finished request, so from the "
+            "second run on it has seen the prompts: repeated traffic) or request (each request's own tokens only: "
+            "fresh prompts)."
+        ),
+    ] = "global",
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
@@ -111,6 +119,8 @@ def bench_serve(
             raise ValueError("--duration must be > 0, --warmup >= 0, --repeats >= 1 and --max-tokens >= 1")
         if proposer is ProposerChoice.none:
             raise ValueError("--proposer none leaves nothing to compare: choose lookup or draft")
+        if suffix_scope not in ("global", "request"):
+            raise ValueError(f"--suffix-scope must be global or request, got {suffix_scope!r}")
         if prompts == "sharegpt":
             turns = _sharegpt_turns(limit or SHAREGPT_PROMPTS, seed=0)
         else:
@@ -145,6 +155,7 @@ def bench_serve(
                 dtype=dtype,
                 quantization=quantization,
                 group_size=group_size,
+                suffix_scope=suffix_scope,
             )
         )
     bodies: list[dict[str, Any]] = []
@@ -185,6 +196,7 @@ def bench_serve(
         "repeats": repeats,
         "max_batch": max_batch or max(counts),
         "weights": loaded.quantization or "dense",
+        "suffix_scope": suffix_scope,
     }
     written = write_report(rows, out, setup, machine_info())
     table = Table("clients", "policy", "tokens/s", "±", "TTFT p50/p99 ms", "ITL p50/p99 ms", "errors", "spec steps")

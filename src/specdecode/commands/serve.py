@@ -50,13 +50,13 @@ def serve(
     group_size: GroupSizeOption = 32,
     suffix_cache: str | None = typer.Option(
         None,
-        help="--proposer suffix: a history file (from `specdecode index` or an earlier run) loaded at start; with "
-        "--suffix-scope global the server writes its history back to it at shutdown.",
+        help="--proposer suffix or eagle+suffix: a history file (from `specdecode index` or an earlier run) loaded "
+        "at start; with --suffix-scope global the server writes its history back to it at shutdown.",
     ),
     suffix_scope: str = typer.Option(
         "global",
-        help="--proposer suffix: global (drafts from every earlier request's prompt and answer) or request (from "
-        "the request's own tokens and --suffix-cache only: no timing hints about other users' text).",
+        help="--proposer suffix or eagle+suffix: global (drafts from every earlier request's prompt and answer) or "
+        "request (from the request's own tokens and --suffix-cache only: no timing hints about other users' text).",
     ),
     heads: HeadsOption = None,
 ) -> None:

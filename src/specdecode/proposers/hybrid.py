@@ -5,12 +5,14 @@ A copied run is accepted far more often than a head's guess where text repeats (
 second turn revising the first, code), and costs ~40 µs to find; a head guesses anywhere but is accepted ~45% of
 the time on chat and costs ~0.15 of a step a guess. So each round drafts one way: the copier's draft, as deep as
 its match earns (up to the round's k), when its match is long enough and it offers at least ``min_copied``
-tokens; else the model's, at most ``model_gamma`` guesses (γ1 pays best for the shipped head on a CPU). On
-Spec-Bench this beats both alone (docs/BENCHMARKS.md).
+tokens (or all k, where k is smaller); else the model's, at most ``model_gamma`` guesses (γ1 pays best for the
+shipped head on a CPU). On Spec-Bench it is level with prompt lookup and ~1.1× the head alone; on chat no one
+tuned on, ahead of both (docs/BENCHMARKS.md).
 
-Exactness: which proposer drafts is a function of the context alone (the suffix match), never of a draw, so the
-round is verified against the chosen proposer's own law (``probs``; a copied run is a point mass) and every
-verification rule stays exact; in reproducible mode the model drafts with the keyed noise, copies are fixed.
+Exactness: which proposer drafts is a function of the context and the round's k alone (the suffix match), never
+of a draw, so the round is verified against the chosen proposer's own law (``probs``; a copied run is a point
+mass) and every verification rule stays exact; in reproducible mode the model drafts with the keyed noise,
+copies are fixed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..params import SamplingParams
 from .base import CoupledProposer, Draft, Proposer
 from .suffix import SuffixProposer
 
+GREEDY_PREVIEW = SamplingParams(temperature=0.0)  # a copy is the same whatever the sampling settings
 DEFAULT_MIN_ORDER = 4  # tokens of matched suffix before a copy is trusted (2 to 8 measured: docs/BENCHMARKS.md)
 
 
@@ -58,6 +61,7 @@ class HybridProposer:
         self.needs_target_hidden = getattr(model, "needs_target_hidden", False)
         self.copied_rounds = 0  # rounds drafted by each side, for reports and tests
         self.model_rounds = 0
+        self.last_side: str | None = None  # "copy" or "model": who drafted the last round (the server's books)
 
     def fork(self) -> HybridProposer:
         """A proposer for another request stream: the copier's request state its own (the history shared), the
@@ -94,27 +98,45 @@ class HybridProposer:
 
     # -- drafting ------------------------------------------------------------------------------------------
 
+    def preview(self, context: list[int], k: int) -> tuple[str, int]:
+        """Which side would draft a round of at most ``k`` after ``context``, and how many tokens: ("copy", the
+        copied run's length) or ("model", its guesses). A function of (context, k) alone, as ``propose``'s choice
+        is; the server plans each round's length with the chosen side's acceptance (``serving.scheduler``)."""
+        copied = self._copy(context, k, GREEDY_PREVIEW, torch.Generator(), count=False)
+        if copied is not None:
+            return "copy", len(copied)
+        return "model", min(k, self.model_gamma)
+
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         copied = self._copy(context, k, params, generator)
         if copied is not None:
             return copied
-        self.model_rounds += 1
+        self._count_model_round()
         return self.model.propose(context, min(k, self.model_gamma), params, generator)
 
     def propose_coupled(self, context: list[int], k: int, params: SamplingParams, noise: KeyedNoise) -> Draft:
         copied = self._copy(context, k, params, torch.Generator())  # a copy draws nothing
         if copied is not None:
             return copied
-        self.model_rounds += 1
+        self._count_model_round()
         depth = min(k, self.model_gamma)
         if isinstance(self.model, CoupledProposer):
             return self.model.propose_coupled(context, depth, params, noise)
         raise TypeError(f"{type(self.model).__name__} cannot draft with keyed noise (reproducible mode)")
 
-    def _copy(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft | None:
-        """The copier's draft if its match is at least ``min_order`` tokens and it offers ``min_copied`` tokens."""
+    def _count_model_round(self) -> None:
+        self.model_rounds += 1
+        self.last_side = "model"
+
+    def _copy(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, count: bool = True
+    ) -> Draft | None:
+        """The copier's draft if its match is at least ``min_order`` tokens and it offers ``min_copied`` tokens
+        (or all k, where k is smaller)."""
         draft = self.copier.propose(context, k, params, generator)
-        if self.copier.last_order < self.min_order or len(draft) < self.min_copied:
+        if self.copier.last_order < self.min_order or len(draft) < min(self.min_copied, k):
             return None
-        self.copied_rounds += 1
+        if count:
+            self.copied_rounds += 1
+            self.last_side = "copy"
         return draft

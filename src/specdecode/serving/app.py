@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Request, SpeculativeDecoder
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
-from ..proposers import DraftModelProposer, PromptLookupProposer, Proposer, SuffixProposer
+from ..proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer, SuffixProposer
 from .metrics import ServerMetrics
 from .policy import POLICIES, SpeculationPolicy
 from .protocol import (
@@ -73,12 +73,13 @@ class ServerConfig:
     """What ``specdecode serve`` serves and how (picklable when ``target`` is a name: Ray ships it to replicas).
 
     ``proposer``: the default proposer (``lookup``, ``draft`` with ``draft`` = a model path, ``self:N`` or
-    ``skip:SKIP.json``, or ``none``); requests may pick ``none``, ``lookup``, this one, or a name in
+    ``skip:SKIP.json``, ``eagle``, ``medusa``, ``suffix``, a hybrid ``MODEL+suffix`` such as ``eagle+suffix``,
+    or ``none``); requests may pick ``none``, ``lookup``, this one, or a name in
     ``proposers`` (extra factories).
     ``gamma``: the most tokens a round drafts (an integer or ``auto`` = up to ``max_gamma``); ``policy``:
     ``auto`` (speculate when the measured costs say it pays), ``always`` or ``never``; ``mode``: the verification
     rule, ``reproducible`` (default: a seed gives the same text whatever the batch or the policy does) or
-    ``exact``. ``suffix_scope``: with the suffix proposer, ``global`` (one history of every request's prompt
+    ``exact``. ``suffix_scope``: with the suffix proposer or a hybrid, ``global`` (one history of every request's prompt
     and answer, updated as requests end) or ``request`` (each request drafts from its own tokens and the
     ``suffix_cache`` corpus only); ``suffix_cache``: a history file loaded at start (global scope: saved back at
     shutdown).
@@ -119,15 +120,15 @@ class ServerConfig:
             raise ValueError("the draft proposer needs a draft model: a path, self:N or skip:SKIP.json")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_scope!r}")
-        if self.suffix_cache is not None and self.proposer != "suffix":
-            raise ValueError("--suffix-cache applies to --proposer suffix")
-        if "+" in self.proposer:
-            raise ValueError(
-                f"--proposer {self.proposer} is not served yet (its copied runs need the scheduler to let a proposer "
-                "choose its draft length): use it with generate, bench or the Python API (HybridProposer)"
-            )
-        if self.heads is not None and self.proposer != "medusa":
-            raise ValueError("--heads applies to --proposer medusa")
+        if self.suffix_cache is not None and not self.copies:
+            raise ValueError("--suffix-cache applies to --proposer suffix or a hybrid (eagle+suffix)")
+        if self.heads is not None and self.proposer.partition("+")[0] != "medusa":
+            raise ValueError("--heads applies to --proposer medusa (or medusa+suffix)")
+
+    @property
+    def copies(self) -> bool:
+        """Whether the proposer drafts from a suffix history (``suffix``, ``MODEL+suffix``)."""
+        return self.proposer == "suffix" or self.proposer.endswith("+suffix")
 
 
 def replicate(proposer: Proposer) -> Callable[[], Proposer]:
@@ -139,7 +140,7 @@ def replicate(proposer: Proposer) -> Callable[[], Proposer]:
         return lambda: DraftModelProposer(proposer.model)
     if isinstance(proposer, PromptLookupProposer):
         return lambda: PromptLookupProposer(proposer.max_ngram, proposer.min_ngram, proposer.branches)
-    if isinstance(proposer, SuffixProposer):
+    if isinstance(proposer, SuffixProposer | HybridProposer):
         return proposer.fork  # one history for every request (request scope: the prototype does not remember)
     return lambda: proposer
 
@@ -161,8 +162,9 @@ class Server:
             target = load(config.target, config.dtype, config.quantization, config.group_size)
         self.target = target
         prototype = None
+        remember = config.suffix_scope == "global"
         if config.proposer == "suffix":
-            prototype = suffix_proposer(config.suffix_cache, remember=config.suffix_scope == "global")
+            prototype = suffix_proposer(config.suffix_cache, remember=remember)
         elif config.proposer != PLAIN:
             prototype = build_proposer(
                 config.proposer,
@@ -172,8 +174,12 @@ class Server:
                 config.quantization,
                 config.group_size,
                 heads=config.heads,
+                suffix_cache=config.suffix_cache,
+                suffix_remember=remember,
             )
-        self.suffix = prototype if isinstance(prototype, SuffixProposer) else None
+        self.suffix = prototype.copier if isinstance(prototype, HybridProposer) else prototype
+        if not isinstance(self.suffix, SuffixProposer):
+            self.suffix = None
         factories: dict[str, Callable[[], Proposer]] = {"lookup": PromptLookupProposer}
         if prototype is not None:
             factories[config.proposer] = replicate(prototype)

@@ -21,6 +21,7 @@ full gamma; ``never`` drafts nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import mul
@@ -185,7 +186,9 @@ def _gains(candidate: Candidate) -> list[float]:
     return list(accumulate(candidate.acceptance[: candidate.cap], mul))
 
 
-def blended_acceptance(accepted: list[int], reached: list[int], prior: Acceptance, positions: int) -> tuple[float, ...]:
+def blended_acceptance(
+    accepted: Sequence[float], reached: Sequence[float], prior: Acceptance, positions: int
+) -> tuple[float, ...]:
     """A request's acceptance per position: its own counts with ``PRIOR_WEIGHT`` rounds of the server-wide
     estimate for its proposer as the prior (a new request starts from the server's experience)."""
     rates = []

@@ -6,7 +6,10 @@ step the thread (1) drops requests whose client went away and admits waiting one
 policy how many tokens each request drafts, (3) drafts them (``SpeculativeDecoder.draft``), (4) runs ONE
 target pass for all of them (``forward_batch``: every request's newest token plus its draft; a token tree,
 with positions and a mask of its own, runs alone), and (5)
-verifies, emits and handles stops per request (``SpeculativeDecoder.settle``). Requests join and leave
+verifies, emits and handles stops per request (``SpeculativeDecoder.settle``). A hybrid proposer
+(``chooses_length``: ``eagle+suffix``) says before (2) which side would draft (a copied run or the model's
+guesses) and how far; the policy prices that round with that side's acceptance and drafting cost, kept apart
+(``eagle+suffix:copy``, ``eagle+suffix:model``), so a head's ~45% never cuts a ~90% copy short. Requests join and leave
 between steps. Events (text deltas, the final output, an error) go back through each job's ``deliver``
 callback, which the HTTP side makes thread-safe (``loop.call_soon_threadsafe``).
 
@@ -84,6 +87,7 @@ class Job:
         self.arrived = time.perf_counter()
         self.slot: Slot | None = None
         self.proposer: Proposer | None = None
+        self.side_acceptance: dict[str, Acceptance] = {}  # a hybrid's request: its own counts, side by side
         self.sent_tokens = 0
         self.last_token_at: float | None = None
         self._text: list[str] = []
@@ -262,8 +266,15 @@ class Scheduler:
         name, gamma = job.speculation.proposer, job.speculation.gamma
         cap = max(0, min(self.max_gamma if gamma == "auto" else gamma, job.request.sink.remaining - 1))
         stats = job.request.stats
+        accepted, reached = stats.per_position, stats.per_position_reached
+        if cap and getattr(job.proposer, "chooses_length", False):
+            # a hybrid: the side that would draft (a copy or a model) and its length, priced by that side's books
+            side, length = job.proposer.preview(job.request.context, cap)  # type: ignore[attr-defined]
+            cap, name = min(cap, length), f"{name}:{side}"
+            own = job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0))
+            accepted, reached = own.accepted, own.reached
         prior = self._acceptance.setdefault(name, Acceptance())
-        rates = blended_acceptance(stats.per_position, stats.per_position_reached, prior, cap)
+        rates = blended_acceptance(accepted, reached, prior, cap)
         return Candidate(cap, rates, self._draft_seconds.get(name, 0.0))
 
     def _step(self) -> None:
@@ -330,6 +341,10 @@ class Scheduler:
         drafted, accepted = len(pending.draft), stats.accepted - accepted_before
         if drafted:
             name = job.speculation.proposer
+            side = getattr(job.proposer, "last_side", None)  # a hybrid: the books of the side that drafted
+            if side is not None:
+                name = f"{name}:{side}"
+                job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0)).observe(drafted, accepted)
             self._acceptance.setdefault(name, Acceptance()).observe(drafted, accepted)
             per_token = pending.draft_seconds / drafted
             old = self._draft_seconds.get(name)
