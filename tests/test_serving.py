@@ -15,12 +15,13 @@ from http.client import HTTPConnection
 import httpx
 import openai
 import pytest
+import torch
 from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
 
 import specdecode as sd
 from specdecode.bench.serve_load import run_load, scrape
 from specdecode.engine import Request
-from specdecode.proposers.base import EMPTY_DRAFT
+from specdecode.proposers.base import EMPTY_DRAFT, Draft
 from specdecode.serving import ServerConfig, create_app
 from specdecode.serving.local import LocalServer
 
@@ -66,6 +67,21 @@ class FeatureCheck:
         if self.rows != len(context) - 1:
             raise AssertionError(f"{self.rows} feature rows for a context of {len(context)} tokens")
         return sd.PromptLookupProposer().propose(context, k, params, generator)
+
+
+class CatchesUp:
+    """Drafts on every other call, and pays 50 ms each time it does: the catch-up of a proposer with state after
+    a round it did not draft (an EAGLE head after a plain step)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, context, k, params, generator):
+        self.calls += 1
+        if self.calls % 2:
+            return EMPTY_DRAFT
+        time.sleep(0.05)
+        return sd.PromptLookupProposer().propose(context, k, params, generator) or Draft(torch.tensor([1]))
 
 
 class Slow:
@@ -633,3 +649,19 @@ def test_suffix_options_are_checked():
         ServerConfig(proposer="suffix", suffix_scope="user")
     with pytest.raises(ValueError, match="--suffix-cache applies to --proposer suffix"):
         ServerConfig(proposer="lookup", suffix_cache="x.bin")
+
+
+def test_a_round_after_one_its_proposer_did_not_draft_is_not_a_drafting_price(target):
+    """Every drafted round of ``CatchesUp`` follows an empty one and holds a 50 ms catch-up: none is priced (the
+    policy would take the head for dear and stop drafting), while its acceptance is still learned."""
+    config = ServerConfig(target=target, gamma=4, policy="always", proposers={"catches-up": CatchesUp})
+    with LocalServer(create_app(config)) as running:
+        body = body_for("completions", REPEATING, max_tokens=16, temperature=0, speculative={"proposer": "catches-up"})
+        answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
+        assert answer["choices"][0]["text"] == plain_text(target, target.encode(REPEATING), 16)
+        scheduler = running.app.state.server.scheduler
+        assert "catches-up" in scheduler._acceptance and "catches-up" not in scheduler._draft_seconds
+        assert "lookup" not in scheduler._draft_seconds  # no request drafted with it
+        body["speculative"] = {"proposer": "lookup"}
+        assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert scheduler._draft_seconds["lookup"] < 0.05  # rounds in a row: priced

@@ -88,6 +88,11 @@ class Job:
         self.slot: Slot | None = None
         self.proposer: Proposer | None = None
         self.side_acceptance: dict[str, Acceptance] = {}  # a hybrid's request: its own counts, side by side
+        # who drafted this request's last round (None: a plain step, or none yet). A proposer with state (an EAGLE
+        # head's cache, a draft model's) first catches up on the tokens it did not draft, so only a round that
+        # follows one drafted by the same proposer (a hybrid: the same side) prices drafting: priced with its
+        # catch-ups, a head looked so dear that the policy drafted on 2% of steps (docs/BENCHMARKS.md)
+        self.drafted_by: str | None = None
         self.sent_tokens = 0
         self.last_token_at: float | None = None
         self._text: list[str] = []
@@ -339,6 +344,7 @@ class Scheduler:
             self._fail(job, exc)
             return
         drafted, accepted = len(pending.draft), stats.accepted - accepted_before
+        name = None
         if drafted:
             name = job.speculation.proposer
             side = getattr(job.proposer, "last_side", None)  # a hybrid: the books of the side that drafted
@@ -346,11 +352,13 @@ class Scheduler:
                 name = f"{name}:{side}"
                 job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0)).observe(drafted, accepted)
             self._acceptance.setdefault(name, Acceptance()).observe(drafted, accepted)
-            per_token = pending.draft_seconds / drafted
-            old = self._draft_seconds.get(name)
-            self._draft_seconds[name] = (
-                per_token if old is None else (1 - DRAFT_COST_SMOOTHING) * old + DRAFT_COST_SMOOTHING * per_token
-            )
+            if job.drafted_by == name:  # else the time holds a catch-up (see Job.drafted_by), not a price
+                per_token = pending.draft_seconds / drafted
+                old = self._draft_seconds.get(name)
+                self._draft_seconds[name] = (
+                    per_token if old is None else (1 - DRAFT_COST_SMOOTHING) * old + DRAFT_COST_SMOOTHING * per_token
+                )
+        job.drafted_by = name
         self.metrics.observe_round(drafted, accepted)
         self._emit(job)
         if job.request.done:
