@@ -64,6 +64,9 @@ def test_preview_names_the_side_and_length_propose_then_drafts_and_a_short_round
         draft = propose(hybrid, context, k)
         assert (hybrid.last_side, len(draft)) == expected, context
     assert propose(hybrid, [1, 7, 8, 9], k=1).tokens.tolist() == [10]  # k 1 < min_copied: still a copy
+    rounds = (hybrid.copied_rounds, hybrid.model_rounds)
+    assert len(propose(hybrid, [1, 7, 8, 9], k=0)) == 0 and model.asked[-1] == 0  # a plain step: the model catches up
+    assert (hybrid.copied_rounds, hybrid.model_rounds, hybrid.last_side) == (*rounds, "copy")  # and it is no round
 
 
 def test_settings_are_validated():

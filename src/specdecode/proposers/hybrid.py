@@ -111,22 +111,24 @@ class HybridProposer:
         copied = self._copy(context, k, params, generator)
         if copied is not None:
             return copied
-        self._count_model_round()
+        self._count_model_round(k)
         return self.model.propose(context, min(k, self.model_gamma), params, generator)
 
     def propose_coupled(self, context: list[int], k: int, params: SamplingParams, noise: KeyedNoise) -> Draft:
         copied = self._copy(context, k, params, torch.Generator())  # a copy draws nothing
         if copied is not None:
             return copied
-        self._count_model_round()
+        self._count_model_round(k)
         depth = min(k, self.model_gamma)
         if isinstance(self.model, CoupledProposer):
             return self.model.propose_coupled(context, depth, params, noise)
         raise TypeError(f"{type(self.model).__name__} cannot draft with keyed noise (reproducible mode)")
 
-    def _count_model_round(self) -> None:
-        self.model_rounds += 1
-        self.last_side = "model"
+    def _count_model_round(self, k: int) -> None:
+        """k 0 is a plain step (the server's policy, a spent budget): the model is still called, to catch up."""
+        if k > 0:
+            self.model_rounds += 1
+            self.last_side = "model"
 
     def _copy(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, count: bool = True
