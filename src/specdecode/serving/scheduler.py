@@ -112,6 +112,12 @@ class Slot:
         self.proposers: dict[str, Proposer] = {}
 
 
+def _side_books(job: Job, side: str) -> tuple[str, Acceptance]:
+    """A hybrid's books for one side (``copy``, ``model``): the server-wide name (``eagle+suffix:copy``) and the
+    request's own counts."""
+    return f"{job.speculation.proposer}:{side}", job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0))
+
+
 _WAKE = object()
 _STOP = object()
 
@@ -275,9 +281,8 @@ class Scheduler:
         if cap and getattr(job.proposer, "chooses_length", False):
             # a hybrid: the side that would draft (a copy or a model) and its length, priced by that side's books
             side, length = job.proposer.preview(job.request.context, cap)  # type: ignore[attr-defined]
-            cap, name = min(cap, length), f"{name}:{side}"
-            own = job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0))
-            accepted, reached = own.accepted, own.reached
+            name, own = _side_books(job, side)
+            cap, accepted, reached = min(cap, length), own.accepted, own.reached
         prior = self._acceptance.setdefault(name, Acceptance())
         rates = blended_acceptance(accepted, reached, prior, cap)
         return Candidate(cap, rates, self._draft_seconds.get(name, 0.0))
@@ -347,10 +352,9 @@ class Scheduler:
         name = None
         if drafted:
             name = job.speculation.proposer
-            side = getattr(job.proposer, "last_side", None)  # a hybrid: the books of the side that drafted
-            if side is not None:
-                name = f"{name}:{side}"
-                job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0)).observe(drafted, accepted)
+            if getattr(job.proposer, "chooses_length", False):  # a hybrid: the books of the side that drafted
+                name, own = _side_books(job, job.proposer.last_side)  # type: ignore[attr-defined]
+                own.observe(drafted, accepted)
             self._acceptance.setdefault(name, Acceptance()).observe(drafted, accepted)
             if job.drafted_by == name:  # else the time holds a catch-up (see Job.drafted_by), not a price
                 per_token = pending.draft_seconds / drafted
