@@ -69,6 +69,38 @@ def test_preview_names_the_side_and_length_propose_then_drafts_and_a_short_round
     assert (hybrid.copied_rounds, hybrid.model_rounds, hybrid.last_side) == (*rounds, "copy")  # and it is no round
 
 
+def test_a_propose_after_a_preview_keeps_its_side_and_copies_its_first_tokens_without_searching_again():
+    history = SuffixHistory()
+    history.add([7, 8, 9, 10, 11, 12, 13, 14])
+    copier = SuffixProposer(history)
+    hybrid = HybridProposer(CountingModel(), copier, min_order=3, model_gamma=2)
+    fresh = HybridProposer(CountingModel(), SuffixProposer(history), min_order=3, model_gamma=2)
+    searches = []
+    search = copier.propose
+    copier.propose = lambda *args: searches.append(args[1]) or search(*args)
+    context = [1, 7, 8, 9]
+    for k in range(1, 6):
+        assert hybrid.preview(context, 8) == ("copy", 5)
+        searched = len(searches)
+        assert propose(hybrid, context, k).tokens.tolist() == [10, 11, 12, 13, 14][:k]
+        assert propose(fresh, list(context), k).tokens.tolist() == [10, 11, 12, 13, 14][:k]  # what a search finds
+        assert len(searches) == searched and hybrid.last_side == "copy"
+    # the side previewed stays: a 1-token copy is the model's round at k 8, and so at k 1, where a fresh call copies
+    context = [1, 7, 8, 9, 10, 11, 12, 13]
+    assert hybrid.preview(context, 8) == ("model", 2)
+    assert propose(hybrid, context, 1).tokens.tolist() == [1] and hybrid.last_side == "model"
+    assert propose(fresh, list(context), 1).tokens.tolist() == [14] and fresh.last_side == "copy"
+    # another round searches again: the context grew, or k is past the preview's, or the preview was used
+    context = [1, 7, 8]
+    hybrid.preview(context, 8)
+    context.append(9)
+    searched = len(searches)
+    assert propose(hybrid, context, 3).tokens.tolist() == [10, 11, 12] and len(searches) == searched + 1
+    hybrid.preview(context, 2)
+    assert propose(hybrid, context, 4).tokens.tolist() == [10, 11, 12, 13] and len(searches) == searched + 3
+    assert propose(hybrid, context, 4).tokens.tolist() == [10, 11, 12, 13] and len(searches) == searched + 4
+
+
 def test_settings_are_validated():
     for bad in ({"min_order": 0}, {"min_copied": 0}, {"model_gamma": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
