@@ -14,6 +14,7 @@ from conftest import tiny_llama, word_tokenizer
 import specdecode as sd
 from specdecode.heads.answer_rows import AnswerMarkers, answer_markers, answer_positions, answer_rows
 from specdecode.heads.train import TrainSettings, head_loss, packed_answer_rows, read_samples, train_head
+from specdecode.heads.windows import token_windows
 
 WORDS = [f"w{i}" for i in range(60)] + ["<turn>", "user", "assistant", "<end>"]
 TURN, USER, ASSISTANT, END = 60, 61, 62, 63
@@ -80,6 +81,69 @@ def test_row_t_counts_when_the_token_it_guesses_at_t_plus_2_is_an_answer_token()
     positions = torch.tensor(list(range(len(ids))) + [0, 1, 2])
     packed = packed_answer_rows(tokens, positions, markers)
     assert packed.tolist() == rows.tolist() + [True, True, True]
+
+
+def words(generator: torch.Generator, count: int) -> str:
+    """``count`` random words of w0..w49 (w50..w59 are left for markers)."""
+    return " ".join(f"w{int(t)}" for t in torch.randint(0, 50, (count,), generator=generator))
+
+
+def test_a_long_chat_trains_as_windows_of_whole_exchanges_each_answer_once(chat_target):
+    generator = torch.Generator().manual_seed(6)
+    messages = []
+    for turn in range(6):  # 6 exchanges of 4 + 12 + 6 template ids = 22 tokens: 2 fit in 48
+        messages += [
+            {"role": "user", "content": words(generator, 4)},
+            {"role": "assistant", "content": f"w{50 + turn} " + words(generator, 11)},
+        ]
+    tokenizer = chat_target.tokenizer
+    whole = tokenizer.apply_chat_template(messages, tokenize=True)
+    whole = whole if isinstance(whole, list) else whole["input_ids"]
+    assert token_windows(tokenizer, messages, len(whole)) == [list(whole)]  # a chat that fits: as before
+    windows = token_windows(tokenizer, messages, 48)
+    assert len(windows) == 3 and all(len(ids) <= 48 for ids in windows)
+    markers = answer_markers(tokenizer)
+    for ids in windows:
+        assert ids[:2] == [TURN, USER]  # each window opens as a chat does
+        assert answer_positions(ids, markers).any()
+    flat = [t for ids in windows for t in ids]
+    assert flat == list(whole)  # whole exchanges, in order, each once
+    # the control: cut at 48 as before, the chat kept 2 of its 6 answers
+    assert sum(t in range(50, 56) for t in whole[:48]) == 2 and sum(t in range(50, 56) for t in flat) == 6
+
+
+def test_an_exchange_past_max_length_keeps_the_end_of_its_question_and_its_answer(chat_target):
+    generator = torch.Generator().manual_seed(7)
+    question, answer = words(generator, 100), words(generator, 10)
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    (ids,) = token_windows(chat_target.tokenizer, messages, 40)
+    vocab = chat_target.tokenizer.get_vocab()
+    kept = [vocab[w] for w in question.split()[-20:]]  # max_length // 2 of its last tokens
+    assert ids == [TURN, USER, *kept, END, TURN, ASSISTANT, *[vocab[w] for w in answer.split()], END]
+    markers = answer_markers(chat_target.tokenizer)
+    assert answer_positions(ids, markers).sum() == 11  # the answer and its end
+    whole = chat_target.tokenizer.apply_chat_template(messages, tokenize=True)
+    whole = whole if isinstance(whole, list) else whole["input_ids"]
+    assert not answer_positions(list(whole)[:40], markers).any()  # the control: cut from the end, none
+    longer = token_windows(chat_target.tokenizer, [*messages[:1], {"role": "assistant", "content": question}], 40)
+    assert len(longer[0]) == 40 and longer[0][:2] == [TURN, USER]  # an answer past it all: cut at the end
+
+
+def test_read_samples_counts_each_window_of_a_long_chat(tmp_path, chat_target):
+    generator = torch.Generator().manual_seed(8)
+    lines = []
+    for _ in range(3):
+        messages = []
+        for _ in range(4):
+            messages += [
+                {"role": "user", "content": words(generator, 10)},
+                {"role": "assistant", "content": words(generator, 10)},
+            ]
+        lines.append(json.dumps({"messages": messages}))
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    settings = TrainSettings(data=str(tmp_path / "chats.jsonl"), held_out=2, max_length=60, batch_tokens=120)
+    held, train, stats = read_samples(chat_target, settings)
+    assert stats.samples == 3 and stats.sequences == 6 and len(held) == 2 and len(train) == 4  # 2 windows a chat
 
 
 def chats(count: int) -> list[dict]:

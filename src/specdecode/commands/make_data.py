@@ -39,8 +39,8 @@ def make_data(
     max_new_tokens: int = typer.Option(512, help="Most tokens per answer."),
     max_prompt_tokens: int | None = typer.Option(
         None,
-        help="Skip prompts longer than this (chat template applied; counted as too long): train-head cuts chats at "
-        "--max-length, so a longer prompt's answer would not be trained on.",
+        help="Skip prompts longer than this (chat template applied; counted as too long): answering them is slow, and "
+        "train-head keeps, of a prompt too long to fit with its answer in --max-length, its last half of that.",
     ),
     temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),

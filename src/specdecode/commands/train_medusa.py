@@ -34,7 +34,11 @@ def train_medusa(
     epochs: int = typer.Option(1, help="Passes over the training sequences."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same options)."),
     seed: int = typer.Option(0, help="Seed of the data order."),
-    max_length: int = typer.Option(1024, help="Tokens per sequence (longer samples are cut)."),
+    max_length: int = typer.Option(
+        1024,
+        help="Tokens per training sequence: a longer chat trains as several, each whole "
+        "exchanges (a too long question keeps its last half of this), a longer text as consecutive windows.",
+    ),
     batch_tokens: int = typer.Option(2048, help="Tokens per training step (sequences packed together)."),
     lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW; warm-up, then cosine decay to a tenth)."),
     draft_vocab: int = typer.Option(

@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.loader import LoadedModel, resolve_dtype
+from . import windows
 from .answer_rows import AnswerMarkers, answer_markers, answer_rows
 from .calibrate import calibration_record, temperature_overlaps
 from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
@@ -56,7 +57,7 @@ class TrainSettings:
     limit_tokens: int | None = None  # stop reading training sequences once they hold this many tokens; None = all
     held_out: int = HELD_OUT  # the first samples of the data, never trained on: the accuracy figures (at least 1)
     skip: int = 0  # training samples left out after the held-out ones (e.g. those an init_from head saw)
-    max_length: int = 1024  # tokens per sample (longer ones are cut)
+    max_length: int = 1024  # tokens per training sequence (a longer sample gives several: windows.py)
     epochs: int = 1
     batch_tokens: int = 2048  # samples are packed into batches of at most this many tokens
     passes: int = 2  # guesses deep the head is unrolled in training
@@ -141,23 +142,14 @@ class TrainResult:
 
 def tokenize(target: LoadedModel, sample: Sample, max_length: int) -> list[int]:
     """Token ids of a chat (the target's chat template, or the turns' text joined by newlines without one) or a
-    text, cut to ``max_length``."""
+    text: the first of its ``token_windows``."""
     return token_windows(target, sample, max_length)[0]
 
 
 def token_windows(target: LoadedModel, sample: Sample, max_length: int) -> list[list[int]]:
-    """A chat's token ids cut to ``max_length`` (one window), or a text's ids in consecutive windows of
-    ``max_length`` tokens: a long document (a user's own text file) trains as many samples, not one cut short."""
-    tokenizer = target.tokenizer
-    if isinstance(sample, str):
-        ids = [int(t) for t in tokenizer(sample, add_special_tokens=True, verbose=False)["input_ids"]]
-        return [ids[start : start + max_length] for start in range(0, len(ids), max_length)] or [[]]
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(sample, tokenize=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
-    else:
-        ids = tokenizer("\n".join(m["content"] for m in sample), add_special_tokens=True)["input_ids"]
-    return [[int(t) for t in ids[:max_length]]]
+    """A text's ids in consecutive windows of ``max_length`` tokens, a chat's in windows of whole exchanges
+    (``windows.token_windows``): a long document or a long chat trains as many samples, not one cut short."""
+    return windows.token_windows(target.tokenizer, sample, max_length)
 
 
 def read_samples(
