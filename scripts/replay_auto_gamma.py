@@ -53,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     sequences = json.loads(args.sequences.read_text())
     for round_cost in args.round_cost:
-        costs = CostModel(1.0, 0.05, round_cost - 1.05, fixed=True)  # v(2) = 1.05, c = the rest; never updated
+        costs = CostModel(1.0, 0.05, {"": round_cost - 1.05}, fixed=True)  # v(2) = 1.05, c = the rest; never updated
 
         def controller(optimism: float, costs: CostModel = costs) -> AdaptiveGamma:
             return AdaptiveGamma(1, costs, AcceptanceMemory(1), optimism=optimism)

@@ -15,7 +15,7 @@ from specdecode.proposers.base import Draft
 
 def fixed_costs(step: float = 1.0, extra_per_token: float = 0.05, draft_per_token: float = 0.1) -> CostModel:
     """v(k) = 1 + 0.05 (k-1) and c = 0.1 by default, frozen."""
-    return CostModel(step, extra_per_token, draft_per_token, fixed=True)
+    return CostModel(step, extra_per_token, {"": draft_per_token}, fixed=True)
 
 
 def test_useless_proposer_is_switched_off_then_probed_rarely():
@@ -65,7 +65,7 @@ def test_free_drafting_with_flat_verify_always_pays():
 def _tree_rounds(price_trees: bool) -> list[int]:
     """200 rounds of a proposer whose every tree has 32 nodes (33 verified rows, 2 steps of drafting) and whose
     first guess is accepted 3 times in 5; v(k) = 1 + 0.05 (k-1), so a tree round costs 4.6 steps."""
-    costs = CostModel(1.0, 0.05, 0.1)  # as fixed_costs(), but learning trees (observe() is never called here)
+    costs = CostModel(1.0, 0.05, {"": 0.1})  # as fixed_costs(), but learning trees (observe() is never called here)
     controller = AdaptiveGamma(max_gamma=4, costs=costs)
     choices = []
     for i in range(200):
@@ -223,7 +223,7 @@ def test_engine_carries_acceptance_across_requests():
     target, proposer, decoder = _auto_decoder(fixed_costs())
     params = sd.SamplingParams(max_new_tokens=60)
     decoder.generate(list(range(10)), params)
-    assert decoder.acceptance_memory.acceptance(1)[0] < 0.15
+    assert decoder.acceptance_memories[""].acceptance(1)[0] < 0.15
     first = list(proposer.asked)
     proposer.asked.clear()
     out = decoder.generate(list(range(3, 13)), params)
@@ -265,10 +265,12 @@ class RecordingCosts(CostModel):
 
     calls: list[tuple[int, float | None]] = field(default_factory=list)
 
-    def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None) -> None:
+    def observe(
+        self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None, drafter: str = ""
+    ) -> None:
         self.calls.append((drafted, draft_seconds))
         price = None if draft_seconds is None else 0.001 * drafted
-        super().observe(verified, 0.01 * (1 + 0.05 * (verified - 1)), drafted, price)
+        super().observe(verified, 0.01 * (1 + 0.05 * (verified - 1)), drafted, price, drafter)
 
 
 def test_engine_does_not_price_drafting_in_a_round_that_follows_a_plain_one():

@@ -13,8 +13,10 @@ from test_eagle import WORDS
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
 
 import specdecode as sd
+from specdecode.adaptive import CostModel, HybridGamma
 from specdecode.exactness import check_exactness
-from specdecode.proposers import EagleProposer, HybridProposer, SuffixHistory, SuffixProposer
+from specdecode.factory import lookup_hybrid
+from specdecode.proposers import EagleProposer, HybridProposer, PromptLookupProposer, SuffixHistory, SuffixProposer
 from specdecode.proposers.base import Draft
 
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
@@ -107,12 +109,87 @@ def test_settings_are_validated():
             HybridProposer(CountingModel(), **bad)
 
 
-def test_gamma_auto_drafts_at_max_gamma_without_a_controller(large_target):
-    model = CountingModel()
+class ScriptedSides:
+    """A two-sided proposer for ``HybridGamma``: ``preview`` offers the sides of ``script`` in turn."""
+
+    def __init__(self, script: list[tuple[str, int]]) -> None:
+        self.script, self.turn, self.last_side = script, 0, None
+
+    def preview(self, context, k):
+        side, offered = self.script[self.turn % len(self.script)]
+        self.turn += 1
+        return side, min(k, offered)
+
+
+def two_sided_rounds(
+    copy_rate: float, model_rate: float, rounds: int = 400, sized: bool = False
+) -> dict[str, list[int]]:
+    """γ auto over a proposer offering a 6-token copy and a 1-guess model round in turn (copies accepted at
+    ``copy_rate`` a position, the model's guess at ``model_rate``; deterministic patterns), costs fixed: v(k) =
+    1 + 0.05 (k - 1), a copied token 0.01 of a step, a model guess 0.3; ``sized``: the copier sizes its own
+    drafts. The γ chosen for each side's rounds."""
+    proposer = ScriptedSides([("copy", 6), ("model", 1)])
+    proposer.copier_sizes_its_drafts = sized
+    costs = CostModel(1.0, 0.05, {"copy": 0.01, "model": 0.3}, fixed=True)
+    controller = HybridGamma.for_request(proposer, [], 8, costs, {})
+    chosen: dict[str, list[int]] = {"copy": [], "model": []}
+    for i in range(rounds):
+        gamma = controller.choose()
+        side = proposer.script[(proposer.turn - 1) % 2][0]
+        chosen[side].append(gamma)
+        rate = copy_rate if side == "copy" else model_rate
+        accepted = 0
+        while accepted < gamma and (i * 7 + accepted * 3) % 10 < 10 * rate:
+            accepted += 1
+        proposer.last_side = side if gamma else proposer.last_side
+        controller.observe(gamma, accepted)
+    return chosen
+
+
+def test_gamma_auto_gives_each_side_its_own_length_from_its_own_acceptance_and_price():
+    chosen = two_sided_rounds(copy_rate=0.9, model_rate=0.1)
+    assert max(chosen["copy"]) == 6 and sum(g >= 4 for g in chosen["copy"][20:]) >= 150  # long copies go on ...
+    assert sum(g > 0 for g in chosen["model"][40:]) <= 16  # ... while a head that does not pay rests (rare probes)
+    # the control: the same controller drafts the head's guess where it pays (1.6 / 1.35 steps)
+    assert sum(g > 0 for g in two_sided_rounds(copy_rate=0.9, model_rate=0.6)["model"][40:]) >= 150
+
+
+def test_a_copier_that_sizes_its_own_drafts_is_taken_as_offered():
+    """Suffix decoding sizes a copy by its match and the measured v(k); prompt lookup copies k tokens, so only its
+    copies are cut where they are rarely accepted."""
+    assert set(two_sided_rounds(copy_rate=0.2, model_rate=0.6, sized=True)["copy"]) == {6}
+    cut = two_sided_rounds(copy_rate=0.2, model_rate=0.6)["copy"]
+    assert sum(g < 6 for g in cut[20:]) >= 150
+
+
+def test_a_side_round_after_another_sides_round_is_no_drafting_price():
+    proposer = ScriptedSides([("copy", 4), ("model", 1), ("model", 1), ("copy", 4), ("copy", 4)])
+    controller = HybridGamma.for_request(proposer, [], 8, CostModel(1.0, 0.05, {}, fixed=True), {})
+    seen = []
+    for _ in range(5):
+        gamma = controller.choose()
+        proposer.last_side = proposer.script[(proposer.turn - 1) % 5][0]
+        controller.observe(gamma, 0)
+        seen.append((controller.drafter, controller.catching_up))
+    # the model catches up on the copied tokens before its first guess; the copier after the model's rounds
+    assert seen == [("copy", True), ("model", True), ("model", False), ("copy", True), ("copy", False)]
+    controller.choose()
+    controller.observe(0, 0)  # a plain round: no side drafted, and the next drafting round catches up
+    assert (controller.drafter, controller.catching_up) == ("", True)
+
+
+def test_gamma_auto_in_the_engine_rests_a_useless_model_and_still_copies(large_target):
+    model = CountingModel()  # guesses token 1: almost never the target's
     hybrid = HybridProposer(model, model_gamma=8)
     decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma="auto", max_gamma=5)
-    decoder.generate([3, 4], sd.SamplingParams(max_new_tokens=20))
-    assert model.asked and max(model.asked) == 5  # no controller: k = max_gamma (cut only by the token budget)
+    decoder.costs = CostModel(1.0, 0.05, {"copy": 0.0, "model": 0.1}, fixed=True)
+    prompt, params = [3, 4, 5, 3, 4, 5, 3, 4], sd.SamplingParams(max_new_tokens=120)
+    out = decoder.generate(prompt, params)
+    assert out.token_ids == sd.autoregressive_generate(large_target, prompt, params).token_ids
+    assert max(model.asked) <= 5  # the side's own cap, max_gamma, and nothing past it
+    drafted = [k for k in model.asked if k > 0]
+    assert 0 < len(drafted) <= 20 and model.asked.count(0) > 40  # a few tries, then plain steps (it still catches up)
+    assert hybrid.copied_rounds > 0
 
 
 def repeating_history(target: sd.LoadedModel, prompts: list[list[int]], seed: int) -> SuffixHistory:
@@ -166,6 +243,45 @@ def test_exact_sampling_follows_the_targets_law_with_both_sides_drafting(large_t
     assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0 and report.accepted > 0
 
 
+LOOKUP_PROMPTS = [[5, 17, 33, 5, 17, 2, 60, 41, 5, 17], [2, 60, 41, 7, 2, 60, 9], [9, 1]]
+
+
+@pytest.mark.parametrize("gamma", [4, "auto"])
+def test_eagle_lookup_greedy_output_is_plain_decoding_with_both_sides_drafting(large_target, head_dir, gamma):
+    hybrid = lookup_hybrid(EagleProposer(large_target, head=head_dir))
+    decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma=gamma)
+    accepted = 0
+    for prompt in LOOKUP_PROMPTS:
+        out = decoder.generate(prompt, GREEDY)
+        assert out.token_ids == sd.autoregressive_generate(large_target, prompt, GREEDY).token_ids, prompt
+        accepted += out.stats.accepted
+    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0 and accepted > 0
+
+
+def test_eagle_lookup_reproducible_sampling_is_plain_sampling(large_target, head_dir):
+    hybrid = lookup_hybrid(EagleProposer(large_target, head=head_dir))
+    decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma="auto", mode="reproducible")
+    for prompt in LOOKUP_PROMPTS:
+        params = sd.SamplingParams(temperature=1.0, top_k=20, max_new_tokens=32, seed=5)
+        assert (
+            decoder.generate(prompt, params).token_ids
+            == sd.autoregressive_generate(large_target, prompt, params).token_ids
+        )
+    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0
+
+
+def test_eagle_lookup_exact_sampling_follows_the_targets_law_with_both_sides_drafting(large_target, head_dir):
+    """The prompt ends with a 2-gram seen twice before: the first round copies what followed its latest occurrence;
+    later rounds copy or ask the head depending on the tokens drawn."""
+    prompt = [3, 17, 5, 40, 3, 17, 9, 3, 17]
+    hybrid = lookup_hybrid(EagleProposer(large_target, head=head_dir))
+    report = check_exactness(
+        large_target, hybrid, [prompt], sd.SamplingParams(temperature=1.0), samples=600, gamma=2, alpha=1e-3
+    )
+    assert report.passed, report.verdict
+    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0 and report.accepted > 0
+
+
 def test_the_cli_words_build_a_hybrid_and_refuse_what_is_not_one(large_target, head_dir):
     from specdecode.commands import build_proposer
     from specdecode.serving.app import ServerConfig
@@ -173,8 +289,13 @@ def test_the_cli_words_build_a_hybrid_and_refuse_what_is_not_one(large_target, h
     hybrid = build_proposer("eagle+suffix", large_target, None, head=str(head_dir))
     assert isinstance(hybrid, HybridProposer) and isinstance(hybrid.model, EagleProposer)
     assert hybrid.needs_target_hidden
-    with pytest.raises(ValueError, match="a hybrid is MODEL\\+suffix"):
-        build_proposer("eagle+lookup", large_target, None)
+    with pytest.raises(ValueError, match="a hybrid is MODEL\\+suffix or MODEL\\+lookup"):
+        build_proposer("eagle+copy", large_target, None)
+    looker = build_proposer("eagle+lookup", large_target, None, head=str(head_dir))
+    assert isinstance(looker.copier, PromptLookupProposer) and (looker.min_order, looker.min_copied) == (2, 1)
+    with pytest.raises(ValueError, match="--suffix-cache applies to the suffix proposer"):
+        build_proposer("eagle+lookup", large_target, None, head=str(head_dir), suffix_cache="h.bin")
+    assert not ServerConfig(target=large_target, proposer="eagle+lookup").copies
     with pytest.raises(ValueError, match="--tree-width applies to the lookup proposer"):
         build_proposer("eagle+suffix", large_target, None, tree_width=2)
     assert ServerConfig(target=large_target, proposer="eagle+suffix", suffix_cache="h.bin").copies
@@ -187,8 +308,10 @@ def test_bench_runs_the_hybrid_with_plain_output(large_target, head_dir):
     from specdecode.bench.runner import BenchConfig, run_bench
     from specdecode.bench.workloads import WorkItem
 
-    methods = build_methods(large_target, ["eagle+suffix"], [4], transformers=False, head=str(head_dir), tree_nodes=[0])
-    assert [m.name for m in methods] == ["ours:plain", "ours:eagle-chain+suffix:g4"]
+    methods = build_methods(
+        large_target, ["eagle+suffix", "eagle+lookup"], [4], transformers=False, head=str(head_dir), tree_nodes=[0]
+    )
+    assert [m.name for m in methods] == ["ours:plain", "ours:eagle-chain+suffix:g4", "ours:eagle-chain+lookup:g4"]
     items = [WorkItem(1, "writing", (PROMPTS[0], PROMPTS[0])), WorkItem(2, "writing", (PROMPTS[2],))]
     result = run_bench(large_target, items, methods, BenchConfig(max_new_tokens=16))
     assert all(r.identical for r in result.records)
@@ -201,6 +324,24 @@ def test_generate_cli_keeps_the_copiers_history_in_the_suffix_cache(large_target
     decoder.generate(PROMPTS[0], GREEDY)
     hybrid.save(history_file)
     assert len(SuffixProposer.load(history_file).history) > len(PROMPTS[0])
+
+
+def test_the_server_serves_eagle_lookup_as_plain_decoding(head_dir):
+    import httpx
+
+    from specdecode.serving import ServerConfig, create_app
+    from specdecode.serving.local import LocalServer
+
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS), backend="native")
+    hybrid = lookup_hybrid(EagleProposer(target, head=head_dir))
+    config = ServerConfig(target=target, policy="always", proposers={"eagle+lookup": hybrid.fork})
+    with LocalServer(create_app(config)) as running:
+        for prompt in LOOKUP_PROMPTS:
+            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "speculative": {"proposer": "eagle+lookup"}}
+            answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
+            assert answer["choices"][0]["text"] == sd.autoregressive_generate(target, prompt, GREEDY).text
+        books = running.app.state.server.scheduler._acceptance
+    assert {"eagle+lookup:copy", "eagle+lookup:model"} <= set(books)
 
 
 @pytest.mark.parametrize("mode", ["reproducible", "exact"])

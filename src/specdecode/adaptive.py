@@ -19,6 +19,10 @@ toward that memory, so a dip in acceptance does not switch a proposer that pays 
 A proposer that drafts token trees verifies a tree's nodes, not γ tokens: for each γ that produced trees,
 the cost model (shared by a decoder's requests) prices the round at the trees it measured,
 v(rows) + draft seconds / step seconds.
+A proposer that drafts two ways (``HybridProposer``: a copied run, or a model's guesses) gets ``HybridGamma``: one
+controller per side, each with its own acceptance and its own drafting price (the cost model keeps drafting prices
+per ``drafter``), the target's times shared; the side that would draft a round (the proposer's ``preview``) chooses
+its length, so a head's ~45% never prices a ~90% copy, nor a cheap copy a head's guess.
 Exactness does not depend on any of this: γ only changes between rounds.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .planner import expected_tokens_per_position
 
@@ -65,7 +70,8 @@ def posterior_means(
 class CostModel:
     """Online step costs, as moving averages over rounds (``fixed`` costs never update): seconds of a
     1-token target forward, of a k-token forward for each k seen, extra seconds per extra verified token
-    (the line used for k not seen yet), and seconds per drafted token.
+    (the line used for k not seen yet), and seconds per drafted token for each ``drafter`` (a name: "" for a
+    decoder's one proposer, a hybrid's "copy" and "model" sides; the target's times are the same for all).
 
     Per-k timings matter: on a CPU the k-token forward is often a step function of k (a GEMM kernel switch),
     which no line through two points describes. An estimate ages: it keeps (1 - smoothing)^n of its weight (but
@@ -77,18 +83,20 @@ class CostModel:
 
     step_seconds: float | None = None
     extra_token_seconds: float | None = None
-    draft_token_seconds: float | None = None
+    draft_token_seconds: dict[str, float] = field(default_factory=dict)  # drafter -> seconds a drafted token
     smoothing: float = 0.2
     fixed: bool = False
     verify_seconds: dict[int, float] = field(default_factory=dict)
-    tree_rounds: dict[int, tuple[float, float]] = field(default_factory=dict)  # γ -> (rows, draft seconds)
+    tree_rounds: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (drafter, γ) -> rows, s
     rounds: int = 0  # rounds observed: the clock estimates age by
     measured_at: dict[object, int] = field(default_factory=dict)  # estimate -> the round it was last measured in
     recent: dict[object, list[tuple[int, float]]] = field(default_factory=dict)  # estimate -> its last (round, time)s
 
-    def observe(self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None) -> None:
+    def observe(
+        self, verified: int, verify_seconds: float, drafted: int, draft_seconds: float | None, drafter: str = ""
+    ) -> None:
         """Fold one round's timings in (``verified`` = tokens in the target forward = drafted + 1; ``draft_seconds``
-        None: not a drafting price, e.g. the proposer caught up on rounds it did not draft)."""
+        None: not a drafting price, e.g. the proposer caught up on rounds it did not draft; ``drafter``: whose)."""
         if self.fixed:
             return
         self.rounds += 1
@@ -100,16 +108,17 @@ class CostModel:
             extra = max(0.0, verify_seconds - self.step_seconds) / (verified - 1)
             self.extra_token_seconds = self._ema("extra", self.extra_token_seconds, extra)
         if drafted and draft_seconds is not None:
-            self.draft_token_seconds = self._ema("draft", self.draft_token_seconds, draft_seconds / drafted)
+            old = self.draft_token_seconds.get(drafter)
+            self.draft_token_seconds[drafter] = self._ema(("draft", drafter), old, draft_seconds / drafted)
 
-    def observe_tree(self, gamma: int, rows: int, draft_seconds: float) -> None:
+    def observe_tree(self, gamma: int, rows: int, draft_seconds: float, drafter: str = "") -> None:
         """A round at ``gamma`` drafted a token tree: ``rows`` verified (its nodes + 1), drafting took
-        ``draft_seconds``. From then on that γ is priced as the trees it produces (moving averages)."""
+        ``draft_seconds``. From then on that γ is priced as the trees ``drafter`` produces (moving averages)."""
         if self.fixed:
             return
-        old = self.tree_rounds.get(gamma)
-        keep = self._keep(("tree", gamma))
-        self.tree_rounds[gamma] = (
+        old = self.tree_rounds.get((drafter, gamma))
+        keep = self._keep(("tree", drafter, gamma))
+        self.tree_rounds[drafter, gamma] = (
             (float(rows), draft_seconds)
             if old is None
             else (keep * old[0] + (1 - keep) * rows, keep * old[1] + (1 - keep) * draft_seconds)
@@ -120,14 +129,14 @@ class CostModel:
         instead of trusting an unmeasured v(k) (1, or a line through one point) for a jump to the cap."""
         if self.fixed:
             return max_gamma
-        deepest = max([k - 1 for k in self.verify_seconds] + list(self.tree_rounds), default=0)
+        deepest = max([k - 1 for k in self.verify_seconds] + [gamma for _, gamma in self.tree_rounds], default=0)
         return min(max_gamma, max(1, 2 * deepest))
 
-    def round_cost(self, gamma: int) -> float:
+    def round_cost(self, gamma: int, drafter: str = "") -> float:
         """A round at γ in 1-token steps: v(γ+1) + γc for a chain; v(rows) + drafting for γ's measured trees."""
-        tree = self.tree_rounds.get(gamma)
+        tree = self.tree_rounds.get((drafter, gamma))
         if tree is None:
-            return self.verify_cost(gamma + 1) + gamma * self.draft_cost()
+            return self.verify_cost(gamma + 1) + gamma * self.draft_cost(drafter)
         rows, draft_seconds = tree
         return self.verify_cost(max(1, round(rows))) + (draft_seconds / self.step_seconds if self.step_seconds else 0.0)
 
@@ -171,11 +180,12 @@ class CostModel:
             return 1.0
         return 1.0 + (tokens - 1) * self.extra_token_seconds / self.step_seconds
 
-    def draft_cost(self) -> float:
-        """c: one drafted token relative to a 1-token target forward (0 until measured)."""
-        if not self.step_seconds or self.draft_token_seconds is None:
+    def draft_cost(self, drafter: str = "") -> float:
+        """c: one token ``drafter`` drafts relative to a 1-token target forward (0 until measured)."""
+        seconds = self.draft_token_seconds.get(drafter)
+        if not self.step_seconds or seconds is None:
             return 0.0
-        return self.draft_token_seconds / self.step_seconds
+        return seconds / self.step_seconds
 
 
 @dataclass
@@ -214,6 +224,7 @@ class AdaptiveGamma:
     refresh_every: int = 32  # a drafting stretch re-times the 1-token step with a plain round this often
     optimism: float = 1.0  # a_1 is raised by this many posterior standard deviations when choosing
     forgetting: float = 0.95
+    drafter: str = ""  # whose drafting price the cost model reads (a hybrid's side)
     accepted: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
     _plain_rounds: int = 0
@@ -240,12 +251,13 @@ class AdaptiveGamma:
         if gamma == 0:
             return 1.0
         tokens = expected_tokens_per_position(self.acceptance()[:gamma])
-        return tokens / self.costs.round_cost(gamma)
+        return tokens / self.costs.round_cost(gamma, self.drafter)
 
-    def choose(self) -> int:
-        """This round's γ: the best predicted, or a γ = 1 probe when plain decoding has won for a while."""
+    def choose(self, cap: int | None = None) -> int:
+        """This round's γ ≤ ``cap`` (default ``max_gamma``; a copy can offer fewer tokens): the best predicted, or a
+        γ = 1 probe when plain decoding has won for a while."""
         self._catching_up = self._chosen == 0
-        self._chosen = self._choose()
+        self._chosen = self._choose(self.max_gamma if cap is None else min(cap, self.max_gamma))
         return self._chosen
 
     @property
@@ -272,25 +284,27 @@ class AdaptiveGamma:
         estimates[0] = min(1.0, a + self.optimism * math.sqrt(a * (1 - a) / (self.reached[0] + prior + 1)))
         return estimates
 
-    def _best(self) -> int:
-        """argmax over γ ≤ the cost model's frontier of E(γ) / round cost, γ = 0 (speedup 1) included, on the
-        optimistic acceptance."""
+    def _best(self, cap: int) -> int:
+        """argmax over γ ≤ min(``cap``, the cost model's frontier) of E(γ) / round cost, γ = 0 (speedup 1)
+        included, on the optimistic acceptance."""
         best, best_speedup, tokens, reach = 0, 1.0, 1.0, 1.0
-        frontier = self.costs.frontier(self.max_gamma)
+        frontier = self.costs.frontier(cap)
         for gamma, a in enumerate(self.optimistic_acceptance()[:frontier], start=1):
             reach *= a
             tokens += reach
-            speedup = tokens / self.costs.round_cost(gamma)
+            speedup = tokens / self.costs.round_cost(gamma, self.drafter)
             if speedup > best_speedup:
                 best, best_speedup = gamma, speedup
         return best
 
-    def _choose(self) -> int:
+    def _choose(self, cap: int) -> int:
+        if cap < 1:
+            return 0
         if self.costs.step_seconds is None:  # calibrate: a plain round measures the 1-token step all costs use
             return 0
         if self.costs.rounds_since_step() >= self.refresh_every:  # re-time it: v(k) divides by it (not a verdict)
             return 0
-        best = self._best()
+        best = self._best(cap)
         if best > 0:
             self._plain_rounds = 0
             self._probe_interval = self.probe_every
@@ -309,10 +323,93 @@ class AdaptiveGamma:
         """The round at the last chosen γ drafted a tree of ``rows - 1`` nodes in ``draft_seconds`` (not a
         price while ``catching_up``)."""
         if not self._catching_up:
-            self.costs.observe_tree(self._chosen, rows, draft_seconds)
+            self.costs.observe_tree(self._chosen, rows, draft_seconds, self.drafter)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Fold in one round: positions 1..accepted accepted, position accepted+1 rejected if < drafted."""
         fold_round(self.accepted, self.reached, drafted, accepted, self.forgetting)
         if self.memory is not None:
             self.memory.observe(drafted, accepted)
+
+
+class SidePreview(Protocol):
+    """A proposer that drafts two ways (``HybridProposer``)."""
+
+    last_side: str | None
+
+    def preview(self, context: list[int], k: int) -> tuple[str, int]: ...
+
+
+@dataclass
+class HybridGamma:
+    """``gamma="auto"`` for a proposer that drafts two ways (``HybridProposer``: a copied run or a model's guesses).
+
+    Each round the proposer's ``preview`` names the side that would draft and how many tokens it offers (a copied
+    run's length; the model's ``model_gamma``), and that side's controller chooses the round's γ within that offer
+    from the side's own acceptance and drafting price (the cost model's ``drafter`` "copy" or "model"); γ = 0 is a
+    plain round. So a copy of ~90% acceptance is not cut to one token by a head's ~45%, a head that does not pay
+    here rests while copies go on, and prompt lookup's copy (k tokens after an n-gram, however far it earns) is not
+    run to ``max_gamma`` where its acceptance and v(k) say a shorter one pays more (eagle+lookup on Spec-Bench:
+    1.13x plain against 1.03x at γ8; docs/BENCHMARKS.md). A copier that sizes its own drafts (suffix decoding) is
+    taken as offered.
+    A round's drafting time is a price only when the same side drafted the round before (else it holds the side's
+    catch-up: an EAGLE head first computes the features of the tokens it did not draft).
+    """
+
+    proposer: SidePreview
+    context: list[int]  # the request's context, the list the decoder grows
+    sides: dict[str, AdaptiveGamma]
+    max_gamma: int = 8
+    _chosen: int = 0
+    _previous: str | None = None  # the side that drafted the last observed round (None: a plain round)
+    _catching_up: bool = True
+
+    @classmethod
+    def for_request(
+        cls,
+        proposer: SidePreview,
+        context: list[int],
+        max_gamma: int,
+        costs: CostModel,
+        memories: dict[str, AcceptanceMemory],
+    ) -> HybridGamma:
+        """A request's controller: one ``AdaptiveGamma`` a side, the decoder's ``costs`` and per-side ``memories``
+        (created here on first use) shared."""
+        sides = {}
+        for side in ("copy", "model"):
+            memory = memories.setdefault(side, AcceptanceMemory(max_gamma))
+            sides[side] = AdaptiveGamma(max_gamma, costs, memory, drafter=side)
+        return cls(proposer, context, sides, max_gamma)
+
+    def choose(self) -> int:
+        """This round's γ: the previewed side's choice, at most what that side offers; a copy as offered where the
+        copier sizes its own drafts (``copier_sizes_its_drafts``: suffix decoding's depth and node costs)."""
+        side, offered = self.proposer.preview(self.context, self.max_gamma)
+        if side == "copy" and getattr(self.proposer, "copier_sizes_its_drafts", False):
+            self._chosen = offered
+        else:
+            self._chosen = self.sides[side].choose(offered)
+        return self._chosen
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether the round last observed was drafted by another side than the round before it (or was plain)."""
+        return self._catching_up
+
+    @property
+    def drafter(self) -> str:
+        """The side that drafted the round last observed ("" for a plain round)."""
+        return self._previous or ""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Fold a round into the books of the side that drafted it (the proposer's ``last_side``)."""
+        side = self.proposer.last_side if drafted else None
+        self._catching_up = side is None or side != self._previous
+        self._previous = side
+        if side is not None:
+            self.sides[side].observe(drafted, accepted)
+
+    def observe_tree(self, rows: int, draft_seconds: float) -> None:
+        """A tree drafted by the side last observed (a hybrid's model may draft trees)."""
+        if self._previous is not None and not self._catching_up:
+            self.sides[self._previous].costs.observe_tree(self._chosen, rows, draft_seconds, self._previous)

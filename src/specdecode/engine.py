@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import AcceptanceMemory, AdaptiveGamma, CostModel
+from .adaptive import AcceptanceMemory, AdaptiveGamma, CostModel, HybridGamma
 from .keyed_noise import KeyedNoise
 from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
@@ -119,7 +119,7 @@ class Request:
         self.sink = OutputSink(target.decode, target.eos_token_ids, params.max_new_tokens, params.stop)
         self.stats = DecodeStats()
         self.on_text = on_text
-        self.controller: AdaptiveGamma | None = None
+        self.controller: AdaptiveGamma | HybridGamma | None = None
         self.started = time.perf_counter()
         # The target's verified features, in position order (rows of passes over a capture_hidden runner).
         self.target_hidden: list[torch.Tensor] = []
@@ -189,8 +189,8 @@ class SpeculativeDecoder:
     A proposer may return a token tree (``Draft.parents``): the target scores every node in one pass (depth
     positions; each node attends to the cache, the newest token and its ancestors), the mode's tree rule
     keeps one root path, and ``runner.retain`` keeps that path's cache entries. ``gamma`` then bounds the
-    tree's depth (the tokens a round can accept); the proposer chooses the width. A proposer with
-    ``chooses_length`` (``HybridProposer``) gets k = ``max_gamma`` under ``gamma="auto"`` instead of a controller.
+    tree's depth (the tokens a round can accept); the proposer chooses the width. Under ``gamma="auto"`` a
+    proposer with ``chooses_length`` (``HybridProposer``) gets a controller a side (``HybridGamma``).
     """
 
     def __init__(
@@ -210,7 +210,8 @@ class SpeculativeDecoder:
         self.max_gamma = max_gamma
         self.mode = mode
         self.costs = CostModel()
-        self.acceptance_memory = AcceptanceMemory(max_gamma)  # gamma="auto": acceptance carried across requests
+        # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
+        self.acceptance_memories: dict[str, AcceptanceMemory] = {"": AcceptanceMemory(max_gamma)}
         self.last_output: GenerationOutput | None = None
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 
@@ -278,16 +279,18 @@ class SpeculativeDecoder:
         self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None, logprobs: int | None
     ) -> Request:
         request = Request(self.target, prompt, params, on_text, logprobs)
-        if self.gamma == "auto" and not getattr(self.proposer, "chooses_length", False):
-            request.controller = AdaptiveGamma(self.max_gamma, self.costs, self.acceptance_memory)
+        if self.gamma == "auto" and getattr(self.proposer, "chooses_length", False):
+            request.controller = HybridGamma.for_request(
+                self.proposer, request.context, self.max_gamma, self.costs, self.acceptance_memories
+            )
+        elif self.gamma == "auto":
+            request.controller = AdaptiveGamma(self.max_gamma, self.costs, self.acceptance_memories[""])
         request.prefill(self._runner)
         return request
 
     def _round(self, request: Request) -> None:
         controller = request.controller
-        # no controller: a fixed γ, or a proposer that chooses its own length under γ auto (a hybrid: max_gamma)
-        fixed = self.max_gamma if self.gamma == "auto" else self.gamma
-        k = min(fixed if controller is None else controller.choose(), request.sink.remaining - 1)
+        k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
         pending = self.draft(request, self.proposer, k)
         started = time.perf_counter()
         if pending.positions is None:
@@ -347,7 +350,7 @@ class SpeculativeDecoder:
         if controller is not None:
             controller.observe(n_drafted, n_accepted)
             draft_price = None if controller.catching_up else pending.draft_seconds
-            self.costs.observe(n_drafted + 1, t2 - started, n_drafted, draft_price)
+            self.costs.observe(n_drafted + 1, t2 - started, n_drafted, draft_price, controller.drafter)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
         request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
@@ -381,7 +384,7 @@ class SpeculativeDecoder:
             controller.observe(len(accepted) + rejected, len(accepted))
             controller.observe_tree(len(draft) + 1, pending.draft_seconds)
             draft_price = None if controller.catching_up else pending.draft_seconds
-            self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price)
+            self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price, controller.drafter)
         start = len(context)  # node i sits at slot start + i
         path_rows = [0] + [node + 1 for node in accepted]  # the rows that chose the emitted tokens
         request.keep_hidden(runner, path_rows)

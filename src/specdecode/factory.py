@@ -13,9 +13,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .models.loader import LoadedModel
     from .proposers import Proposer, SuffixProposer
+    from .proposers.hybrid import HybridProposer
 
 
 HYBRID_MODELS = ("eagle", "medusa", "draft")  # what drafts a hybrid's rounds where nothing is copied
+HYBRID_COPIERS = ("suffix", "lookup")  # what copies in a hybrid's rounds: suffix decoding or prompt lookup
+LOOKUP_MIN_ORDER = 2  # a hybrid copies after prompt lookup's 2- and 3-gram matches (1 to 3 measured: BENCHMARKS.md)
 
 
 def parse_quantization(text: str) -> str | None:
@@ -55,8 +58,9 @@ def build_proposer(
     0 = a chain), ``medusa`` (with a ``heads`` folder or the shipped heads; ``tree_nodes`` as for eagle),
     ``suffix`` (over the history in ``suffix_cache`` if that file exists), or ``draft`` with a path, ``self:N``
     or ``skip:SKIP.json`` / ``skip:LIST`` (the target without those layers); ``tree_width`` > 1: lookup offers
-    that many distinct matches as a token tree; ``MODEL+suffix`` (``eagle+suffix``): a ``HybridProposer``
-    copying where the text repeats, else drafting with MODEL. A draft model loads with ``loader`` (default
+    that many distinct matches as a token tree; ``MODEL+suffix`` / ``MODEL+lookup`` (``eagle+lookup``): a
+    ``HybridProposer`` copying where the text repeats (suffix decoding; prompt lookup's 2- and 3-gram matches),
+    else drafting with MODEL. A draft model loads with ``loader`` (default
     ``load``); ``suffix_remember`` False: a hybrid's copier keeps no request's text once it ends (the server's
     request scope)."""
     from .proposers import DraftModelProposer, EagleProposer, MedusaProposer, PromptLookupProposer
@@ -73,13 +77,16 @@ def build_proposer(
         raise ValueError(f"--heads applies to the medusa proposer, not {kind}")
     if "+" in kind:  # a model + a copier: HybridProposer
         model_kind, _, copier = kind.partition("+")
-        if copier != "suffix" or model_kind not in HYBRID_MODELS:
+        if copier not in HYBRID_COPIERS or model_kind not in HYBRID_MODELS:
             raise ValueError(
-                f"unknown proposer {kind!r}: a hybrid is MODEL+suffix, MODEL one of {', '.join(HYBRID_MODELS)}"
+                f"unknown proposer {kind!r}: a hybrid is MODEL+suffix or MODEL+lookup, MODEL one of "
+                f"{', '.join(HYBRID_MODELS)}"
             )
         model = build_proposer(
             model_kind, target, draft, dtype, quantization, group_size, head, tree_nodes, heads, loader=loader
         )
+        if copier == "lookup":
+            return lookup_hybrid(model)
         return HybridProposer(model, suffix_proposer(suffix_cache, remember=suffix_remember))
     if kind == "lookup":
         return PromptLookupProposer(branches=tree_width)
@@ -93,11 +100,21 @@ def build_proposer(
     if kind == "suffix":
         return suffix_proposer(suffix_cache, tree_nodes)
     if kind != "draft":
-        raise ValueError(f"unknown proposer {kind!r}: use draft, lookup, eagle, medusa, suffix, eagle+suffix or none")
+        raise ValueError(
+            f"unknown proposer {kind!r}: use draft, lookup, eagle, medusa, suffix, eagle+suffix, eagle+lookup or none"
+        )
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
     own = self_draft_model(target, draft)
     return DraftModelProposer(own if own is not None else (loader or load)(draft, dtype, quantization, group_size))
+
+
+def lookup_hybrid(model: Proposer) -> HybridProposer:
+    """``MODEL+lookup``: prompt lookup's draft after a 2- or 3-gram match (a 1-token copy counts), else ``model``'s."""
+    from .proposers import PromptLookupProposer
+    from .proposers.hybrid import HybridProposer
+
+    return HybridProposer(model, PromptLookupProposer(), min_order=LOOKUP_MIN_ORDER, min_copied=1)
 
 
 def suffix_proposer(cache: str | None, tree_nodes: int | None = None, remember: bool = True) -> SuffixProposer:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import SpeculativeDecoder, autoregressive_generate
+from ..factory import lookup_hybrid
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..proposers import (
@@ -30,7 +31,7 @@ from ..stats import DecodeStats
 PLAIN = "ours:plain"
 HF_PLAIN = "hf:plain"
 HF_PROMPT_LOOKUP_TOKENS = 10
-PROPOSERS = ("lookup", "draft", "eagle", "medusa", "suffix", "eagle+suffix")
+PROPOSERS = ("lookup", "draft", "eagle", "medusa", "suffix", "eagle+suffix", "eagle+lookup")
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,10 @@ def build_methods(
             makers.append((proposer, PromptLookupProposer))
         elif proposer == "eagle":
             makers += _eagle_makers(target, head, tree_nodes)
+        elif proposer == "eagle+lookup":
+            makers += [
+                (f"{name}+lookup", _lookup_hybrid_maker(make)) for name, make in _eagle_makers(target, head, tree_nodes)
+            ]
         elif proposer == "medusa":
             makers += [(_tree_name("medusa", n), _medusa_factory(target, heads, n)) for n in tree_nodes or [None]]
         elif proposer in ("suffix", "eagle+suffix"):
@@ -310,6 +315,11 @@ def _eagle_makers(
 def _hybrid_maker(make_model: Callable[[], Proposer], make_copier: Callable[[], Proposer]) -> Callable[[], Proposer]:
     """Fresh ``HybridProposer``s: a new model proposer each, the copier over the run's one history."""
     return lambda: HybridProposer(make_model(), make_copier())  # type: ignore[arg-type]
+
+
+def _lookup_hybrid_maker(make_model: Callable[[], Proposer]) -> Callable[[], Proposer]:
+    """Fresh ``MODEL+lookup`` hybrids (``factory.lookup_hybrid``), a new model proposer each."""
+    return lambda: lookup_hybrid(make_model())
 
 
 def _eagle_factory(target: LoadedModel, head: str | None, tree_nodes: int | None) -> Callable[[], Proposer]:

@@ -99,6 +99,7 @@ class ProposerChoice(str, Enum):
     medusa = "medusa"
     suffix = "suffix"
     eagle_suffix = "eagle+suffix"
+    eagle_lookup = "eagle+lookup"
     none = "none"
 
 

@@ -83,8 +83,8 @@ def bench(
         str,
         typer.Option(
             help="Comma list of our proposers: lookup, draft (draft needs --draft), eagle, medusa, suffix "
-            "(remembers the run's earlier questions and answers, as a server does), eagle+suffix (copies where the "
-            "text repeats, else the head guesses)."
+            "(remembers the run's earlier questions and answers, as a server does), eagle+suffix and eagle+lookup "
+            "(copy where the text repeats, else the head guesses)."
         ),
     ] = "lookup,draft",
     head: Annotated[

@@ -42,8 +42,8 @@ def check_exact(
     proposer: Annotated[
         str | None,
         typer.Option(
-            help="draft (needs --draft), lookup, eagle, medusa, suffix or eagle+suffix; default: draft if --draft "
-            "is given."
+            help="draft (needs --draft), lookup, eagle, medusa, suffix, eagle+suffix or eagle+lookup; default: draft "
+            "if --draft is given."
         ),
     ] = None,
     gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")] = 4,

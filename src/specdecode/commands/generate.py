@@ -37,8 +37,9 @@ def generate(
         None,
         help="Where guesses come from: draft (needs --draft), "
         "lookup (prompt lookup), eagle (a trained draft head), medusa (trained Medusa heads), suffix (earlier "
-        "answers too, with --suffix-cache), eagle+suffix (copies where the text repeats, else the head guesses) "
-        "or none (plain decoding). Default: draft if --draft is given, else lookup.",
+        "answers too, with --suffix-cache), eagle+lookup / eagle+suffix (copy where the text repeats, else the head "
+        "guesses; eagle+lookup is the fastest here) or none (plain decoding). Default: draft if --draft is given, else "
+        "lookup.",
     ),
     gamma: str = typer.Option(
         "auto", help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain)."

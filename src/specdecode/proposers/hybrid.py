@@ -1,13 +1,15 @@
-"""Copy where the text repeats, else ask a model: suffix decoding's guesses when the context's suffix matched at
-least ``min_order`` tokens of earlier text, the draft model's (an EAGLE head's) otherwise.
+"""Copy where the text repeats, else ask a model: a copier's guesses (suffix decoding, ``eagle+suffix``, or prompt
+lookup, ``eagle+lookup``) when the context's last tokens matched at least ``min_order`` tokens of earlier text, the
+draft model's (an EAGLE head's) otherwise.
 
 A copied run is accepted far more often than a head's guess where text repeats (a summary quoting its source, a
-second turn revising the first, code), and costs ~40 µs to find; a head guesses anywhere but is accepted ~45% of
-the time on chat and costs ~0.15 of a step a guess. So each round drafts one way: the copier's draft, as deep as
+second turn revising the first, code), and costs little to find; a head guesses anywhere but is accepted ~45% of
+the time on chat and costs ~0.12 of a step a guess. So each round drafts one way: the copier's draft, as deep as
 its match earns (up to the round's k), when its match is long enough and it offers at least ``min_copied``
 tokens (or all k, where k is smaller); else the model's, at most ``model_gamma`` guesses (γ1 pays best for the
-shipped head on a CPU). On Spec-Bench it is level with prompt lookup and ~1.1× the head alone; on chat no one
-tuned on, ahead of both (docs/BENCHMARKS.md).
+shipped head on a CPU). Under ``gamma="auto"`` each side has its own controller (``adaptive.HybridGamma``; the
+server keeps per-side books), so a copy's length and whether the head drafts at all are priced apart. With prompt
+lookup's 2- and 3-gram matches it is the fastest method here on Spec-Bench and on chat (docs/BENCHMARKS.md).
 
 Exactness: which proposer drafts is a function of the context and the round's k alone (the suffix match; right
 after a ``preview``, of the k previewed too), never of a draw, so the round is verified against the chosen
@@ -16,6 +18,8 @@ reproducible mode the model drafts with the keyed noise, copies are fixed.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -28,12 +32,25 @@ GREEDY_PREVIEW = SamplingParams(temperature=0.0)  # a copy is the same whatever 
 DEFAULT_MIN_ORDER = 4  # tokens of matched suffix before a copy is trusted (2 to 8 measured: docs/BENCHMARKS.md)
 
 
-class HybridProposer:
-    """Drafts each round with ``copier`` (suffix decoding) or ``model`` (EAGLE, Medusa, a draft model).
+class Copier(Protocol):
+    """What a hybrid copies with (``SuffixProposer``, ``PromptLookupProposer``): a proposer that says how long a
+    match its last draft copied after (``last_order``) and makes a proposer for another request (``fork``)."""
 
-    The decoder runs it at a fixed length: ``gamma`` caps a copied run, and ``gamma="auto"`` means
-    ``max_gamma`` (``chooses_length``: γ auto's controller prices one proposer's acceptance, and a head's ~45%
-    would cut copies of ~90% to one token). The model drafts at most ``model_gamma`` guesses a round.
+    last_order: int
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
+
+    def fork(self) -> Copier: ...
+
+
+class HybridProposer:
+    """Drafts each round with ``copier`` (suffix decoding by default, or prompt lookup) or ``model`` (EAGLE, Medusa,
+    a draft model).
+
+    A fixed ``gamma`` caps a copied run; the model drafts at most ``model_gamma`` guesses a round. Under
+    ``gamma="auto"`` (``chooses_length``) each side has its own controller (``adaptive.HybridGamma`` in the decoder,
+    per-side books in the server): ``preview`` says which side would draft and how far, and that side's acceptance
+    and drafting price choose the round's length, 0 (a plain round) included.
     """
 
     chooses_length = True
@@ -41,7 +58,7 @@ class HybridProposer:
     def __init__(
         self,
         model: Proposer,
-        copier: SuffixProposer | None = None,
+        copier: Copier | None = None,
         *,
         min_order: int = DEFAULT_MIN_ORDER,
         min_copied: int = 2,
@@ -54,7 +71,7 @@ class HybridProposer:
         if model_gamma < 1:
             raise ValueError(f"model_gamma must be >= 1, got {model_gamma}")
         self.model = model
-        self.copier = SuffixProposer() if copier is None else copier
+        self.copier: Copier = SuffixProposer() if copier is None else copier
         self.min_order = min_order
         self.min_copied = min_copied
         self.model_gamma = model_gamma
@@ -63,6 +80,13 @@ class HybridProposer:
         self.model_rounds = 0
         self.last_side: str | None = None  # "copy" or "model": who drafted the last round (the server's books)
         self._previewed: tuple[list[int], int, int, Draft | None] | None = None  # context, its length, k, the copy
+
+    @property
+    def copier_sizes_its_drafts(self) -> bool:
+        """Whether a copied run is as long as the copier finds it pays (suffix decoding: its match's depth and the
+        measured v(k)) rather than as long as asked (prompt lookup copies k tokens): γ auto then takes a copy as
+        offered and prices only whether the model drafts."""
+        return getattr(self.copier, "sizes_its_drafts", False)
 
     def fork(self) -> HybridProposer:
         """A proposer for another request stream: the copier's request state its own (the history shared), the
@@ -77,7 +101,10 @@ class HybridProposer:
 
     def save(self, path) -> None:
         """Write the copier's history (``SuffixProposer.save``): ``generate --suffix-cache`` keeps it for next time."""
-        self.copier.save(path)
+        save = getattr(self.copier, "save", None)
+        if save is None:
+            raise TypeError(f"{type(self.copier).__name__} keeps no history to save (only suffix decoding does)")
+        save(path)
 
     # -- what the decoder hands over -----------------------------------------------------------------------
 
@@ -86,16 +113,16 @@ class HybridProposer:
         self.model.observe_target(hidden)  # type: ignore[attr-defined]
 
     def bind_target(self, vocabulary: str, costs=None, vocab_size: int | None = None) -> None:
-        self.copier.bind_target(vocabulary, costs, vocab_size)
-        bind = getattr(self.model, "bind_target", None)
-        if bind is not None:
-            bind(vocabulary, costs, vocab_size)
+        for side in (self.copier, self.model):
+            bind = getattr(side, "bind_target", None)
+            if bind is not None:
+                bind(vocabulary, costs, vocab_size)
 
     def end_request(self, context: list[int]) -> None:
-        self.copier.end_request(context)
-        end = getattr(self.model, "end_request", None)
-        if end is not None:
-            end(context)
+        for side in (self.copier, self.model):
+            end = getattr(side, "end_request", None)
+            if end is not None:
+                end(context)
 
     # -- drafting ------------------------------------------------------------------------------------------
 
@@ -141,8 +168,9 @@ class HybridProposer:
     ) -> Draft | None:
         """The copier's draft if its match is at least ``min_order`` tokens and it offers ``min_copied`` tokens
         (or all k, where k is smaller); after a ``preview`` of this context at k or more, the previewed choice: the
-        copier's chain at k is the first k tokens of its chain at a larger k (the same matches, each continuation
-        cut shorter, the same most frequent child at every depth; a tree is searched again)."""
+        copier's chain at k is the first k tokens of its chain at a larger k (prompt lookup: the same occurrence's
+        continuation; suffix decoding: the same matches, each continuation cut shorter, the same most frequent child
+        at every depth; a tree is searched again)."""
         previewed, self._previewed = self._previewed, None
         if k <= 0:
             return None

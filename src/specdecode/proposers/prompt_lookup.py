@@ -34,8 +34,14 @@ class PromptLookupProposer:
         self.branches = branches
         self._indexed: list[int] = []
         self._followers: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self.last_order = 0  # the n of the n-gram the last draft copied after (0: none matched)
+
+    def fork(self) -> PromptLookupProposer:
+        """The same settings for another request stream (the index is per context anyway)."""
+        return PromptLookupProposer(self.max_ngram, self.min_ngram, self.branches)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        self.last_order = 0
         if k <= 0:
             return EMPTY_DRAFT
         self._sync(context)
@@ -44,6 +50,7 @@ class PromptLookupProposer:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             starts = self._followers[n].get(tuple(context[-n:]))
             if starts:
+                self.last_order = n
                 return Draft(torch.tensor(context[starts[-1] : starts[-1] + k], dtype=torch.int64))
         return EMPTY_DRAFT
 
@@ -55,6 +62,7 @@ class PromptLookupProposer:
         taken = 0
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             starts = self._followers[n].get(tuple(context[-n:]), [])
+            self.last_order = self.last_order or (n if starts else 0)  # the longest n that matched
             for start in reversed(starts[-SCANNED_OCCURRENCES:]):
                 parent, grown = -1, False
                 for token in context[start : start + k]:

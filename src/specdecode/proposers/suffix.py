@@ -156,6 +156,8 @@ class SuffixProposer:
     scope). ``tree_nodes=0`` drafts a chain (the most frequent continuation); see the module docstring.
     """
 
+    sizes_its_drafts = True  # a draft runs as deep as its match earns and its nodes pay at the measured v(k)
+
     def __init__(
         self,
         history: SuffixHistory | None = None,

@@ -73,8 +73,8 @@ class ServerConfig:
     """What ``specdecode serve`` serves and how (picklable when ``target`` is a name: Ray ships it to replicas).
 
     ``proposer``: the default proposer (``lookup``, ``draft`` with ``draft`` = a model path, ``self:N`` or
-    ``skip:SKIP.json``, ``eagle``, ``medusa``, ``suffix``, a hybrid ``MODEL+suffix`` such as ``eagle+suffix``,
-    or ``none``); requests may pick ``none``, ``lookup``, this one, or a name in
+    ``skip:SKIP.json``, ``eagle``, ``medusa``, ``suffix``, a hybrid ``MODEL+suffix`` / ``MODEL+lookup`` such as
+    ``eagle+lookup``, or ``none``); requests may pick ``none``, ``lookup``, this one, or a name in
     ``proposers`` (extra factories).
     ``gamma``: the most tokens a round drafts (an integer or ``auto`` = up to ``max_gamma``); ``policy``:
     ``auto`` (speculate when the measured costs say it pays), ``always`` or ``never``; ``mode``: the verification
