@@ -201,30 +201,39 @@ def repeating_history(target: sd.LoadedModel, prompts: list[list[int]], seed: in
     return history
 
 
+def assert_plain_greedy(target: sd.LoadedModel, hybrid: HybridProposer, prompts, gamma) -> None:
+    """Greedy output through ``hybrid`` is plain decoding's for every prompt, and both sides drafted accepted tokens."""
+    decoder = sd.SpeculativeDecoder(target, hybrid, gamma=gamma)
+    accepted = 0
+    for prompt in prompts:
+        out = decoder.generate(prompt, GREEDY)
+        assert out.token_ids == sd.autoregressive_generate(target, prompt, GREEDY).token_ids, prompt
+        accepted += out.stats.accepted
+    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0 and accepted > 0
+
+
+def assert_plain_sampling(target: sd.LoadedModel, hybrid: HybridProposer, prompts, gamma) -> None:
+    """Reproducible-mode sampling through ``hybrid`` is plain sampling's, token for token, with both sides drafting."""
+    decoder = sd.SpeculativeDecoder(target, hybrid, gamma=gamma, mode="reproducible")
+    for prompt in prompts:
+        params = sd.SamplingParams(temperature=1.0, top_k=20, max_new_tokens=32, seed=5)
+        assert (
+            decoder.generate(prompt, params).token_ids == sd.autoregressive_generate(target, prompt, params).token_ids
+        )
+    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0
+
+
 @pytest.mark.parametrize("gamma", [4, "auto"])
 def test_greedy_output_is_plain_decoding_with_both_sides_drafting(large_target, head_dir, gamma):
     history = repeating_history(large_target, PROMPTS * 2, seed=0)
     hybrid = HybridProposer(EagleProposer(large_target, head=head_dir), SuffixProposer(history))
-    decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma=gamma)
-    accepted = 0
-    for prompt in PROMPTS + [[9, 1]]:
-        out = decoder.generate(prompt, GREEDY)
-        assert out.token_ids == sd.autoregressive_generate(large_target, prompt, GREEDY).token_ids, prompt
-        accepted += out.stats.accepted
-    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0 and accepted > 0
+    assert_plain_greedy(large_target, hybrid, PROMPTS + [[9, 1]], gamma)
 
 
 def test_reproducible_sampling_is_plain_sampling(large_target, head_dir):
     history = repeating_history(large_target, PROMPTS * 3, seed=100)
     hybrid = HybridProposer(EagleProposer(large_target, head=head_dir), SuffixProposer(history))
-    decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma=4, mode="reproducible")
-    for prompt in PROMPTS:
-        params = sd.SamplingParams(temperature=1.0, top_k=20, max_new_tokens=32, seed=5)
-        assert (
-            decoder.generate(prompt, params).token_ids
-            == sd.autoregressive_generate(large_target, prompt, params).token_ids
-        )
-    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0
+    assert_plain_sampling(large_target, hybrid, PROMPTS, 4)
 
 
 def test_exact_sampling_follows_the_targets_law_with_both_sides_drafting(large_target, head_dir):
@@ -249,25 +258,12 @@ LOOKUP_PROMPTS = [[5, 17, 33, 5, 17, 2, 60, 41, 5, 17], [2, 60, 41, 7, 2, 60, 9]
 @pytest.mark.parametrize("gamma", [4, "auto"])
 def test_eagle_lookup_greedy_output_is_plain_decoding_with_both_sides_drafting(large_target, head_dir, gamma):
     hybrid = lookup_hybrid(EagleProposer(large_target, head=head_dir))
-    decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma=gamma)
-    accepted = 0
-    for prompt in LOOKUP_PROMPTS:
-        out = decoder.generate(prompt, GREEDY)
-        assert out.token_ids == sd.autoregressive_generate(large_target, prompt, GREEDY).token_ids, prompt
-        accepted += out.stats.accepted
-    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0 and accepted > 0
+    assert_plain_greedy(large_target, hybrid, LOOKUP_PROMPTS, gamma)
 
 
 def test_eagle_lookup_reproducible_sampling_is_plain_sampling(large_target, head_dir):
     hybrid = lookup_hybrid(EagleProposer(large_target, head=head_dir))
-    decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma="auto", mode="reproducible")
-    for prompt in LOOKUP_PROMPTS:
-        params = sd.SamplingParams(temperature=1.0, top_k=20, max_new_tokens=32, seed=5)
-        assert (
-            decoder.generate(prompt, params).token_ids
-            == sd.autoregressive_generate(large_target, prompt, params).token_ids
-        )
-    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0
+    assert_plain_sampling(large_target, hybrid, LOOKUP_PROMPTS, "auto")
 
 
 def test_eagle_lookup_exact_sampling_follows_the_targets_law_with_both_sides_drafting(large_target, head_dir):
