@@ -37,6 +37,25 @@ def test_generate_json_reports_text_ids_seed_and_stats(tiny_target):
     assert data["stats"]["generated"] == 12 and "alpha" in data["stats"]
 
 
+def test_generate_names_its_proposer_in_the_stats_line_and_json(tiny_target):
+    args = ["generate", "w1 w2 w3 w1 w2", "--raw", "--max-new-tokens", "6"]
+    default, plain = runner.invoke(cli.app, args), runner.invoke(cli.app, [*args, "--proposer", "none"])
+    assert default.exit_code == plain.exit_code == 0
+    assert "; proposer lookup;" in default.stderr and "; proposer none;" in plain.stderr
+    as_json = runner.invoke(cli.app, [*args, "--json", "--draft", "self:1"])
+    assert json.loads(as_json.stdout)["proposer"] == "draft"
+
+
+def test_generate_without_proposer_takes_the_one_its_options_name(tiny_target, tmp_path):
+    args = ["generate", "w1 w2 w3", "--raw", "--json", "--max-new-tokens", "4"]
+    missing = str(tmp_path / "nothing")
+    head = runner.invoke(cli.app, [*args, "--head", missing])  # eagle, so the missing head is reported
+    heads = runner.invoke(cli.app, [*args, "--heads", missing])
+    assert head.exit_code != 0 and "nothing" in head.output and "Traceback" not in head.output
+    assert heads.exit_code != 0 and "nothing" in heads.output and "Traceback" not in heads.output
+    assert json.loads(runner.invoke(cli.app, args).stdout)["proposer"] == "lookup"
+
+
 def test_generate_verbose_names_the_runner_and_weights(tiny_target):
     args = ["generate", "w1 w2", "--raw", "--max-new-tokens", "4"]
     verbose, quiet = runner.invoke(cli.app, [*args, "--verbose"]), runner.invoke(cli.app, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -24,6 +25,9 @@ from specdecode.commands import (
     quiet_transformers,
 )
 
+if TYPE_CHECKING:
+    from specdecode import GenerationOutput
+
 
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text ('-' reads it from standard input)."),
@@ -38,8 +42,8 @@ def generate(
         help="Where guesses come from: draft (needs --draft), "
         "lookup (prompt lookup), eagle (a trained draft head), medusa (trained Medusa heads), suffix (earlier "
         "answers too, with --suffix-cache), eagle+lookup / eagle+suffix (copy where the text repeats, else the head "
-        "guesses; eagle+lookup is the fastest here) or none (plain decoding). Default: draft if --draft is given, else "
-        "lookup.",
+        "guesses) or none (plain decoding). Default: draft with --draft, eagle with --head, medusa with --heads, "
+        "else lookup (the fastest here over repeated runs; eagle+lookup is level greedy and behind sampled).",
     ),
     gamma: str = typer.Option(
         "auto", help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain)."
@@ -95,7 +99,7 @@ def generate(
     )
     resolve_dtype(dtype)
     parse_quantization(quantization)  # validate before the slow load
-    choice = proposer or (ProposerChoice.draft if draft else ProposerChoice.lookup)
+    choice = proposer or default_proposer(draft, head, heads)
     if choice is ProposerChoice.draft and not draft:
         raise ValueError("--proposer draft needs --draft PATH, self:N or skip:SKIP.json")
     quiet_transformers()
@@ -140,6 +144,7 @@ def generate(
                     "token_ids": out.token_ids,
                     "seed": out.seed,
                     "finish_reason": out.finish_reason,
+                    "proposer": choice.value,
                     "sources": [{"kind": s.kind, "depth": s.depth} for s in out.sources],
                     "stats": out.stats.to_dict(),
                 }
@@ -154,9 +159,26 @@ def generate(
         console = Console(highlight=False, soft_wrap=True)
         console.print(coloured(token_pieces(target_model.decode, out.token_ids, out.text), out.sources))
         err.print(legend(out.sources), highlight=False, soft_wrap=True)
-        err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
+        err.print(f"[dim]{stats_line(out, choice)}[/dim]", highlight=False)
     else:
         print("" if stream else out.text)
-        err.print(f"[dim]{out.stats.summary()}; seed {out.seed}; finish: {out.finish_reason}[/dim]", highlight=False)
+        err.print(f"[dim]{stats_line(out, choice)}[/dim]", highlight=False)
     if history_file is not None and chosen is not None:
         chosen.save(history_file)  # the history, now with this prompt and answer (after the output is out)
+
+
+def default_proposer(draft: str | None, head: str | None, heads: str | None) -> ProposerChoice:
+    """The proposer when ``--proposer`` is not given: the one the other options name (``--draft``, ``--head``,
+    ``--heads``), else prompt lookup (the fastest over repeated runs here: docs/BENCHMARKS.md)."""
+    if draft:
+        return ProposerChoice.draft
+    if head is not None:
+        return ProposerChoice.eagle
+    if heads is not None:
+        return ProposerChoice.medusa
+    return ProposerChoice.lookup
+
+
+def stats_line(out: GenerationOutput, choice: ProposerChoice) -> str:
+    """The line printed after the answer: the run's figures, the proposer, the seed and why it stopped."""
+    return f"{out.stats.summary()}; proposer {choice.value}; seed {out.seed}; finish: {out.finish_reason}"
