@@ -139,6 +139,46 @@ def test_every_instruction_set_gives_the_same_bits(variant):
     assert torch.equal(other.exp_lanes(values), native.exp_lanes(values))
 
 
+def _argmax_cases() -> list[torch.Tensor]:
+    """Rows torch.argmax must agree on: random widths (not multiples of the vector lanes), ties at the maximum (the
+    first wins), NaN (the first NaN wins, before or after the maximum), ±inf, all -inf, signed zeros."""
+    generator = torch.Generator().manual_seed(11)
+    cases = [torch.randn(rows, width, generator=generator) for rows, width in ((1, 49152), (3, 1000), (2, 37), (5, 1))]
+    ties = torch.randint(0, 4, (4, 300), generator=generator).float()  # many equal maxima per row
+    nan_after, nan_before = torch.randn(2, 200, generator=generator), torch.randn(2, 200, generator=generator)
+    nan_after[0, 150], nan_after[1, 199] = float("nan"), float("nan")
+    nan_before[:, 3], nan_before[:, 90] = float("nan"), float("nan")
+    infinite = torch.randn(2, 130, generator=generator)
+    infinite[0, 77], infinite[1, 5] = float("inf"), float("-inf")
+    minus_inf = torch.full((2, 70), float("-inf"))
+    zeros = torch.tensor([[-0.0, 0.0, -1.0] * 30, [-1.0, -0.0, 0.0] * 30])
+    return [*cases, ties, nan_after, nan_before, infinite, minus_inf, zeros, torch.randn(8, 4099, generator=generator)]
+
+
+@pytest.mark.parametrize("variant", ["native", "avx2", "portable"])
+def test_argmax_rows_is_torchs_argmax(variant):
+    """The kernels' argmax (greedy verification, plain greedy steps) returns torch.argmax's index on every build."""
+    ops = kernels.ops("native") if variant == "native" else _variant(variant)
+    if ops is None:
+        pytest.skip("no kernels here")
+    for logits in _argmax_cases():
+        assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1)), logits.shape
+        if logits.shape[1] > 1:  # a strided view
+            assert torch.equal(ops.argmax_rows(logits[:, 1:]), logits[:, 1:].argmax(dim=-1))
+
+
+def test_greedy_tokens_takes_the_kernel_or_torch_with_the_same_result(monkeypatch):
+    from specdecode.sampling import greedy_tokens
+
+    cases = _argmax_cases()
+    with_kernels = [greedy_tokens(logits) for logits in cases]
+    monkeypatch.setenv("SPECDECODE_KERNELS", "0")
+    assert kernels.ops() is None
+    for logits, chosen in zip(cases, with_kernels, strict=True):
+        assert torch.equal(greedy_tokens(logits), chosen) and torch.equal(chosen, logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(cases[0][0].double()), cases[0][0].argmax())  # other shapes: torch's
+
+
 def test_threads_split_work_never_a_sum():
     """Two threads give bitwise the one-thread results (threads take output columns and attention tasks)."""
     blocks = random_blocks("Q4_1", 160, 512, seed=16)

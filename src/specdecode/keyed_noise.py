@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .params import SamplingParams
-from .sampling import warp_logits
+from .sampling import greedy_tokens, warp_logits
 
 LN2 = 0.6931471805599453
 
@@ -66,7 +66,7 @@ def gumbel_max(
     Computed by ``keyed_argmax`` (the CPU kernel's, or the same function in numpy where the kernels are off).
     """
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     if positions is None:
         positions = range(start, start + logits.shape[0])
     warped = warp_logits(logits, params.temperature, params.top_k, params.top_p).double().cpu()

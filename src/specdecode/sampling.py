@@ -12,6 +12,21 @@ from .choices import Choices, inverse_cdf
 from .params import SamplingParams
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``: per row the first index of the largest logit (a NaN counts as largest).
+
+    Float32 CPU rows ``[n, V]`` go through the CPU kernels' scan (``argmax_rows``: ~10 µs a row of 49,152 against
+    torch's ~100 µs, which a greedy step pays per verified row); the index is the same on either path (tested).
+    """
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.shape[-1]:
+        from .models.kernels import ops
+
+        kernels = ops()
+        if kernels is not None:
+            return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Scaled logits ``logits / T`` with tokens outside top-k, then outside the nucleus, set to −inf.
 

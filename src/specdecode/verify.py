@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .choices import NO_MASS, Choices, as_choices
+from .sampling import greedy_tokens
 from .tree import children
 
 RESIDUAL_EPS = 1e-12
@@ -103,7 +104,7 @@ def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
 
     ``target_logits`` (or probabilities) is ``[k+1, V]``; returns ``(n_accepted, next_token)``.
     """
-    return coupled_verify(target_logits.argmax(dim=-1), draft_tokens)
+    return coupled_verify(greedy_tokens(target_logits), draft_tokens)
 
 
 def coupled_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
@@ -126,7 +127,7 @@ def tree_greedy_verify(
 
     ``target_logits`` (or probabilities) ``[n+1, V]``; returns ``(accepted_nodes, next_token)``.
     """
-    return tree_coupled_verify(target_logits.argmax(dim=-1), draft_tokens, parents)
+    return tree_coupled_verify(greedy_tokens(target_logits), draft_tokens, parents)
 
 
 def tree_coupled_verify(
