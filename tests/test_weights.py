@@ -109,6 +109,18 @@ def test_every_format_is_row_invariant(name):
             assert torch.equal(out[r], singles[r]), f"{name}: row {r} of a {k}-row call differs"
 
 
+def test_dense_bfloat16_is_row_invariant_past_32_rows():
+    """Past 32 rows bfloat16 F.linear takes another path on a CPU with AMX (oneDNN's tiles: found on an Intel Xeon,
+    family 6 model 207, where the bundled model's 144-row batch broke); DenseLinear keeps each row its own."""
+    generator = torch.Generator().manual_seed(5)
+    linear = DenseLinear((torch.randn(576, 576, generator=generator) * 0.05).bfloat16())
+    x = torch.randn(80, 576, generator=generator).bfloat16()
+    singles = torch.cat([linear(x[r : r + 1]) for r in range(80)])
+    for k in (33, 48, 64, 65, 80):
+        assert torch.equal(linear(x[:k]), singles[:k]), k
+    assert linear(x[:0]).shape == (0, 576)
+
+
 @pytest.mark.parametrize("group_size", [32, 256])
 def test_int4_kernel_computes_the_dequantized_product(group_size):
     generator = torch.Generator().manual_seed(4)
