@@ -284,15 +284,15 @@ def test_the_head_drafts_from_the_right_feature_rows(large_target, head_dir, tre
 
 
 class MisreportedDraftLaw(EagleProposer):
-    """WRONG (the control): guesses drawn from the head's law q, but verified against 0.97 q + 0.03 uniform on q's
-    support, a head that misstates its own law by 3%."""
+    """WRONG (the control): guesses drawn from the head's law q, but verified against 0.8 q + 0.2 uniform on q's
+    support, a head that misstates its own law by 20%."""
 
     def propose(self, context, k, params, generator):
         draft = super().propose(context, k, params, generator)
         if draft.probs is None:
             return draft
         support = draft.probs > 0
-        misstated = 0.97 * draft.probs + 0.03 * support / support.sum(-1, keepdim=True)
+        misstated = 0.8 * draft.probs + 0.2 * support / support.sum(-1, keepdim=True)
         return sd.Draft(draft.tokens, misstated, draft.parents)
 
 
@@ -312,9 +312,10 @@ ENUMERATED = sd.SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4)
 def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes, prompt, monkeypatch):
     """The engine's exact law of the first two tokens (every decision enumerated, ``enumeration.engine_law``):
     EAGLE's sampled chain (also drafting at 0.6 of the request's temperature) and its top-k tree give the target's
-    to float32 rounding (TV < 1e-6, measured ~2e-8).
-    The controls — a head misstating its law by 3%; the tree's residuals mixed 1% with the target's law — are
-    off by TV ≈ 6e-4 and 1e-3, far below what sampling could see (the strong tier detects 0.02)."""
+    to float32 rounding (TV < 1e-5; measured ~1e-8 on the native runner, up to ~6e-7 on transformers').
+    The controls — a head misstating its law by 20%; the tree's residuals mixed 1% with the target's law — are
+    off by TV ≈ 4.6e-4 and 8e-4, far below what sampling could see (the strong tier detects 0.02). (On an Intel
+    Xeon with AMX and transformers 5.25 a 3% misstatement moved TV by only 6.5e-5, so the control misstates more.)"""
     from specdecode.enumeration import engine_law, prefix_law, total_variation
 
     if case == "tree-residual-control":
@@ -334,7 +335,7 @@ def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes,
     if case.endswith("control"):
         assert tv > 1e-4, tv
     else:
-        assert tv < 1e-6, tv
+        assert tv < 1e-5, tv
 
 
 def test_the_calibration_measures_the_proposers_first_guess_acceptance(large_target, head_dir):
