@@ -322,21 +322,26 @@ def test_generate_cli_keeps_the_copiers_history_in_the_suffix_cache(large_target
     assert len(SuffixProposer.load(history_file).history) > len(PROMPTS[0])
 
 
-def test_the_server_serves_eagle_lookup_as_plain_decoding(head_dir):
+def _served_books(target, name: str, hybrid, prompts: list[str], mode: str = "reproducible") -> dict:
+    """Serve greedy completions with ``hybrid`` under ``name`` (policy always): each text is plain decoding's;
+    returns the scheduler's acceptance books."""
     import httpx
 
     from specdecode.serving import ServerConfig, create_app
     from specdecode.serving.local import LocalServer
 
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS), backend="native")
-    hybrid = lookup_hybrid(EagleProposer(target, head=head_dir))
-    config = ServerConfig(target=target, policy="always", proposers={"eagle+lookup": hybrid.fork})
+    config = ServerConfig(target=target, mode=mode, policy="always", proposers={name: hybrid.fork})
     with LocalServer(create_app(config)) as running:
-        for prompt in LOOKUP_PROMPTS:
-            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "speculative": {"proposer": "eagle+lookup"}}
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "speculative": {"proposer": name}}
             answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
             assert answer["choices"][0]["text"] == sd.autoregressive_generate(target, prompt, GREEDY).text
-        books = running.app.state.server.scheduler._acceptance
+        return running.app.state.server.scheduler._acceptance
+
+
+def test_the_server_serves_eagle_lookup_as_plain_decoding(head_dir):
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS), backend="native")
+    books = _served_books(target, "eagle+lookup", lookup_hybrid(EagleProposer(target, head=head_dir)), LOOKUP_PROMPTS)
     assert {"eagle+lookup:copy", "eagle+lookup:model"} <= set(books)
 
 
@@ -344,21 +349,9 @@ def test_the_server_serves_eagle_lookup_as_plain_decoding(head_dir):
 def test_the_server_serves_the_hybrid_as_plain_decoding_and_keeps_each_sides_books(head_dir, mode):
     """Greedy requests through the scheduler: the first answer goes to the copier's history (global scope), so
     the repeat is mostly copied; the texts are plain decoding's, and the policy learns each side apart."""
-    import httpx
-
-    from specdecode.serving import ServerConfig, create_app
-    from specdecode.serving.local import LocalServer
-
     target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS), backend="native")
     hybrid = HybridProposer(EagleProposer(target, head=head_dir), SuffixProposer())
-    config = ServerConfig(target=target, mode=mode, policy="always", proposers={"eagle+suffix": hybrid.fork})
-    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0]]
-    with LocalServer(create_app(config)) as running:
-        for prompt in prompts:
-            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "speculative": {"proposer": "eagle+suffix"}}
-            answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
-            assert answer["choices"][0]["text"] == sd.autoregressive_generate(target, prompt, GREEDY).text
-        books = running.app.state.server.scheduler._acceptance
+    books = _served_books(target, "eagle+suffix", hybrid, [PROMPTS[0], PROMPTS[2], PROMPTS[0]], mode)
     assert {"eagle+suffix:copy", "eagle+suffix:model"} <= set(books)
     copy, model = books["eagle+suffix:copy"], books["eagle+suffix:model"]
     assert len(copy.reached) > 1 and len(model.reached) == 1  # copies ran several deep; the head guesses once
