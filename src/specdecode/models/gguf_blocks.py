@@ -9,11 +9,13 @@ parameter name; Llama's q/k rows are un-permuted as transformers does.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .gguf_index import gguf_index
 from .weights import IntBlocks
 
 GROUP = 32
@@ -161,14 +163,12 @@ def read_gguf_tensors(
     Rows of Llama's q/k projections are permuted as transformers' loader permutes them.
     """
     import gguf
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
-    names = get_gguf_hf_weights_map(model, TensorProcessor())
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields["general.architecture"]
-    architecture = bytes(field.parts[field.data[0]]).decode()
+    names = gguf_to_hf_names(model)
+    index = gguf_index(path)
+    architecture = index.architecture
     found: dict[str, StoredTensor] = {}
-    for tensor in reader.tensors:
+    for tensor in index.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None:
             continue
@@ -183,6 +183,24 @@ def read_gguf_tensors(
         perm = _rows_order(architecture, tensor.name, model.config, _rows(stored))
         found[hf_name] = stored if perm is None else _take_rows(stored, perm)
     return found
+
+
+def gguf_to_hf_names(model: torch.nn.Module) -> dict[str, str]:
+    """transformers' map from GGUF tensor names to ``model``'s parameter names.
+
+    ``get_gguf_hf_weights_map`` recurses into each of the model's ~400 modules and builds gguf's name map for
+    the architecture anew in each (~23 ms apiece: 9 s of loading SmolLM2); the map depends only on the
+    architecture and layer count, so one is built and reused for the call.
+    """
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(build)  # transformers imports it from gguf at each call
+    try:
+        return get_gguf_hf_weights_map(model, TensorProcessor())
+    finally:
+        gguf.get_tensor_name_map = build
 
 
 def _rows(stored: StoredTensor) -> int:

@@ -1,0 +1,155 @@
+"""A GGUF file's architecture and tensors, read without parsing its metadata values.
+
+gguf's own ``GGUFReader`` turns every metadata value into numpy views, one per element: the 49,152-token
+vocabulary and 48,900 merges of the bundled SmolLM2 took ~9 s of a ~14 s load (Gemma 3's 262,144 tokens more).
+Loading a model needs only ``general.architecture``, ``general.alignment`` and the tensor index, so this reader
+steps over the other values (a string or array of strings by its lengths, a fixed-size array in one jump) and
+gives each tensor's bytes as the same memory-mapped numpy view, shape and type ``GGUFReader`` gives.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import quant_shape_to_byte_shape
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+_FIXED_SIZES = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}  # fmt: skip
+_ELEMENT_TYPES = {
+    GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """One tensor: its GGUF name, type and data (float/int types as elements, block types as bytes per row)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    architecture: str | None
+    tensors: tuple[IndexedTensor, ...]
+
+
+class _Cursor:
+    """Little-endian reads from a buffer, advancing an offset."""
+
+    def __init__(self, buffer) -> None:
+        self.buffer, self.at = buffer, 0
+
+    def unpack(self, fmt: str):
+        values = struct.unpack_from(fmt, self.buffer, self.at)
+        self.at += struct.calcsize(fmt)
+        return values
+
+    def u32(self) -> int:
+        return self.unpack("<I")[0]
+
+    def u64(self) -> int:
+        return self.unpack("<Q")[0]
+
+    def string(self) -> str:
+        n = self.u64()
+        self.at += n
+        return bytes(self.buffer[self.at - n : self.at]).decode("utf-8")
+
+    def skip_value(self, kind: int) -> None:
+        if kind == GGUFValueType.STRING:
+            n = self.u64()  # not `self.at += self.u64()`: that adds to the offset read before the length
+            self.at += n
+        elif kind == GGUFValueType.ARRAY:
+            element, count = self.u32(), self.u64()
+            if element in _FIXED_SIZES:
+                self.at += count * _FIXED_SIZES[GGUFValueType(element)]
+            else:
+                for _ in range(count):
+                    self.skip_value(element)
+        elif kind in _FIXED_SIZES:
+            self.at += _FIXED_SIZES[GGUFValueType(kind)]
+        else:
+            raise ValueError(f"unknown GGUF value type {kind} at byte {self.at}")
+
+
+def read_gguf_index(path: str | Path) -> GGUFIndex:
+    """The file's ``general.architecture`` and tensors; ``ValueError`` where it is not a little-endian GGUF v2/v3
+    (the caller may fall back to gguf's own reader)."""
+    data = np.memmap(path, mode="r")
+    cursor = _Cursor(data)
+    if bytes(data[:4]) != MAGIC:
+        raise ValueError(f"{path} is not a GGUF file")
+    cursor.at = 4
+    version = cursor.u32()
+    if version not in VERSIONS:
+        raise ValueError(f"{path}: GGUF version {version} (or another byte order) is not read here")
+    tensor_count, kv_count = cursor.u64(), cursor.u64()
+    architecture, alignment = None, DEFAULT_ALIGNMENT
+    for _ in range(kv_count):
+        key, kind = cursor.string(), cursor.u32()
+        if key == "general.architecture" and kind == GGUFValueType.STRING:
+            architecture = cursor.string()
+        elif key == "general.alignment" and kind == GGUFValueType.UINT32:
+            alignment = cursor.u32()
+        else:
+            cursor.skip_value(kind)
+    if alignment == 0 or alignment & (alignment - 1):
+        raise ValueError(f"{path}: alignment {alignment} is not a power of two")
+    infos, names = [], set()
+    for _ in range(tensor_count):
+        name = cursor.string()
+        if name in names:
+            raise ValueError(f"{path}: tensor {name} appears twice")
+        names.add(name)
+        dims = cursor.unpack(f"<{cursor.u32()}Q")
+        infos.append((name, dims, GGMLQuantizationType(cursor.u32()), cursor.u64()))
+    start = -(-cursor.at // alignment) * alignment
+    tensors = []
+    for name, dims, kind, offset in infos:
+        elements = int(np.prod(dims))
+        shape = tuple(reversed(dims))
+        at = start + offset
+        if kind in _ELEMENT_TYPES:
+            dtype = np.dtype(_ELEMENT_TYPES[kind])
+            view = data[at : at + elements * dtype.itemsize].view(dtype)
+        else:
+            block, size = GGML_QUANT_SIZES[kind]
+            view = data[at : at + elements * size // block]
+            shape = quant_shape_to_byte_shape(shape, kind)
+        tensors.append(IndexedTensor(name, kind, view.reshape(shape)))
+    return GGUFIndex(architecture, tuple(tensors))
+
+
+def read_gguf_index_with_gguf(path: str | Path) -> GGUFIndex:
+    """The same from gguf's own ``GGUFReader`` (every byte order and version it reads; slow on large vocabularies)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    architecture = None if field is None else bytes(field.parts[field.data[0]]).decode()
+    tensors = tuple(IndexedTensor(t.name, t.tensor_type, t.data) for t in reader.tensors)
+    return GGUFIndex(architecture, tensors)
+
+
+def gguf_index(path: str | Path) -> GGUFIndex:
+    """``read_gguf_index``, or gguf's reader for a file it does not read (another byte order or version)."""
+    try:
+        return read_gguf_index(path)
+    except ValueError:
+        return read_gguf_index_with_gguf(path)
