@@ -73,3 +73,13 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_index(path)
+
+
+def test_a_file_cut_short_is_refused(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write(path)
+    whole = path.read_bytes()
+    for keep, message in ((200, "header is cut short"), (len(whole) - 10, "runs past the end")):
+        path.write_bytes(whole[:keep])
+        with pytest.raises(ValueError, match=message):
+            read_gguf_index(path)

@@ -90,8 +90,15 @@ class _Cursor:
 
 def read_gguf_index(path: str | Path) -> GGUFIndex:
     """The file's ``general.architecture`` and tensors; ``ValueError`` where it is not a little-endian GGUF v2/v3
-    (the caller may fall back to gguf's own reader)."""
+    (the caller may fall back to gguf's own reader) or is cut short."""
     data = np.memmap(path, mode="r")
+    try:
+        return _read_index(path, data)
+    except struct.error as error:
+        raise ValueError(f"{path}: the GGUF header is cut short ({error})") from None
+
+
+def _read_index(path: str | Path, data: np.ndarray) -> GGUFIndex:
     cursor = _Cursor(data)
     if bytes(data[:4]) != MAGIC:
         raise ValueError(f"{path} is not a GGUF file")
@@ -132,6 +139,8 @@ def read_gguf_index(path: str | Path) -> GGUFIndex:
             block, size = GGML_QUANT_SIZES[kind]
             view = data[at : at + elements * size // block]
             shape = quant_shape_to_byte_shape(shape, kind)
+        if view.nbytes < int(np.prod(shape)) * view.itemsize:
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file")
         tensors.append(IndexedTensor(name, kind, view.reshape(shape)))
     return GGUFIndex(architecture, tuple(tensors))
 
