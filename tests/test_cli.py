@@ -136,6 +136,10 @@ def test_load_model_errors_are_actionable(tmp_path):
         sd.load_model(str(tmp_path / "nothing-here"))
     with pytest.raises(ModelNotAvailable, match="GGUF file not found"):
         sd.load_model(str(tmp_path / "missing.gguf"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(6))  # a download stopped inside the header
+    with pytest.raises(ModelNotAvailable, match="not a readable GGUF file.*cut short"):
+        sd.load_model(str(cut))
     with pytest.raises(ValueError, match="dtype"):
         sd.load_model("smollm2", dtype="int8")
 

@@ -83,3 +83,5 @@ def test_a_file_cut_short_is_refused(tmp_path):
         path.write_bytes(whole[:keep])
         with pytest.raises(ValueError, match=message):
             read_gguf_index(path)
+        with pytest.raises(ValueError, match=message):
+            gguf_index(path)  # not handed to gguf's reader, whose error would not say what is wrong

@@ -27,6 +27,12 @@ _FIXED_SIZES = {
     GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
     GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
 }  # fmt: skip
+
+
+class UnreadVariant(ValueError):
+    """A GGUF file of another byte order or version, which gguf's own reader may read."""
+
+
 _ELEMENT_TYPES = {
     GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
     GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
@@ -89,8 +95,8 @@ class _Cursor:
 
 
 def read_gguf_index(path: str | Path) -> GGUFIndex:
-    """The file's ``general.architecture`` and tensors; ``ValueError`` where it is not a little-endian GGUF v2/v3
-    (the caller may fall back to gguf's own reader) or is cut short."""
+    """The file's ``general.architecture`` and tensors; ``UnreadVariant`` where it is not a little-endian GGUF v2/v3
+    (the caller may fall back to gguf's own reader), ``ValueError`` where it is not GGUF, is cut short or malformed."""
     data = np.memmap(path, mode="r")
     try:
         return _read_index(path, data)
@@ -105,7 +111,7 @@ def _read_index(path: str | Path, data: np.ndarray) -> GGUFIndex:
     cursor.at = 4
     version = cursor.u32()
     if version not in VERSIONS:
-        raise ValueError(f"{path}: GGUF version {version} (or another byte order) is not read here")
+        raise UnreadVariant(f"{path}: GGUF version {version} (or another byte order) is not read here")
     tensor_count, kv_count = cursor.u64(), cursor.u64()
     architecture, alignment = None, DEFAULT_ALIGNMENT
     for _ in range(kv_count):
@@ -157,8 +163,9 @@ def read_gguf_index_with_gguf(path: str | Path) -> GGUFIndex:
 
 
 def gguf_index(path: str | Path) -> GGUFIndex:
-    """``read_gguf_index``, or gguf's reader for a file it does not read (another byte order or version)."""
+    """``read_gguf_index``, or gguf's reader for a file of another byte order or version; a file cut short or
+    malformed is refused with ``read_gguf_index``'s message."""
     try:
         return read_gguf_index(path)
-    except ValueError:
+    except UnreadVariant:
         return read_gguf_index_with_gguf(path)

@@ -246,6 +246,12 @@ def _dense_cache(gguf: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import GgufConfig
 
+    from .gguf_index import gguf_index
+
+    try:
+        gguf_index(gguf)  # a cut-short or malformed file is named here, not by a reshape deep in transformers
+    except ValueError as error:
+        raise ModelNotAvailable(f"not a readable GGUF file: {error}") from None
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent,
         gguf_file=gguf.name,
