@@ -248,6 +248,29 @@ def test_attention_is_softmax_attention_and_rows_are_bitwise_one_row_calls(cache
         assert torch.equal(alone[0], together[row]), row
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_many_rows_take_row_blocks_and_stay_bitwise_one_row_calls(window):
+    """From 128 rows (a prefill, a large batched pass) the kernel walks blocks of rows over their chunks instead
+    of chunks over rows: every row's bits must not change. Two caches: a 300-row prefill and 40 rows after 150
+    cached keys, interleaved, in one call; with a sliding window, rows whose window starts inside a chunk."""
+    q, keys, values, _ = _attention_case(rows=340, cached=0, seed=14)
+    other_keys, other_values = keys.flip(2).contiguous(), values.flip(2).contiguous()
+    prefill = [[1, i, i, i + 1] for i in range(300)]
+    after = [[0, 150 + i, 150 + i, 151 + i] for i in range(40)]
+    interleaved = [row for pair in zip(prefill[:40], after, strict=True) for row in pair] + prefill[40:]
+    meta = torch.tensor(interleaved, dtype=torch.int32)
+    offsets, extras = torch.zeros(341, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    caches = ([keys, other_keys], [values, other_values])
+    together = kernels.ops("native").attention(q, *caches, meta, offsets, extras, 0, HEADS, KV_HEADS, DIM**-0.5, window)
+    for row, (cache, _, _, visible) in enumerate(meta.tolist()):
+        one = (meta[row : row + 1], torch.zeros(2, dtype=torch.int64), extras)
+        alone = kernels.ops("native").attention(q[row : row + 1], *caches, *one, 0, HEADS, KV_HEADS, DIM**-0.5, window)
+        assert torch.equal(alone[0], together[row]), row
+        first = visible - window if 0 < window < visible else 0
+        expected = _reference_attention(q[row], caches[0][cache], caches[1][cache], list(range(first, visible)))
+        torch.testing.assert_close(together[row].double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_tree_rows_see_their_branch_bitwise_as_the_compacted_chain():
     """A tree row attends over the prefix, then its ancestors' slots (anywhere in the cache): bitwise what a
     one-row call computes once those entries sit right after the prefix."""

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -941,9 +942,12 @@ struct AttnShape {
 // chunk's max score m, sum l of exp(score − m), and o = Σ exp(score − m)·v, each lane and sum in a fixed order
 // that depends only on that row's keys.
 struct Partial {
-  float* base;  // [rows][chunks][heads][d + 2]: m, l, o
+  float* base;  // [rows][chunks][heads][d + 2]: m, l, o (heads counted from head0)
   int64_t chunks, heads, d;
-  float* at(int64_t r, int64_t c, int64_t head) const { return base + ((r * chunks + c) * heads + head) * (d + 2); }
+  int64_t head0 = 0;
+  float* at(int64_t r, int64_t c, int64_t head) const {
+    return base + ((r * chunks + c) * heads + head - head0) * (d + 2);
+  }
 };
 
 struct Scratch {
@@ -1034,8 +1038,8 @@ static void accumulate_heads(int64_t heads, int64_t vectors, float* acc, int64_t
 }
 
 static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t layer, const AttnShape& shape,
-                         const float* q, const std::vector<int64_t>& rows_in, int64_t h, int64_t c,
-                         const Partial& partial, Scratch& scratch) {
+                         const float* q, const std::vector<int64_t>& rows_in, const std::vector<int64_t>& out_rows,
+                         int64_t h, int64_t c, const Partial& partial, Scratch& scratch) {
   const int64_t d = shape.head_dim, group = shape.heads / shape.kv_heads, tile = d * kLanes;
   const int64_t cap = cache.capacity, nrows = static_cast<int64_t>(rows_in.size());
   const int64_t per_chunk = kAttChunk / kLanes;
@@ -1113,7 +1117,7 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
         vf_store(sc + b * kLanes, p);
         l = vf_add(l, p);
       }
-      float* out = partial.at(rows_in[i], c, h * group + g);
+      float* out = partial.at(out_rows[i], c, h * group + g);
       out[0] = m;
       out[1] = vf_hsum(l);
     }
@@ -1132,15 +1136,97 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
   }
   for (int64_t i = 0; i < nrows; ++i)
     for (int64_t g = 0; g < group; ++g)
-      std::memcpy(partial.at(rows_in[i], c, h * group + g) + 2, scratch.acc.data() + (i * group + g) * d,
+      std::memcpy(partial.at(out_rows[i], c, h * group + g) + 2, scratch.acc.data() + (i * group + g) * d,
                   d * sizeof(float));
+}
+
+// dst[0 .. d) = row r's attention output for one query head: its chunks' partials (partial's row `at`) merged
+// in chunk order, o = Σ_c exp(m_c − m)·o_c / Σ_c exp(m_c − m)·l_c with m = max_c m_c (acc: d floats of scratch).
+static void merge_chunks(const RowsView& rows, const AttnShape& shape, const Partial& partial, int64_t r,
+                         int64_t at, int64_t head, float* acc, float* dst) {
+  const int64_t d = shape.head_dim;
+  const int64_t mine = (rows.visible(r) + kAttChunk - 1) / kAttChunk, first = shape.first(rows, r) / kAttChunk;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c = first; c < mine; ++c) m = std::max(m, partial.at(at, c, head)[0]);
+  float l = 0.0f;
+  std::fill(acc, acc + d, 0.0f);
+  for (int64_t c = first; c < mine; ++c) {
+    const float* p = partial.at(at, c, head);
+    const float w = exp_scalar(p[0] - m);
+    l = l + p[1] * w;
+    for (int64_t e = 0; e < d; ++e) acc[e] = acc[e] + p[2 + e] * w;
+  }
+  for (int64_t e = 0; e < d; ++e) dst[e] = acc[e] / l;
+}
+
+// Many rows (a prefill, a large batched pass): one task per (cache, key/value head, block of consecutive rows) walks
+// every chunk those rows see with its partials in the task's own scratch, then merges them, so the partials
+// never fill a [rows][chunks] array in memory (at 2,048 rows 77 MB a layer, freshly faulted in each call). The
+// same attend_chunk and merge_chunks as the per-chunk tasks below: every row's numbers are the same bits.
+static void attention_row_blocks(const RowsView& rows, const std::vector<CacheView>& caches, int64_t layer,
+                                 const AttnShape& shape, const float* q, float* out, int64_t rows_per_block) {
+  const int64_t d = shape.head_dim, group = shape.heads / shape.kv_heads;
+  struct Task {
+    int64_t cache, h, cost;
+    std::vector<int64_t> rows;
+  };
+  std::vector<Task> tasks;
+  for (int64_t ci = 0; ci < static_cast<int64_t>(caches.size()); ++ci) {
+    std::vector<int64_t> mine;
+    for (int64_t r = 0; r < rows.rows; ++r)
+      if (rows.cache(r) == ci) mine.push_back(r);
+    for (size_t b = 0; b < mine.size(); b += rows_per_block) {
+      std::vector<int64_t> block(mine.begin() + b, mine.begin() + std::min(mine.size(), b + rows_per_block));
+      int64_t cost = 0;
+      for (int64_t r : block) cost += rows.visible(r) - shape.first(rows, r);
+      for (int64_t h = 0; h < shape.kv_heads; ++h) tasks.push_back(Task{ci, h, cost, block});
+    }
+  }
+  // the costliest first, taken one at a time by whichever thread is free: the blocks' costs differ (causal rows)
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    std::vector<float> local, acc(d);
+    std::vector<int64_t> seeing, slots;
+    for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
+      const Task& task = tasks[t];
+      const int64_t n = static_cast<int64_t>(task.rows.size());
+      int64_t chunks = 0;
+      for (int64_t r : task.rows) chunks = std::max(chunks, (rows.visible(r) + kAttChunk - 1) / kAttChunk);
+      local.resize(n * chunks * group * (d + 2));
+      // local index i stands for task.rows[i]: the Partial's rows are 0 .. n-1, its heads this group's
+      const Partial partial{local.data(), chunks, group, d, task.h * group};
+      for (int64_t c = 0; c < chunks; ++c) {
+        seeing.clear();
+        slots.clear();
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t r = task.rows[i];
+          if (rows.visible(r) <= c * kAttChunk || shape.first(rows, r) >= (c + 1) * kAttChunk) continue;
+          seeing.push_back(r);
+          slots.push_back(i);
+        }
+        if (!seeing.empty())
+          attend_chunk(rows, caches[task.cache], layer, shape, q, seeing, slots, task.h, c, partial, scratch);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = task.rows[i];
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = task.h * group + g;
+          merge_chunks(rows, shape, partial, r, i, head, acc.data(), out + r * shape.heads * d + head * d);
+        }
+      }
+    }
+  });
 }
 
 // out[r, head·d ...] = softmax(q·K^T · scaling) V over each row's visible keys: the chunks of each row reduced
 // as above, then merged in chunk order.
 static void attention_rows(const RowsView& rows, const std::vector<CacheView>& caches, int64_t layer,
                            const AttnShape& shape, const float* q, float* out) {
-  constexpr int64_t kRowsPerTask = 32;
+  constexpr int64_t kRowsPerTask = 32, kRowBlocksFrom = 128;  // below 128 rows, chunks balance the threads better
+  if (rows.rows >= kRowBlocksFrom) return attention_row_blocks(rows, caches, layer, shape, q, out, kRowsPerTask);
   const int64_t d = shape.head_dim;
   int64_t chunks = 0;
   for (int64_t r = 0; r < rows.rows; ++r) chunks = std::max(chunks, (rows.visible(r) + kAttChunk - 1) / kAttChunk);
@@ -1172,26 +1258,14 @@ static void attention_rows(const RowsView& rows, const std::vector<CacheView>& c
     Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
-      attend_chunk(rows, caches[task.cache], layer, shape, q, task.rows, task.h, task.c, partial, scratch);
+      attend_chunk(rows, caches[task.cache], layer, shape, q, task.rows, task.rows, task.h, task.c, partial, scratch);
     }
   });
   at::parallel_for(0, rows.rows * shape.heads, 64, [&](int64_t i0, int64_t i1) {
     std::vector<float> acc(d);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / shape.heads, head = i % shape.heads;
-      const int64_t mine = (rows.visible(r) + kAttChunk - 1) / kAttChunk, first = shape.first(rows, r) / kAttChunk;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = first; c < mine; ++c) m = std::max(m, partial.at(r, c, head)[0]);
-      float l = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t c = first; c < mine; ++c) {
-        const float* p = partial.at(r, c, head);
-        const float w = exp_scalar(p[0] - m);
-        l = l + p[1] * w;
-        for (int64_t e = 0; e < d; ++e) acc[e] = acc[e] + p[2 + e] * w;
-      }
-      float* dst = out + r * shape.heads * d + head * d;
-      for (int64_t e = 0; e < d; ++e) dst[e] = acc[e] / l;
+      merge_chunks(rows, shape, partial, r, r, head, acc.data(), out + r * shape.heads * d + head * d);
     }
   });
 }
