@@ -53,6 +53,7 @@ constexpr int kLanes = 16;
 constexpr int64_t kAttChunk = 128;  // keys per attention partial (part of the numerics: do not change lightly)
 constexpr int kMaxRefine = 64;
 constexpr int64_t kPrefetchGroups = 16;
+constexpr int64_t kPrefetchKeysFrom = 1024;  // attention asks for its keys and values ahead from this many cached
 
 // ------------------------------------------------------------------------------------------------ 16 lanes
 
@@ -1037,6 +1038,22 @@ static void accumulate_heads(int64_t heads, int64_t vectors, float* acc, int64_t
   }
 }
 
+// Ask for [p, p + bytes) into L2 (prefetcht1): the KV cache of a long context streams from DRAM, and without
+// these requests its reads did not overlap the arithmetic (one row over 4,096 keys, 30 layers: ~5.8 → ~4.8 ms).
+static inline void prefetch_to_l2(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 2);
+}
+
+// Slots [first, first + n) of a cache's keys or values (2·d bytes a slot, contiguous in slot order), clipped to
+// its capacity; nothing when `stream` is false. (A function, not a lambda: g++ 12 dropped the prefetches of the
+// same code written as a capturing lambda in attend_chunk; check `objdump -d | grep prefetcht1` after changes.)
+static inline void prefetch_slots(bool stream, const uint16_t* base, int64_t first, int64_t n, int64_t d,
+                                  int64_t capacity) {
+  if (!stream) return;
+  n = std::min(n, capacity - first);
+  if (n > 0) prefetch_to_l2(base + first * d, n * d * 2);
+}
+
 static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t layer, const AttnShape& shape,
                          const float* q, const std::vector<int64_t>& rows_in, const std::vector<int64_t>& out_rows,
                          int64_t h, int64_t c, const Partial& partial, Scratch& scratch) {
@@ -1083,7 +1100,12 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
     }
   }
   const int64_t most_blocks = (most + kLanes - 1) / kLanes;
+  // The next key tiles and value rows ahead of their use (past this chunk: the next chunk's, which this thread
+  // usually takes next). Below ~1,000 cached keys the requests cost more than they save.
+  const bool stream = rows.visible(rows_in.back()) >= kPrefetchKeysFrom;
+  prefetch_slots(stream, vbase, i0, 2 * kLanes, d, cap);
   for (int64_t b0 = 0; b0 < most_blocks; b0 += 4) {  // four tiles stay in L1 for every row and query head
+    prefetch_slots(stream, kbase, i0 + (b0 + 8) * kLanes, 4 * kLanes, d, cap);  // two blocks of four tiles ahead
     for (int64_t i = 0; i < nrows; ++i) {
       const int64_t blocks = std::min<int64_t>(4, (count[i] + kLanes - 1) / kLanes - b0);
       if (blocks <= 0) continue;
@@ -1125,6 +1147,7 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
   const int64_t vectors = d / kLanes;
   std::fill(scratch.acc.begin(), scratch.acc.end(), 0.0f);
   for (int64_t j0 = 0; j0 < most; j0 += kLanes) {  // 16 value rows stay in L1 for every row and query head
+    prefetch_slots(stream, vbase, i0 + j0 + 2 * kLanes, kLanes, d, cap);
     for (int64_t i = 0; i < nrows; ++i) {
       const int64_t r = rows_in[i], j1 = std::min(count[i], j0 + kLanes);
       if (j0 >= j1) continue;
