@@ -13,10 +13,9 @@ import statistics
 import time
 
 import torch
+from profile_runner import KERNEL_PHASES  # scripts/ is on the path when a script there runs
 
 import specdecode as sd
-
-PHASES = ("norm", "matrices", "rope", "attention", "activation", "head", "refine")
 
 
 def main() -> None:
@@ -45,7 +44,7 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
                 runner.rollback_to(context)
             seconds = kernels.profile(False)
-            split = " ".join(f"{n}={s / 30 * 1e3:.2f}" for n, s in zip(PHASES, seconds, strict=False) if s > 0)
+            split = " ".join(f"{n}={s / 30 * 1e3:.2f}" for n, s in zip(KERNEL_PHASES, seconds, strict=False) if s > 0)
             print(f"cache {context}, {rows} rows: {statistics.median(times) * 1e3:.2f} ms ({split})", flush=True)
 
 

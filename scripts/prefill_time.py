@@ -17,10 +17,9 @@ import statistics
 import time
 
 import torch
+from profile_runner import KERNEL_PHASES  # scripts/ is on the path when a script there runs
 
 import specdecode as sd
-
-PHASES = ("norm", "matrices", "rope", "attention", "activation", "head", "refine")
 
 
 def main() -> None:
@@ -50,7 +49,9 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         if kernels is not None:
             seconds = kernels.profile(False)
-            result["split"][length] = {name: round(s / args.reps, 4) for name, s in zip(PHASES, seconds, strict=False)}
+            result["split"][length] = {
+                name: round(s / args.reps, 4) for name, s in zip(KERNEL_PHASES, seconds, strict=False)
+            }
         result["seconds"][length] = round(statistics.median(times), 4)
         print(f"{length} tokens: {statistics.median(times):.3f} s", flush=True)
     print(json.dumps(result))

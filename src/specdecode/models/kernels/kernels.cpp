@@ -1163,12 +1163,23 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
                   d * sizeof(float));
 }
 
+// Row r's chunks: [first_chunk, end_chunk), those holding a key it sees (its window's start on).
+static inline int64_t end_chunk(const RowsView& rows, int64_t r) {
+  return (rows.visible(r) + kAttChunk - 1) / kAttChunk;
+}
+static inline int64_t first_chunk(const RowsView& rows, const AttnShape& shape, int64_t r) {
+  return shape.first(rows, r) / kAttChunk;
+}
+static inline bool sees_chunk(const RowsView& rows, const AttnShape& shape, int64_t r, int64_t c) {
+  return first_chunk(rows, shape, r) <= c && c < end_chunk(rows, r);
+}
+
 // dst[0 .. d) = row r's attention output for one query head: its chunks' partials (partial's row `at`) merged
 // in chunk order, o = Σ_c exp(m_c − m)·o_c / Σ_c exp(m_c − m)·l_c with m = max_c m_c (acc: d floats of scratch).
 static void merge_chunks(const RowsView& rows, const AttnShape& shape, const Partial& partial, int64_t r,
                          int64_t at, int64_t head, float* acc, float* dst) {
   const int64_t d = shape.head_dim;
-  const int64_t mine = (rows.visible(r) + kAttChunk - 1) / kAttChunk, first = shape.first(rows, r) / kAttChunk;
+  const int64_t mine = end_chunk(rows, r), first = first_chunk(rows, shape, r);
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t c = first; c < mine; ++c) m = std::max(m, partial.at(at, c, head)[0]);
   float l = 0.0f;
@@ -1217,7 +1228,7 @@ static void attention_row_blocks(const RowsView& rows, const std::vector<CacheVi
       const Task& task = tasks[t];
       const int64_t n = static_cast<int64_t>(task.rows.size());
       int64_t chunks = 0;
-      for (int64_t r : task.rows) chunks = std::max(chunks, (rows.visible(r) + kAttChunk - 1) / kAttChunk);
+      for (int64_t r : task.rows) chunks = std::max(chunks, end_chunk(rows, r));
       local.resize(n * chunks * group * (d + 2));
       // local index i stands for task.rows[i]: the Partial's rows are 0 .. n-1, its heads this group's
       const Partial partial{local.data(), chunks, group, d, task.h * group};
@@ -1226,7 +1237,7 @@ static void attention_row_blocks(const RowsView& rows, const std::vector<CacheVi
         slots.clear();
         for (int64_t i = 0; i < n; ++i) {
           const int64_t r = task.rows[i];
-          if (rows.visible(r) <= c * kAttChunk || shape.first(rows, r) >= (c + 1) * kAttChunk) continue;
+          if (!sees_chunk(rows, shape, r, c)) continue;
           seeing.push_back(r);
           slots.push_back(i);
         }
@@ -1252,7 +1263,7 @@ static void attention_rows(const RowsView& rows, const std::vector<CacheView>& c
   if (rows.rows >= kRowBlocksFrom) return attention_row_blocks(rows, caches, layer, shape, q, out, kRowsPerTask);
   const int64_t d = shape.head_dim;
   int64_t chunks = 0;
-  for (int64_t r = 0; r < rows.rows; ++r) chunks = std::max(chunks, (rows.visible(r) + kAttChunk - 1) / kAttChunk);
+  for (int64_t r = 0; r < rows.rows; ++r) chunks = std::max(chunks, end_chunk(rows, r));
   struct Task {
     int64_t cache, h, c;
     std::vector<int64_t> rows;
@@ -1263,8 +1274,7 @@ static void attention_rows(const RowsView& rows, const std::vector<CacheView>& c
       for (int64_t c = 0; c < chunks; ++c) {
         Task task{ci, h, c, {}};
         for (int64_t r = 0; r < rows.rows; ++r) {
-          if (rows.cache(r) != ci || rows.visible(r) <= c * kAttChunk) continue;
-          if (shape.first(rows, r) >= (c + 1) * kAttChunk) continue;  // the whole chunk before the window
+          if (rows.cache(r) != ci || !sees_chunk(rows, shape, r, c)) continue;
           task.rows.push_back(r);
           if (static_cast<int64_t>(task.rows.size()) == kRowsPerTask) {
             tasks.push_back(task);
