@@ -1,6 +1,7 @@
 """The fast GGUF index gives what gguf's own reader gives: the architecture and every tensor's name, type,
 shape and bytes, past metadata of every value type (strings, arrays of strings, nested arrays, a custom
-alignment); files it does not read (another byte order) go to gguf's reader."""
+alignment); files it does not read (another byte order) go to gguf's reader; the faster
+reader transformers gets while building a dense copy reads what gguf's reads."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from specdecode.models.gguf_index import gguf_index, read_gguf_index, read_gguf_index_with_gguf
+from specdecode.models.gguf_speedups import PlainViewReader, faster_transformers_gguf
 
 
 def _write(path, endianess=gguf.GGUFEndian.LITTLE, alignment: int | None = 64) -> None:
@@ -85,3 +87,35 @@ def test_a_file_cut_short_is_refused(tmp_path):
             read_gguf_index(path)
         with pytest.raises(ValueError, match=message):
             gguf_index(path)  # not handed to gguf's reader, whose error would not say what is wrong
+
+
+def _reader_summary(reader) -> tuple[list, list]:
+    fields = [(name, f.offset, f.types, f.data, [(p.dtype.str, p.shape, p.tobytes()) for p in f.parts])
+              for name, f in reader.fields.items()]  # fmt: skip
+    tensors = [(t.name, t.tensor_type, tuple(t.shape), t.n_elements, t.n_bytes, t.data_offset, t.data.dtype.str,
+                t.data.shape, t.data.tobytes()) for t in reader.tensors]  # fmt: skip
+    return fields, tensors
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_plain_view_reader_reads_what_ggufs_reader_reads(tmp_path, endianess):
+    path = tmp_path / "tiny.gguf"
+    _write(path, endianess=endianess)
+    plain, reference = PlainViewReader(str(path)), gguf.GGUFReader(str(path))
+    assert type(plain.fields["tokenizer.ggml.tokens"].parts[5]) is np.ndarray  # not a memmap: the point of it
+    assert _reader_summary(plain) == _reader_summary(reference)
+    assert len(plain.fields["tokenizer.ggml.tokens"].data) == 300
+
+
+def test_faster_transformers_gguf_parses_a_file_once_and_puts_gguf_back(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write(path)
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with faster_transformers_gguf():
+        first, again = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(path))
+        assert first is again and isinstance(first, PlainViewReader)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    with pytest.raises(RuntimeError, match="inside"), faster_transformers_gguf():
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)

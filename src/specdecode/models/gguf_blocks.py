@@ -9,7 +9,6 @@ parameter name; Llama's q/k rows are un-permuted as transformers does.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -192,15 +191,12 @@ def gguf_to_hf_names(model: torch.nn.Module) -> dict[str, str]:
     the architecture anew in each (~23 ms apiece: 9 s of loading SmolLM2); the map depends only on the
     architecture and layer count, so one is built and reused for the call.
     """
-    import gguf
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
-    build = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.cache(build)  # transformers imports it from gguf at each call
-    try:
+    from .gguf_speedups import faster_transformers_gguf
+
+    with faster_transformers_gguf():  # gguf's name map built once
         return get_gguf_hf_weights_map(model, TensorProcessor())
-    finally:
-        gguf.get_tensor_name_map = build
 
 
 def _rows(stored: StoredTensor) -> int:

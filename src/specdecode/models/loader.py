@@ -247,18 +247,20 @@ def _dense_cache(gguf: Path) -> Path:
     from transformers import GgufConfig
 
     from .gguf_index import gguf_index
+    from .gguf_speedups import faster_transformers_gguf
 
     try:
         gguf_index(gguf)  # a cut-short or malformed file is named here, not by a reshape deep in transformers
     except ValueError as error:
         raise ModelNotAvailable(f"not a readable GGUF file: {error}") from None
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with faster_transformers_gguf():  # the same reads, the file parsed once (Gemma 3: 88 s -> 26 s here)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
     try:
