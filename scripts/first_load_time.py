@@ -34,7 +34,9 @@ print(time.perf_counter() - start)
 
 def build(target: str, mode: str, cache: Path) -> float:
     env = {**os.environ, "SPECDECODE_CACHE": str(cache)}
-    out = subprocess.run([sys.executable, "-c", CHILD, target, mode], env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, target, mode], env=env, check=True, capture_output=True, text=True
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
