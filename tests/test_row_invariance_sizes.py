@@ -27,19 +27,22 @@ def _single_steps(runner, context: list[int], tokens: list[int]) -> torch.Tensor
 
 def _assert_batch_is_each_requests_own(target, ids: list[int], lengths: list[int], first_chunk: int) -> None:
     """REQUESTS runners with caches of ``lengths`` (contexts taken from ``ids``), one 144-row batched pass of
-    ROWS_PER_REQUEST tokens each (from ``ids[first_chunk:]``): every request's logits bitwise its own steps."""
+    ROWS_PER_REQUEST tokens each (from ``ids[first_chunk:]``): every request's logits bitwise its own steps.
+    Each runner takes its own steps first and is rolled back to its context for the batch (one prefill each)."""
     assert len(lengths) == REQUESTS and len(ids) >= first_chunk + REQUESTS * ROWS_PER_REQUEST
     contexts = [ids[i : i + n] for i, n in enumerate(lengths)]
     starts = [first_chunk + ROWS_PER_REQUEST * i for i in range(REQUESTS)]
     chunks = [ids[s : s + ROWS_PER_REQUEST] for s in starts]
     batch = [target.new_runner() for _ in contexts]
-    for runner, context in zip(batch, contexts, strict=True):
+    alone = []
+    for runner, context, chunk in zip(batch, contexts, chunks, strict=True):
         runner.prefill(torch.tensor(context))
+        alone.append(torch.cat([runner.forward(torch.tensor([t])) for t in chunk]))
+        runner.rollback_to(len(context))
     together = forward_batch(batch, [torch.tensor(c) for c in chunks])
     assert sum(t.shape[0] for t in together) == REQUESTS * ROWS_PER_REQUEST
-    alone = target.new_runner()
-    for index, (context, chunk, logits) in enumerate(zip(contexts, chunks, together, strict=True)):
-        assert torch.equal(logits, _single_steps(alone, context, chunk)), f"request {index} (cache {len(context)})"
+    for index, (context, steps, logits) in enumerate(zip(contexts, alone, together, strict=True)):
+        assert torch.equal(logits, steps), f"request {index} (cache {len(context)})"
 
 
 @pytest.mark.parametrize("family", list(MODELS))
