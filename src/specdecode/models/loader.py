@@ -6,6 +6,7 @@ import copy
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,8 @@ def _dense_cache(gguf: Path) -> Path:
         gguf_index(gguf)  # a cut-short or malformed file is named here, not by a reshape deep in transformers
     except ValueError as error:
         raise ModelNotAvailable(f"not a readable GGUF file: {error}") from None
+    print(f"specdecode: reading {gguf.name} for its first use (its tokenizer and a float32 copy, once, into "
+          f"{folder.parent}) ...", file=sys.stderr, flush=True)  # fmt: skip
     with faster_transformers_gguf():  # the same reads, the file parsed once (Gemma 3: 88 s -> 26 s here)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent,
