@@ -1,7 +1,7 @@
 """The fast GGUF index gives what gguf's own reader gives: the architecture and every tensor's name, type,
 shape and bytes, past metadata of every value type (strings, arrays of strings, nested arrays, a custom
-alignment); files it does not read (another byte order) go to gguf's reader; the faster
-reader transformers gets while building a dense copy reads what gguf's reads."""
+alignment); files it does not read (another byte order) go to gguf's reader. The reader transformers gets
+while building a dense copy (a plain-view GGUFReader) reads what gguf's reads."""
 
 from __future__ import annotations
 
