@@ -53,15 +53,16 @@ constexpr int kLanes = 16;
 constexpr int64_t kAttChunk = 128;  // keys per attention partial (part of the numerics: do not change lightly)
 constexpr int kMaxRefine = 64;
 constexpr int64_t kPrefetchGroups = 16;
-// Attention asks for its keys and values ahead from this many cached keys: AVX-512 builds only. On a 2-core Zen 4
-// (AVX-512) the requests took a 4,096-key row from 5.18 to 3.85 ms; on a 2-core Zen 3 the AVX2 build was never
-// faster with them and 6-27% slower at 1,024 keys (its arithmetic, at half the width, already hides the stream):
-// scripts/attention_ab.py.
+// Attention asks for its keys and values ahead from kPrefetchKeysFrom cached keys, in AVX-512 builds only. On a
+// 2-core Zen 4 (AVX-512) the requests took a 4,096-key row from 5.18 to 3.85 ms; on a 2-core Zen 3 the AVX2 build
+// was never faster with them and 6-27% slower at 1,024 keys (its arithmetic, at half the width, already hides the
+// stream): scripts/attention_ab.py. Elsewhere the requests are compiled out.
 #if SD_AVX512
-constexpr int64_t kPrefetchKeysFrom = 1024;
+constexpr bool kPrefetchKeys = true;
 #else
-constexpr int64_t kPrefetchKeysFrom = std::numeric_limits<int64_t>::max();
+constexpr bool kPrefetchKeys = false;
 #endif
+constexpr int64_t kPrefetchKeysFrom = 1024;
 
 // ------------------------------------------------------------------------------------------------ 16 lanes
 
@@ -1047,7 +1048,7 @@ static void accumulate_heads(int64_t heads, int64_t vectors, float* acc, int64_t
 }
 
 // Ask for [p, p + bytes) into L2 (prefetcht1): the KV cache of a long context streams from DRAM, and without
-// these requests its reads did not overlap the arithmetic (one row over 4,096 keys, 30 layers: ~5.8 → ~4.8 ms).
+// these requests its reads did not overlap the arithmetic on AVX-512 (kPrefetchKeys).
 static inline void prefetch_to_l2(const void* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 2);
 }
@@ -1110,7 +1111,7 @@ static void attend_chunk(const RowsView& rows, const CacheView& cache, int64_t l
   const int64_t most_blocks = (most + kLanes - 1) / kLanes;
   // The next key tiles and value rows ahead of their use (past this chunk: the next chunk's, which this thread
   // usually takes next). Below ~1,000 cached keys the requests cost more than they save.
-  const bool stream = rows.visible(rows_in.back()) >= kPrefetchKeysFrom;
+  const bool stream = kPrefetchKeys && rows.visible(rows_in.back()) >= kPrefetchKeysFrom;
   prefetch_slots(stream, vbase, i0, 2 * kLanes, d, cap);
   for (int64_t b0 = 0; b0 < most_blocks; b0 += 4) {  // four tiles stay in L1 for every row and query head
     prefetch_slots(stream, kbase, i0 + (b0 + 8) * kLanes, 4 * kLanes, d, cap);  // two blocks of four tiles ahead
