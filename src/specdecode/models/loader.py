@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,6 +240,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode"
 
 
+@contextmanager
+def exclusive(lock_file: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` (created if need be): one builder of a cache entry at a time
+    across processes (two servers or test workers starting at once); released when the block ends or the
+    process dies. Waiting for another process says so on stderr, naming ``what`` it builds."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"specdecode: waiting for another process to finish {what} ...", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def _dense_cache(gguf: Path) -> Path:
     """A HF folder with the GGUF's weights dequantized once to float32 safetensors (built on first use)."""
     stat = gguf.stat()
@@ -244,6 +262,14 @@ def _dense_cache(gguf: Path) -> Path:
     folder = cache_root() / "dense" / f"{gguf.stem}-{key}"
     if (folder / "config.json").is_file():
         return folder
+    with exclusive(folder.parent / f".{folder.name}.lock", f"the first-use copy of {gguf.name}"):
+        if not (folder / "config.json").is_file():  # else another process built it while we waited
+            _build_dense_copy(gguf, folder)
+    return folder
+
+
+def _build_dense_copy(gguf: Path, folder: Path) -> None:
+    """Write ``folder``: the GGUF's float32 weights, config and tokenizer (staged, then renamed into place)."""
     from safetensors.torch import save_model
     from transformers import GgufConfig
 
@@ -279,4 +305,3 @@ def _dense_cache(gguf: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         if not (folder / "config.json").is_file():
             raise
-    return folder

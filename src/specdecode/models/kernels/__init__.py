@@ -12,7 +12,6 @@ the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs ano
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import platform
@@ -123,15 +122,13 @@ def _key(variant: str) -> str:
 
 def build(variant: str = "native") -> Path:
     """The compiled library for ``variant``, built now unless the cache holds it (one build at a time per key)."""
-    from ..loader import cache_root
+    from ..loader import cache_root, exclusive
 
     folder = cache_root() / "kernels" / f"{variant}-{_key(variant)}"
     library = folder / f"{_namespace(variant)}.so"
     if library.is_file():
         return library
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(folder / ".lock", f"compiling the CPU kernels ({variant})"):
         if library.is_file():  # another process built it while we waited
             return library
         print(f"specdecode: compiling the CPU kernels for this machine ({variant}, once, ~30 s) ...",
