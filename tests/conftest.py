@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -25,18 +26,26 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import specdecode as sd
 from specdecode.choices import as_choices
 
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # one core a test: `pytest -n auto` (pytest-xdist) runs one worker a core
+
+# Rich wraps at the console's width, read from COLUMNS (and LINES) when a console is made, so an assertion on a
+# phrase printed next to a tmp path failed once the path grew (pytest-99 -> pytest-100). The command modules'
+# shared console is made when a test module imports them, and pytest-xdist starts its workers with COLUMNS=80 and
+# LINES=24, which would fix it at 80 columns: every console made from here on is 400 columns wide.
+os.environ["COLUMNS"] = "400"
+os.environ.pop("LINES", None)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's default): one worker per core this process may use (each test runs on one torch
+    thread), and at most one per 4 GiB of memory (a worker's peak: BENCHMARKS.md, "CI's suite in two workers")."""
+    cores = len(os.sched_getaffinity(0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores, memory // (4 << 30)))
+
 
 SMALL_VOCAB = 16
 LARGE_VOCAB = 64
-
-
-@pytest.fixture(autouse=True)
-def wide_console(monkeypatch):
-    """Rich wraps at the console's width (80 columns off a terminal, read from COLUMNS when it prints), so an
-    assertion on a phrase printed next to a tmp path failed once the path grew (pytest-99 → pytest-100). A
-    wide width makes what the tests read independent of the machine's path lengths."""
-    monkeypatch.setenv("COLUMNS", "400")
 
 
 def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers: int = 2) -> LlamaForCausalLM:
