@@ -121,9 +121,10 @@ def test_faster_transformers_gguf_parses_a_file_once_and_puts_gguf_back(tmp_path
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
 
 
-def test_two_processes_asking_for_a_dense_copy_at_once_build_it_once(tmp_path, monkeypatch, capsys):
-    """Two servers (or test workers) starting together: the second waits on the first's lock and reads its copy
-    instead of converting the file again. Two threads stand in for them (flock locks an open file, not a pid)."""
+def test_a_process_that_finds_the_dense_copy_being_built_waits_and_reads_it(tmp_path, monkeypatch, capsys):
+    """Two servers (or test workers) starting together: the second waits on the first's lock, says so, and reads
+    its copy instead of converting the file again. The test holds the lock as the first process would; a thread is
+    the second (flock locks an open file, not a process)."""
     import threading
     import time
 
@@ -132,20 +133,17 @@ def test_two_processes_asking_for_a_dense_copy_at_once_build_it_once(tmp_path, m
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     gguf_file = tmp_path / "tiny.gguf"
     _write(gguf_file)
-    builds = []
-
-    def slow_build(gguf_path, folder):
-        builds.append(folder)
-        time.sleep(0.3)  # both threads are past the unlocked check by now
-        folder.mkdir(parents=True)
+    folder, builds, found = loader._dense_folder(gguf_file), [], []
+    monkeypatch.setattr(loader, "_build_dense_copy", lambda gguf_path, out: builds.append(out))
+    second = threading.Thread(target=lambda: found.append(loader._dense_cache(gguf_file)))
+    with loader.exclusive(loader._build_lock(folder), "a test's build"):
+        second.start()
+        said, deadline = "", time.monotonic() + 60
+        while "waiting" not in said and time.monotonic() < deadline:
+            time.sleep(0.01)
+            said += capsys.readouterr().err
+        assert "waiting for another process to finish the first-use copy of tiny.gguf" in said
+        folder.mkdir(parents=True)  # the first process's copy, written before it lets go
         (folder / "config.json").write_text("{}")
-
-    monkeypatch.setattr(loader, "_build_dense_copy", slow_build)
-    folders = []
-    threads = [threading.Thread(target=lambda: folders.append(loader._dense_cache(gguf_file))) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(builds) == 1 and folders[0] == folders[1] == builds[0]
-    assert "waiting for another process to finish the first-use copy of tiny.gguf" in capsys.readouterr().err
+    second.join(60)
+    assert found == [folder] and builds == []

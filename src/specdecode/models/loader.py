@@ -255,14 +255,24 @@ def exclusive(lock_file: Path, what: str) -> Iterator[None]:
         yield
 
 
-def _dense_cache(gguf: Path) -> Path:
-    """A HF folder with the GGUF's weights dequantized once to float32 safetensors (built on first use)."""
+def _dense_folder(gguf: Path) -> Path:
+    """Where the dense copy of ``gguf`` lives: keyed by the file's path, size and modification time."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    folder = cache_root() / "dense" / f"{gguf.stem}-{key}"
+    return cache_root() / "dense" / f"{gguf.stem}-{key}"
+
+
+def _build_lock(folder: Path) -> Path:
+    """The lock file that its builder holds while ``folder`` is written (next to it: the folder appears whole)."""
+    return folder.parent / f".{folder.name}.lock"
+
+
+def _dense_cache(gguf: Path) -> Path:
+    """A HF folder with the GGUF's weights dequantized once to float32 safetensors (built on first use)."""
+    folder = _dense_folder(gguf)
     if (folder / "config.json").is_file():
         return folder
-    with exclusive(folder.parent / f".{folder.name}.lock", f"the first-use copy of {gguf.name}"):
+    with exclusive(_build_lock(folder), f"the first-use copy of {gguf.name}"):
         if not (folder / "config.json").is_file():  # else another process built it while we waited
             _build_dense_copy(gguf, folder)
     return folder
