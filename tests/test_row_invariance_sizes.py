@@ -36,8 +36,7 @@ def _assert_batch_is_each_requests_own(target, ids: list[int], lengths: list[int
     batch = [target.new_runner() for _ in contexts]
     alone = []
     for runner, context, chunk in zip(batch, contexts, chunks, strict=True):
-        runner.prefill(torch.tensor(context))
-        alone.append(torch.cat([runner.forward(torch.tensor([t])) for t in chunk]))
+        alone.append(_single_steps(runner, context, chunk))
         runner.rollback_to(len(context))
     together = forward_batch(batch, [torch.tensor(c) for c in chunks])
     assert sum(t.shape[0] for t in together) == REQUESTS * ROWS_PER_REQUEST
