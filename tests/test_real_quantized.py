@@ -9,8 +9,8 @@ import torch
 
 import specdecode as sd
 from specdecode.models.bundled import BUNDLED
-from specdecode.models.gguf_blocks import read_gguf_tensors
-from specdecode.models.weights import Int8Groups, IntBlocks
+from specdecode.models.gguf_blocks import FileBlocks, read_gguf_tensors
+from specdecode.models.weights import Int8Groups
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,13 +33,14 @@ def test_stored_blocks_are_the_dense_models_weights(dense):
     q/k row permutation included), and the Q8_0 embedding is exact."""
     stored = read_gguf_tensors(BUNDLED["smollm2"].gguf_path(), dense.model)
     params = dict(dense.model.named_parameters())
-    blocks = {name: t for name, t in stored.items() if isinstance(t, IntBlocks) and t.bits == 4}
+    blocks = {name: t.blocks() for name, t in stored.items() if isinstance(t, FileBlocks) and t.layout[1] == 4}
     assert len(blocks) == 210
     for name, weights in blocks.items():
         torch.testing.assert_close(weights.dequantize(), params[name].detach(), rtol=1e-6, atol=1e-6, msg=name)
+        assert torch.equal(stored[name].dense(), params[name].detach()), name  # gguf's own dequantization
     embedding = stored["model.embed_tokens.weight"]
-    assert isinstance(embedding, IntBlocks) and embedding.bits == 8
-    assert torch.equal(embedding.dequantize(), params["model.embed_tokens.weight"].detach())
+    assert isinstance(embedding, FileBlocks) and embedding.layout[1] == 8
+    assert torch.equal(embedding.blocks().dequantize(), params["model.embed_tokens.weight"].detach())
     assert torch.equal(Int8Groups.from_blocks(embedding).dequantize(), params["model.embed_tokens.weight"].detach())
 
 

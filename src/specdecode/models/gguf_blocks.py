@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_index import gguf_index
+from .gguf_index import IndexedTensor, gguf_index
 from .weights import IntBlocks
 
 GROUP = 32
@@ -149,7 +149,62 @@ _DECODERS = {
 }  # fmt: skip
 BLOCK_TYPES = tuple(_DECODERS)
 
-StoredTensor = IntBlocks | torch.Tensor
+
+class FileBlocks:
+    """A matrix's blocks where the GGUF file keeps them (a memory-mapped view), decoded to ``IntBlocks`` a slice of
+    rows at a time: the whole matrix is never unpacked at once (loading an 8B model keeps the transient small).
+
+    ``order``: the row permutation transformers' loader applies (Llama's q/k), or None for the file's order."""
+
+    def __init__(self, tensor: IndexedTensor, order: torch.Tensor | None = None) -> None:
+        self.tensor, self.raw, self.kind, self.order = tensor, tensor.data, tensor.tensor_type.name, order
+        first = self.rows(0, 1)
+        self.shape = (self.raw.shape[0], first.u.shape[1])
+        # Every IntBlocks field but the arrays: the same for every slice of one GGUF type.
+        self.layout = (first.group_size, first.bits, first.sym, first.offset is None, first.half_scales)
+
+    def _raw_rows(self, start: int, stop: int) -> np.ndarray:
+        if self.order is None:
+            return self.raw[start:stop]
+        return self.raw[self.order[start:stop].numpy()]
+
+    def rows(self, start: int, stop: int) -> IntBlocks:
+        """Rows ``start:stop`` (after the permutation) as ``IntBlocks`` (new arrays: the file's pages are let go)."""
+        blocks = _DECODERS[self.kind](np.asarray(self._raw_rows(start, stop)))
+        self._drop_pages(start, stop)
+        return blocks
+
+    def _drop_pages(self, start: int, stop: int) -> None:
+        if self.order is None:
+            self.tensor.drop_pages(start, stop)
+        else:  # permuted rows come from anywhere in the tensor (a q/k projection: small)
+            self.tensor.drop_pages()
+
+    def blocks(self) -> IntBlocks:
+        """The whole matrix as ``IntBlocks`` (for the pure-torch formats, which need it at once)."""
+        return self.rows(0, self.shape[0])
+
+    def dense(self) -> torch.Tensor:
+        """The weights in float32 as transformers' loader dequantizes them (gguf's ``dequantize``)."""
+        weights = self._dequantize(np.asarray(self._raw_rows(0, self.shape[0])))
+        self.tensor.drop_pages()
+        return weights
+
+    def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (any shape of row ids) in float32, as ``dense()[index]``: an embedding table that reads
+        only the rows it is asked for."""
+        flat = index.reshape(-1)
+        if self.order is not None:
+            flat = self.order[flat]
+        return self._dequantize(self.raw[flat.numpy()]).view(*index.shape, self.shape[1])
+
+    def _dequantize(self, raw: np.ndarray) -> torch.Tensor:
+        import gguf
+
+        return torch.from_numpy(np.array(gguf.dequantize(raw, gguf.GGMLQuantizationType[self.kind]), np.float32))
+
+
+StoredTensor = FileBlocks | torch.Tensor
 
 
 def read_gguf_tensors(
@@ -158,14 +213,18 @@ def read_gguf_tensors(
     """Every tensor of the GGUF file at ``path``, keyed by ``model``'s parameter name, in its stored format
     (``types``, when given, gets each one's GGUF type name: Q4_K, F32, ...).
 
-    Block types in ``BLOCK_TYPES`` keep their blocks; other types are dequantized to float32 (e.g. F32 norms).
-    Rows of Llama's q/k projections are permuted as transformers' loader permutes them.
+    Block types in ``BLOCK_TYPES`` stay in the file (``FileBlocks``, decoded when used); other types (F32 norms,
+    F16, ...) are dequantized to float32 and processed as transformers' loader processes them (Gemma's norms
+    stored as 1 + w). Rows of Llama's q/k projections are permuted as transformers' loader permutes them.
+    ``model`` may be a skeleton with its parameters on the meta device: only its names and config are read.
     """
     import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     names = gguf_to_hf_names(model)
     index = gguf_index(path)
     architecture = index.architecture
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     found: dict[str, StoredTensor] = {}
     for tensor in index.tensors:
         hf_name = names.get(tensor.name)
@@ -174,13 +233,13 @@ def read_gguf_tensors(
         kind = tensor.tensor_type.name
         if types is not None:
             types[hf_name] = kind
-        raw = np.asarray(tensor.data)
         if kind in _DECODERS:
-            stored = _DECODERS[kind](raw)
+            found[hf_name] = FileBlocks(tensor, _rows_order(architecture, tensor.name, model.config,
+                                                            tensor.data.shape[0]))  # fmt: skip
         else:
-            stored = torch.from_numpy(np.array(gguf.dequantize(raw, tensor.tensor_type), dtype=np.float32))
-        perm = _rows_order(architecture, tensor.name, model.config, _rows(stored))
-        found[hf_name] = stored if perm is None else _take_rows(stored, perm)
+            values = np.array(gguf.dequantize(np.asarray(tensor.data), tensor.tensor_type), dtype=np.float32)
+            values = processor.process(weights=values, name=tensor.name).weights
+            found[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32))
     return found
 
 
@@ -199,10 +258,6 @@ def gguf_to_hf_names(model: torch.nn.Module) -> dict[str, str]:
         return get_gguf_hf_weights_map(model, TensorProcessor())
 
 
-def _rows(stored: StoredTensor) -> int:
-    return stored.u.shape[0] if isinstance(stored, IntBlocks) else stored.shape[0]
-
-
 def _rows_order(architecture: str, name: str, config, rows: int) -> torch.Tensor | None:
     """The row order transformers' loader gives a q/k projection of this GGUF architecture (llama.cpp stores
     Llama's permuted for its RoPE layout), or None when it keeps the file's order."""
@@ -214,7 +269,3 @@ def _rows_order(architecture: str, name: str, config, rows: int) -> torch.Tensor
         return None
     processor = LlamaTensorProcessor(config=config.to_dict())
     return torch.from_numpy(processor.process(np.arange(rows), name).weights.copy())
-
-
-def _take_rows(stored: StoredTensor, order: torch.Tensor) -> StoredTensor:
-    return stored.take_rows(order) if isinstance(stored, IntBlocks) else stored[order]

@@ -9,6 +9,8 @@ gives each tensor's bytes as the same memory-mapped numpy view, shape and type `
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +49,28 @@ class IndexedTensor:
     name: str
     tensor_type: GGMLQuantizationType
     data: np.ndarray
+    offset: int = -1  # where ``data`` starts in the file's memory map (-1: unknown)
+    mapping: mmap.mmap | None = None
+
+    def drop_pages(self, start: int = 0, stop: int | None = None) -> None:
+        """Let go of the resident pages of rows ``start:stop`` of ``data`` (they stay in the page cache, no longer
+        counted in this process's memory): once the rows are unpacked into the kernels' layout, the map of a file
+        read through would otherwise hold a second copy of the weights. A later read maps them back in."""
+        if self.mapping is None:
+            return
+        row = self.data.nbytes // max(self.data.shape[0], 1)
+        stop = self.data.shape[0] if stop is None else stop
+        begin = (self.offset + start * row) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = self.offset + stop * row
+        with contextlib.suppress(OSError, ValueError):  # advice only: a platform without it keeps the pages
+            self.mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
 @dataclass(frozen=True)
 class GGUFIndex:
     architecture: str | None
     tensors: tuple[IndexedTensor, ...]
+    keys: frozenset[str] = frozenset()  # the metadata's keys (their values are not read)
 
 
 class _Cursor:
@@ -113,9 +131,10 @@ def _read_index(path: str | Path, data: np.ndarray) -> GGUFIndex:
     if version not in VERSIONS:
         raise UnreadVariant(f"{path}: GGUF version {version} (or another byte order) is not read here")
     tensor_count, kv_count = cursor.u64(), cursor.u64()
-    architecture, alignment = None, DEFAULT_ALIGNMENT
+    architecture, alignment, keys = None, DEFAULT_ALIGNMENT, set()
     for _ in range(kv_count):
         key, kind = cursor.string(), cursor.u32()
+        keys.add(key)
         if key == "general.architecture" and kind == GGUFValueType.STRING:
             architecture = cursor.string()
         elif key == "general.alignment" and kind == GGUFValueType.UINT32:
@@ -147,8 +166,8 @@ def _read_index(path: str | Path, data: np.ndarray) -> GGUFIndex:
             shape = quant_shape_to_byte_shape(shape, kind)
         if view.nbytes < int(np.prod(shape)) * view.itemsize:
             raise ValueError(f"{path}: tensor {name} runs past the end of the file")
-        tensors.append(IndexedTensor(name, kind, view.reshape(shape)))
-    return GGUFIndex(architecture, tuple(tensors))
+        tensors.append(IndexedTensor(name, kind, view.reshape(shape), at, getattr(data, "_mmap", None)))
+    return GGUFIndex(architecture, tuple(tensors), frozenset(keys))
 
 
 def read_gguf_index_with_gguf(path: str | Path) -> GGUFIndex:
@@ -159,7 +178,7 @@ def read_gguf_index_with_gguf(path: str | Path) -> GGUFIndex:
     field = reader.fields.get("general.architecture")
     architecture = None if field is None else bytes(field.parts[field.data[0]]).decode()
     tensors = tuple(IndexedTensor(t.name, t.tensor_type, t.data) for t in reader.tensors)
-    return GGUFIndex(architecture, tensors)
+    return GGUFIndex(architecture, tensors, frozenset(reader.fields))
 
 
 def gguf_index(path: str | Path) -> GGUFIndex:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -16,16 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ..errors import ModelNotAvailable
 from .architecture import architecture_of, unsupported_reason
 from .base import ModelRunner
 from .bundled import BUNDLED
+from .gguf_blocks import read_gguf_tensors
 from .hf import HFRunner
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
-from .quantize import QUANTIZATIONS, Quantization, quantize_model
+from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model
 
 BACKENDS = ("auto", "native", "transformers")
 _FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen 3", "gemma3": "Gemma 3"}
@@ -154,7 +157,10 @@ def load_model(
         model = model.to(dtype) if dtype != next(model.parameters()).dtype else model
     elif isinstance(source, str | os.PathLike):
         folder, name, gguf_path = _locate(str(source))
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        model = _skeleton(folder) if gguf_path is not None else None
+        if model is None or not supports_native(model):  # not native: transformers runs the dense copy
+            folder = folder if gguf_path is None else _dense_cache(gguf_path)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         if tokenizer is None:
             tokenizer = load_tokenizer(str(source))
     else:
@@ -173,13 +179,46 @@ def load_model(
             raise ValueError(
                 f"quantization={quantization!r} keeps a GGUF file's blocks: load a .gguf file or a bundled model"
             )
+        if not spec.reads_gguf:  # int8 / int4 round the dense weights
+            _fill_skeleton(model, gguf_path)
         formats = quantize_model(model, spec, gguf_path)
     else:
         formats = {}
+    _fill_skeleton(model, gguf_path, dtype)
+    if gguf_path is not None:
+        _return_freed_memory()
     loaded = _wrap(model, tokenizer, name, backend)
     loaded.quantization = quantization
     loaded.formats = formats
     return loaded
+
+
+def _skeleton(folder: Path) -> PreTrainedModel:
+    """The model of ``folder``'s config with every parameter on the meta device (buffers such as RoPE's inverse
+    frequencies are computed): the weights come from the GGUF file afterwards, never through a dense copy."""
+    from accelerate import init_empty_weights
+
+    config = AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _fill_skeleton(model: PreTrainedModel, gguf_path: Path | None, dtype: torch.dtype = torch.float32) -> None:
+    """Dequantize into ``model`` the file's tensors for parameters still on the meta device (dense weights in
+    memory, as transformers' loader makes them); refuse a model left with a parameter the file lacks."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    fill_from_file(model, read_gguf_tensors(gguf_path, model), dtype)
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelNotAvailable(f"{gguf_path.name} has no tensor for {missing[0]} ({len(missing)} missing)")
+
+
+def _return_freed_memory() -> None:
+    """Hand the unpacking's freed temporaries back to the system (glibc keeps them in its arenas otherwise: ~240 MB
+    of a 1.7B-shaped file's load); a no-op where the C library has no ``malloc_trim``."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def load_tokenizer(source: str) -> Any:
@@ -196,12 +235,12 @@ def _locate(text: str) -> tuple[Path, str, Path | None]:
     """(transformers folder, display name, GGUF file or None) for a bundled name, a .gguf path or a folder."""
     if text in BUNDLED:
         gguf = BUNDLED[text].gguf_path()
-        return _dense_cache(gguf), text, gguf
+        return _metadata_cache(gguf), text, gguf
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotAvailable(f"GGUF file not found: {path}")
-        return _dense_cache(path), path.name, path
+        return _metadata_cache(path), path.name, path
     if path.is_dir():
         return path, path.name, None
     known = ", ".join(BUNDLED)
@@ -255,11 +294,82 @@ def exclusive(lock_file: Path, what: str) -> Iterator[None]:
         yield
 
 
-def _dense_folder(gguf: Path) -> Path:
-    """Where the dense copy of ``gguf`` lives: keyed by the file's path, size and modification time."""
+def _cache_folder(gguf: Path, kind: str) -> Path:
+    """Where a cache entry of ``gguf`` lives: keyed by the file's path, size and modification time."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    return cache_root() / "dense" / f"{gguf.stem}-{key}"
+    return cache_root() / kind / f"{gguf.stem}-{key}"
+
+
+def _dense_folder(gguf: Path) -> Path:
+    """Where the dense copy of ``gguf`` lives (architectures the native runner does not run)."""
+    return _cache_folder(gguf, "dense")
+
+
+def _metadata_folder(gguf: Path) -> Path:
+    """Where ``gguf``'s config and tokenizer live (a few MB: the weights stay in the file)."""
+    return _cache_folder(gguf, "gguf")
+
+
+def _metadata_cache(gguf: Path) -> Path:
+    """A HF folder with the GGUF's config and tokenizer, as transformers reads them from its metadata (built once:
+    converting a 262,144-token vocabulary takes seconds)."""
+    folder = _metadata_folder(gguf)
+    if (folder / "config.json").is_file():
+        return folder
+    with exclusive(_build_lock(folder), f"reading the metadata of {gguf.name}"):
+        if not (folder / "config.json").is_file():  # else another process built it while we waited
+            _build_metadata(gguf, folder)
+    return folder
+
+
+def _build_metadata(gguf: Path, folder: Path) -> None:
+    """Write ``folder``: the GGUF's config and tokenizer (staged, then renamed into place)."""
+    from .gguf_speedups import faster_transformers_gguf
+
+    index = _readable_index(gguf)
+    print(f"specdecode: reading the config and tokenizer of {gguf.name} for its first use (once, into "
+          f"{folder.parent}) ...", file=sys.stderr, flush=True)  # fmt: skip
+    with faster_transformers_gguf():
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = _file_tokenizer(gguf, index)
+
+    def write(staging: Path) -> None:
+        config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+    _write_staged(folder, write)
+
+
+def _readable_index(gguf: Path):
+    """The file's index; a cut-short or malformed file is named here, not deep in transformers."""
+    from .gguf_index import gguf_index
+
+    try:
+        return gguf_index(gguf)
+    except ValueError as error:
+        raise ModelNotAvailable(f"not a readable GGUF file: {error}") from None
+
+
+def _file_tokenizer(gguf: Path, index) -> Any:
+    """The tokenizer transformers builds from the file's metadata, or None when the file describes none."""
+    if "tokenizer.ggml.model" not in index.keys:
+        return None
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _write_staged(folder: Path, write) -> None:
+    """Call ``write(staging)`` on a new folder beside ``folder``, then rename it into place (never half-written)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+    try:
+        write(staging)
+        staging.rename(folder)
+    except Exception:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
 
 
 def _build_lock(folder: Path) -> Path:
@@ -283,13 +393,9 @@ def _build_dense_copy(gguf: Path, folder: Path) -> None:
     from safetensors.torch import save_model
     from transformers import GgufConfig
 
-    from .gguf_index import gguf_index
     from .gguf_speedups import faster_transformers_gguf
 
-    try:
-        gguf_index(gguf)  # a cut-short or malformed file is named here, not by a reshape deep in transformers
-    except ValueError as error:
-        raise ModelNotAvailable(f"not a readable GGUF file: {error}") from None
+    index = _readable_index(gguf)
     print(f"specdecode: reading {gguf.name} for its first use (its tokenizer and a float32 copy, once, into "
           f"{folder.parent}) ...", file=sys.stderr, flush=True)  # fmt: skip
     with faster_transformers_gguf():  # the same reads, the file parsed once (Gemma 3: 82 -> 27 s, Zen 3)
@@ -299,19 +405,16 @@ def _build_dense_copy(gguf: Path, folder: Path) -> None:
             dtype=torch.float32,
             quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
         )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
-    try:
+        tokenizer = _file_tokenizer(gguf, index)
+
+    def write(staging: Path) -> None:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
         save_model(model, str(staging / "model.safetensors"))
-        tokenizer.save_pretrained(staging)
-        staging.rename(folder)
-    except Exception:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "config.json").is_file():
-            raise
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+
+    _write_staged(folder, write)

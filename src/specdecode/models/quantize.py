@@ -19,7 +19,7 @@ from torch import nn
 
 from . import kernels
 from .architecture import FAMILIES
-from .gguf_blocks import BLOCK_TYPES, read_gguf_tensors
+from .gguf_blocks import BLOCK_TYPES, FileBlocks, StoredTensor, read_gguf_tensors
 from .weights import (
     GROUP_SIZES,
     GroupQuant,
@@ -32,6 +32,7 @@ from .weights import (
     QuantizedLinear,
     RowSlice,
     concat_biases,
+    int8_rows,
     register_fused,
 )
 
@@ -72,11 +73,15 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
 
     With the compiled kernels every integer format runs as ``KernelLinear`` (GGUF blocks of every type kept as
     stored); without them, as PyTorch's int4/int8 weight-only kernels (other GGUF types stay dense float32).
+    ``model`` may be a skeleton whose parameters are on the meta device (``gguf_load``): every parameter then
+    comes from the file, blocks straight into the kernels' layout, and only what stays dense is dequantized.
     """
     if quantization.reads_gguf and gguf_path is None:
         raise ValueError(f"quantization={quantization.kind!r} needs a GGUF file: load a .gguf path or a bundled model")
     types: dict[str, str] = {}
     stored = read_gguf_tensors(gguf_path, model, types) if quantization.reads_gguf else {}
+    tied = tied_head(model)
+    fill_from_file(model, {name: t for name, t in stored.items() if isinstance(t, torch.Tensor)})
     formats: dict[str, int] = {}
     bits = quantization.activation_bits
     native = kernels.ops() is not None
@@ -92,9 +97,33 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
                 formats[kind] = formats.get(kind, 0) + 1
             sources = [_source(m, w, quantization, native) for m, w in zip(modules, stored_weights, strict=True)]
             _quantize_group(layer, group, modules, sources, bits)
-    own_blocks = _quantize_head(model, stored.get("model.embed_tokens.weight"), native, bits)
-    formats[f"{types['model.embed_tokens.weight'] if own_blocks else 'int8'} head"] = 1
+    formats[f"{_quantize_head(model, stored, types, tied, native, bits)} head"] = 1
+    fill_from_file(model, stored)  # what stays dense (a type the kernels do not take, or no kernels)
     return formats
+
+
+def tied_head(model: nn.Module) -> bool:
+    """Whether the LM head shares the input embedding's weights (a skeleton's meta tensors: as its config says)."""
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    if head.is_meta or embed.is_meta:
+        return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    return embed.data_ptr() == head.data_ptr()
+
+
+@torch.no_grad()
+def fill_from_file(model: nn.Module, stored: dict[str, StoredTensor], dtype: torch.dtype = torch.float32) -> None:
+    """Give every parameter still on the meta device its tensor from the file (block types dequantized as
+    transformers' loader dequantizes them), in ``dtype``; a tied head shares the embedding's."""
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if not param.is_meta or name not in stored:
+            continue
+        value = stored[name]
+        value = value.dense() if isinstance(value, IntBlocks | FileBlocks) else value
+        module_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attribute, nn.Parameter(value.to(dtype), requires_grad=False))
+    head, embed = model.lm_head, model.model.embed_tokens
+    if isinstance(head, nn.Linear) and head.weight.is_meta and tied_head(model) and not embed.weight.is_meta:
+        head.weight = embed.weight
 
 
 def _format_name(quantization: Quantization, gguf_type: str | None) -> str:
@@ -110,7 +139,7 @@ def _is_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-Source = IntBlocks | GroupQuant | Int8Linear | None
+Source = IntBlocks | FileBlocks | GroupQuant | Int8Linear | None  # IntBlocks: in memory (tests, int4/int8)
 
 
 def _source(module: nn.Module, stored, quantization: Quantization, native: bool) -> Source:
@@ -123,21 +152,22 @@ def _source(module: nn.Module, stored, quantization: Quantization, native: bool)
     if quantization.kind == "int8":
         rows = Int8Linear.quantize(module.weight, bias)
         return IntBlocks.from_int8(rows) if native else rows
-    if not isinstance(stored, IntBlocks):
+    if not isinstance(stored, IntBlocks | FileBlocks):
         return None
     if native:
         return stored
-    if stored.bits <= 4:
-        return stored.to_group_quant()
-    if stored.bits == 8 and stored.sym == 128:  # Q8_0: re-quantized per row for the int8 kernel
-        return Int8Linear.quantize(stored.dequantize(), bias)
+    blocks = stored.blocks()
+    if blocks.bits <= 4:
+        return blocks.to_group_quant()
+    if blocks.bits == 8 and blocks.sym == 128:  # Q8_0: re-quantized per row for the int8 kernel
+        return Int8Linear.quantize(blocks.dequantize(), bias)
     return None
 
 
 def _quantize_group(layer: nn.Module, names, modules, sources, activation_bits: int = 16) -> None:
     """Swap the modules of one fusable group; register their fused format for the native runner."""
     fused: KernelLinear | Int4Linear | Int8Linear | None = None
-    if all(isinstance(s, IntBlocks) for s in sources):
+    if all(isinstance(s, IntBlocks | FileBlocks) for s in sources):
         fused = KernelLinear.cat(sources, concat_biases(modules), activation_bits)  # None when layouts differ
     elif all(isinstance(s, GroupQuant) for s in sources):
         fused = Int4Linear.from_groups(GroupQuant.cat(sources), concat_biases(modules))
@@ -165,42 +195,56 @@ def _quantize_group(layer: nn.Module, names, modules, sources, activation_bits: 
 
 
 def _format(source: Source, module: nn.Module, activation_bits: int) -> KernelLinear | Int4Linear | Int8Linear | None:
-    if isinstance(source, IntBlocks):
+    if isinstance(source, IntBlocks | FileBlocks):
         return KernelLinear.from_blocks(source, module.bias, activation_bits)
     if isinstance(source, GroupQuant):
         return Int4Linear.from_groups(source, module.bias)
     return source
 
 
-def _quantize_head(model: nn.Module, stored_embedding, native: bool, activation_bits: int = 16) -> bool:
-    """LM head → the tied embedding's own blocks when the kernels run (exact, for types whose weights are int8
-    times a scale: Q8_0, Q6_K, ...), else int8 per row. It carries exact int8 rows (the file's, else the int8
-    head's), from which the runner recomputes each row's top logits; the input embedding reads the file's
-    table when it has one (exact), else the tied head's int8 rows. True when the head runs the file's blocks."""
+def _quantize_head(
+    model: nn.Module, stored: dict[str, StoredTensor], types: dict[str, str], tied: bool, native: bool,
+    activation_bits: int = 16,
+) -> str:  # fmt: skip
+    """LM head → its own blocks from the file when the kernels run (the embedding's when tied), else int8 per row;
+    return the format it runs. A head whose weights are int8 times a scale (Q8_0, Q6_K, ...) carries its exact
+    int8 rows, from which the runner recomputes each row's top logits (an int8 head carries its own). The input
+    embedding reads the file's blocks a row at a time (exact), else the tied head's int8 rows."""
     head = model.lm_head
     embed = model.model.embed_tokens
-    tied = embed.weight.data_ptr() == head.weight.data_ptr()
-    blocks = stored_embedding if isinstance(stored_embedding, IntBlocks) else None
-    table = Int8Groups.from_blocks(blocks) if blocks is not None and _int8_rows(blocks) else None
-    own_blocks = tied and table is not None and (native or blocks.bits == 8)
-    if own_blocks:
-        exact = table
-        kernel = (KernelLinear.from_blocks(blocks, head.bias, activation_bits) if native
-                  else Int8Linear.quantize(head.weight, head.bias))  # fmt: skip
+    embed_blocks = _file_blocks(stored, "model.embed_tokens.weight")
+    head_blocks = embed_blocks if tied else _file_blocks(stored, "lm_head.weight")
+    embed_table = _int8_table(embed_blocks)
+    head_table = embed_table if tied else _int8_table(head_blocks)
+    if head_blocks is not None and (native or (head_table is not None and head_blocks.layout[1] == 8)):
+        exact = head_table
+        kernel = (KernelLinear.from_blocks(head_blocks, head.bias, activation_bits) if native
+                  else Int8Linear.quantize(head_table.dequantize(), head.bias))  # fmt: skip
+        name = types["model.embed_tokens.weight" if tied else "lm_head.weight"]
     else:
+        fill_from_file(model, {k: v for k, v in stored.items() if k == "lm_head.weight"})
         rows = Int8Linear.quantize(head.weight, head.bias)
         exact = rows.exact_rows()
         kernel = KernelLinear.from_blocks(IntBlocks.from_int8(rows), head.bias, activation_bits) if native else rows
+        name = "int8"
     model.lm_head = QuantizedLinear(kernel, head.in_features, head.out_features, exact_rows=exact)
-    if table is None and tied:
+    table = embed_table
+    if table is None and embed_blocks is not None:
+        table = embed_blocks.dense_rows
+    elif table is None and tied:
         table = exact
     if table is not None:
         scale = getattr(embed, "embed_scale", None)  # Gemma's sqrt(hidden), in the table's dtype
         scale = None if scale is None else scale.to(embed.weight.dtype)
         model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim, scale)
-    return own_blocks
+    return name
 
 
-def _int8_rows(blocks: IntBlocks) -> bool:
-    """Blocks whose weights are exactly int8 values times a scale (symmetric types of up to 8 bits)."""
-    return blocks.offset is None and blocks.bits <= 8 and 0 <= blocks.sym <= 128
+def _file_blocks(stored: dict[str, StoredTensor], name: str) -> IntBlocks | FileBlocks | None:
+    found = stored.get(name)
+    return found if isinstance(found, IntBlocks | FileBlocks) else None
+
+
+def _int8_table(blocks: IntBlocks | FileBlocks | None) -> Int8Groups | None:
+    """The blocks as an exact int8 table, when their weights are int8 values times a scale."""
+    return Int8Groups.from_blocks(blocks) if blocks is not None and int8_rows(blocks) else None

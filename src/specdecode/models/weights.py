@@ -13,6 +13,7 @@ import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +91,31 @@ class IntBlocks:
         zero = self.offset + 8 * self.scale if self.offset is not None else (8 - self.sym) * self.scale
         return GroupQuant(self.u, self.scale, zero, self.group_size)
 
-    def take_rows(self, order: torch.Tensor) -> IntBlocks:
-        offset = None if self.offset is None else self.offset[order]
-        return dataclasses.replace(self, u=self.u[order], scale=self.scale[order], offset=offset)
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.u.shape)
+
+    @property
+    def layout(self) -> tuple[int, int, int, bool, bool]:
+        """(group size, bits, sym, symmetric, half scales): what blocks must share to be stacked into one matrix."""
+        return self.group_size, self.bits, self.sym, self.offset is None, self.half_scales
+
+    def blocks(self) -> IntBlocks:
+        return self
+
+    def dense(self) -> torch.Tensor:
+        return self.dequantize()
+
+    def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.take(index.reshape(-1)).dequantize().view(*index.shape, -1)
+
+    def take(self, index: torch.Tensor) -> IntBlocks:
+        offset = None if self.offset is None else self.offset[index]
+        return dataclasses.replace(self, u=self.u[index], scale=self.scale[index], offset=offset)
+
+    def rows(self, start: int, stop: int) -> IntBlocks:
+        offset = None if self.offset is None else self.offset[start:stop]
+        return dataclasses.replace(self, u=self.u[start:stop], scale=self.scale[start:stop], offset=offset)
 
     @staticmethod
     def from_group_quant(weights: GroupQuant) -> IntBlocks:
@@ -106,6 +129,54 @@ class IntBlocks:
         scale = weights.scale.float()[:, None].expand(n, k // group).contiguous()
         half = bool(torch.equal(scale.half().float(), scale))
         return IntBlocks((weights.q.to(torch.int16) + 128).to(torch.uint8), scale, None, 128, group, 8, half)
+
+
+class BlockSource(Protocol):
+    """Integer blocks that can be read a slice of rows at a time: ``IntBlocks`` in memory, ``FileBlocks`` in a
+    GGUF file, or ``StackedBlocks`` of either."""
+
+    shape: tuple[int, int]
+    layout: tuple[int, int, int, bool, bool]
+
+    def rows(self, start: int, stop: int) -> IntBlocks: ...
+
+
+@dataclass(frozen=True)
+class StackedBlocks:
+    """Several block sources of one layout stacked by output rows (q/k/v, gate/up), read without copying them."""
+
+    parts: tuple[BlockSource, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def layout(self) -> tuple[int, int, int, bool, bool]:
+        return self.parts[0].layout
+
+    def rows(self, start: int, stop: int) -> IntBlocks:
+        pieces, at = [], 0
+        for part in self.parts:
+            n = part.shape[0]
+            if start < at + n and stop > at:
+                pieces.append(part.rows(max(start - at, 0), min(stop - at, n)))
+            at += n
+        if len(pieces) == 1:
+            return pieces[0]
+        first = pieces[0]
+        offset = None if first.offset is None else torch.cat([p.offset for p in pieces])
+        return dataclasses.replace(first, u=torch.cat([p.u for p in pieces]),
+                                   scale=torch.cat([p.scale for p in pieces]), offset=offset)  # fmt: skip
+
+
+CHUNK_BYTES = 1 << 24  # a matrix is unpacked and laid out ~16 MB of weights at a time
+
+
+def row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """Row slices of ~``CHUNK_BYTES`` unpacked weights, each a whole number of 16-output tiles but the last."""
+    step = max(16, CHUNK_BYTES // max(cols, 1) // 16 * 16)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 BF16_ROWS_PER_CALL = 32  # bfloat16 F.linear is row-invariant from 2 to 32 rows on every CPU measured (AMX: not past)
@@ -246,47 +317,55 @@ class KernelLinear:
     handle: KernelHandle = dataclasses.field(compare=False, repr=False)
 
     @staticmethod
-    def from_blocks(blocks: IntBlocks, bias: torch.Tensor | None = None, activation_bits: int = 16) -> KernelLinear:
+    def from_blocks(blocks: BlockSource, bias: torch.Tensor | None = None, activation_bits: int = 16) -> KernelLinear:
         """Pack ``blocks`` (groups of 16 or 32, or larger ones split into 32s) and register them with the kernels;
-        each input row is quantized to ``activation_bits`` per group."""
+        each input row is quantized to ``activation_bits`` per group. The blocks are read a slice of rows at a
+        time (``FileBlocks`` stay in the file until then)."""
         from .kernels import ops
 
         kernels = ops()
         if kernels is None:
             raise RuntimeError("the CPU kernels are not available")
-        n, k = blocks.u.shape
-        group = blocks.group_size
-        scale, offset = blocks.scale, blocks.offset
-        if group > 32:  # the kernels sum integers per group of ≤ 32: repeat each scale over its 32-wide parts
-            repeat = group // 32
-            scale = scale.repeat_interleave(repeat, dim=1)
-            offset = None if offset is None else offset.repeat_interleave(repeat, dim=1)
-            group = 32
-        nibbles = blocks.bits <= 4
+        n, k = blocks.shape
+        group, bits, sym, symmetric, half = blocks.layout
+        repeat = max(group // 32, 1)  # the kernels sum integers per group of ≤ 32: repeat each scale over its 32s
+        group //= repeat
+        nibbles = bits <= 4
         quads = activation_bits == 8 and kernels.quad_layout()
-        packed, scales, offsets = _tile_layout(blocks.u, scale, offset, group, nibbles, blocks.half_scales, quads)
+        tiles = -(-n // 16)
+        packed = torch.empty(tiles * 16 * k // (2 if nibbles else 1), dtype=torch.uint8)
+        dtype = torch.float16 if half else torch.float32
+        scales = torch.empty(tiles, k // group, 16, dtype=dtype)
+        offsets = None if symmetric else torch.empty_like(scales)
+        for start, stop in row_chunks(n, k):
+            part = blocks.rows(start, stop)
+            scale = part.scale.repeat_interleave(repeat, dim=1) if repeat > 1 else part.scale
+            offset = part.offset
+            if offset is not None and repeat > 1:
+                offset = offset.repeat_interleave(repeat, dim=1)
+            p, s, o = _tile_layout(part.u, scale, offset, group, nibbles, half, quads)
+            tile = start // 16
+            packed[tile * 16 * k // (2 if nibbles else 1) :][: p.numel()] = p
+            scales[tile : tile + s.shape[0]] = s
+            if offsets is not None:
+                offsets[tile : tile + o.shape[0]] = o
+        scales, offsets = scales.view(-1), None if offsets is None else offsets.view(-1)
         bias = _float(bias)
-        matrix = kernels.register_matrix(
-            packed, scales, offsets, bias, n, k, group, nibbles, blocks.sym, activation_bits
-        )
+        matrix = kernels.register_matrix(packed, scales, offsets, bias, n, k, group, nibbles, sym, activation_bits)
         handle = KernelHandle(kernels, matrix)
-        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, blocks.sym, activation_bits, handle)
+        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, sym, activation_bits, handle)
 
     @staticmethod
     def cat(
-        parts: Sequence[IntBlocks], bias: torch.Tensor | None = None, activation_bits: int = 16
+        parts: Sequence[BlockSource], bias: torch.Tensor | None = None, activation_bits: int = 16
     ) -> KernelLinear | None:
         """One matrix of ``parts`` stacked by output rows, if they share one layout (else None)."""
-        first = parts[0]
-        layout = {(p.group_size, p.bits <= 4, p.sym, p.half_scales, p.offset is None) for p in parts}
-        if len(layout) != 1:
+        if (
+            len({(g, bits <= 4, sym, symmetric, half) for g, bits, sym, symmetric, half in (p.layout for p in parts)})
+            > 1
+        ):
             return None
-        offset = None if first.offset is None else torch.cat([p.offset for p in parts])
-        blocks = IntBlocks(
-            torch.cat([p.u for p in parts]), torch.cat([p.scale for p in parts]), offset, first.sym,
-            first.group_size, max(p.bits for p in parts), first.half_scales,
-        )  # fmt: skip
-        return KernelLinear.from_blocks(blocks, bias, activation_bits)
+        return KernelLinear.from_blocks(StackedBlocks(tuple(parts)), bias, activation_bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.handle.kernels.linear(x.reshape(-1, self.in_features).float(), [self.handle.id])
@@ -368,11 +447,25 @@ class Int8Groups:
         return (q.view(*q.shape[:-1], self.scale.shape[-1], -1) * self.scale[tokens][..., None]).view(q.shape)
 
     @staticmethod
-    def from_blocks(blocks: IntBlocks) -> Int8Groups:
-        """Symmetric blocks of up to 8 bits (Q8_0: u = q + 128; Q6_K: u = q + 32, ...) as int8 q = u − sym."""
-        if blocks.offset is not None or blocks.bits > 8 or not 0 <= blocks.sym <= 128:
+    def from_blocks(blocks: BlockSource) -> Int8Groups:
+        """Symmetric blocks of up to 8 bits (Q8_0: u = q + 128; Q6_K: u = q + 32, ...) as int8 q = u − sym, read a
+        slice of rows at a time."""
+        if not int8_rows(blocks):
             raise ValueError("only symmetric blocks of up to 8 bits are int8 rows")
-        return Int8Groups((blocks.u.to(torch.int16) - blocks.sym).to(torch.int8), blocks.scale)
+        n, k = blocks.shape
+        group, sym = blocks.layout[0], blocks.layout[2]
+        q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // group)
+        for start, stop in row_chunks(n, k):
+            part = blocks.rows(start, stop)
+            q[start:stop] = (part.u.to(torch.int16) - sym).to(torch.int8)
+            scale[start:stop] = part.scale
+        return Int8Groups(q, scale)
+
+
+def int8_rows(blocks: BlockSource) -> bool:
+    """Blocks whose weights are exactly int8 values times a scale (symmetric types of up to 8 bits)."""
+    _, bits, sym, symmetric, _ = blocks.layout
+    return symmetric and bits <= 8 and 0 <= sym <= 128
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,166 @@
+"""A GGUF file loads from its own blocks: config from its metadata, the skeleton without weights, the blocks
+straight into the kernels' layout. Nothing but the config (and a tokenizer, when the file has one) is written to
+the cache, and the logits are bitwise those of the earlier path (a float32 dense copy, then the file's blocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import specdecode as sd
+from specdecode.errors import ModelNotAvailable
+from specdecode.models import kernels, loader
+from specdecode.models.quantize import Quantization, quantize_model
+
+pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 96
+FIELDS = {  # bytes per block, offsets of the f16 fields, weights per block
+    "Q4_0": (18, (0,), 32), "Q4_1": (20, (0, 2), 32), "Q5_0": (22, (0,), 32), "Q5_1": (24, (0, 2), 32),
+    "Q4_K": (144, (0, 2), 256), "Q5_K": (176, (0, 2), 256), "Q6_K": (210, (208,), 256), "Q8_0": (34, (0,), 32),
+}  # fmt: skip
+LAYOUTS = {  # per layer: q, k, v, o, gate, up, down — every block type the kernels take
+    "q4-q5": ("Q4_0", "Q4_0", "Q4_0", "Q4_1", "Q5_0", "Q5_0", "Q5_1"),
+    "k-quants": ("Q4_K", "Q4_K", "Q4_K", "Q5_K", "Q6_K", "Q6_K", "Q8_0"),
+    "mixed": ("Q5_0", "Q5_0", "Q6_K", "Q8_0", "Q4_K", "Q4_K", "Q6_K"),  # mixed within q/k/v, as Q4_K_M files are
+}
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of ``kind`` for a [rows, cols] matrix, their f16 scale fields small enough for sane logits."""
+    size, halves, per_block = FIELDS[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // per_block, size), dtype=np.uint8)
+    scale = 0.002 if kind in ("Q8_0", "Q6_K") else 0.02
+    for at in halves:
+        raw[..., at : at + 2] = (
+            rng.uniform(-scale, scale, (rows, cols // per_block, 1)).astype(np.float16).view(np.uint8)
+        )
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path: Path, kinds: tuple[str, ...], head: str | None = None, architecture: str = "llama") -> Path:
+    """A tiny Llama-architecture GGUF (no tokenizer): random blocks of ``kinds`` per layer, a Q8_0 embedding, tied
+    to the head unless ``head`` names the type of a separate ``output.weight``."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    arch = architecture
+    writer.add_uint32(f"{arch}.context_length", 512)
+    writer.add_uint32(f"{arch}.embedding_length", HIDDEN)
+    writer.add_uint32(f"{arch}.block_count", LAYERS)
+    writer.add_uint32(f"{arch}.feed_forward_length", FFN)
+    writer.add_uint32(f"{arch}.attention.head_count", HEADS)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
+    writer.add_uint32(f"{arch}.rope.dimension_count", HIDDEN // HEADS)
+    writer.add_uint32(f"{arch}.vocab_size", VOCAB)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("token_embd.weight", _blocks("Q8_0", VOCAB, HIDDEN, rng), raw_dtype=q8)
+    if head is not None:
+        kind = gguf.GGMLQuantizationType[head]
+        writer.add_tensor("output.weight", _blocks(head, VOCAB, HIDDEN, rng), raw_dtype=kind)
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    kv = KV_HEADS * HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}  # fmt: skip
+    for i in range(LAYERS):
+        for name, kind in zip(MATRICES, kinds, strict=True):
+            rows, cols = shapes[name]
+            writer.add_tensor(f"blk.{i}.{name}.weight", _blocks(kind, rows, cols, rng),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])  # fmt: skip
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("SPECDECODE_CACHE", str(folder))
+    return folder
+
+
+def _logits(loaded: sd.LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    runner = loaded.new_runner()
+    with torch.inference_mode():
+        return torch.cat([runner.forward(ids[:40]), runner.forward(ids[40:41]), runner.forward(ids[41:])])
+
+
+def _earlier_path(path: Path) -> sd.LoadedModel:
+    """What load_model did before: a float32 dense copy on disk, loaded, then its linears swapped for the blocks."""
+    model = AutoModelForCausalLM.from_pretrained(loader._dense_cache(path), dtype=torch.float32).eval()
+    formats = quantize_model(model, Quantization("gguf"), path)
+    loaded = loader._wrap(model, None, path.name, "auto")
+    loaded.quantization, loaded.formats = "gguf", formats
+    return loaded
+
+
+def _written(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)).split("/")[0] for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_gguf_loads_from_its_blocks_without_a_dense_copy_and_computes_the_earlier_paths_logits(
+    layout, tmp_path, cache
+):
+    path = write_gguf(tmp_path / f"{layout}.gguf", LAYOUTS[layout])
+    loaded = sd.load_model(path)
+    assert loaded.backend == "native" and loaded.quantization == "gguf"
+    assert loaded.new_runner().uses_kernels
+    assert not any(p.is_meta for p in loaded.model.parameters())
+    written = _written(cache)
+    assert "dense" not in written and "gguf" in written, written  # the config only: no weights on disk
+    assert not any(f.suffix == ".safetensors" for f in (cache / "gguf").rglob("*"))
+    assert loaded.tokenizer is None  # the file has none: prompts are token ids
+    ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(1))
+    earlier = _earlier_path(path)
+    assert earlier.formats == loaded.formats
+    assert torch.equal(_logits(loaded, ids), _logits(earlier, ids))
+
+
+def test_the_loaded_blocks_are_row_invariant_and_greedy_speculation_is_plain_decoding(tmp_path, cache):
+    loaded = sd.load_model(write_gguf(tmp_path / "mixed.gguf", LAYOUTS["mixed"]))
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(2))
+    runner = loaded.new_runner()
+    with torch.inference_mode():
+        runner.prefill(ids[:50])
+        together = runner.forward(ids[50:58])
+        runner.rollback_to(50)
+        singles = torch.cat([runner.forward(ids[i : i + 1]) for i in range(50, 58)])
+    assert torch.equal(together, singles)
+    params = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
+    prompt = ids[:30].tolist() * 2  # repeats, so that prompt lookup drafts
+    plain = sd.autoregressive_generate(loaded, prompt, params)
+    out = sd.SpeculativeDecoder(loaded, sd.PromptLookupProposer(), gamma=4).generate(prompt, params)
+    assert out.token_ids == plain.token_ids
+
+
+def test_an_untied_head_runs_its_own_blocks_and_the_dense_load_dequantizes_the_same_file(tmp_path, cache):
+    path = write_gguf(tmp_path / "untied.gguf", LAYOUTS["k-quants"], head="Q6_K")
+    loaded = sd.load_model(path)
+    assert loaded.formats["Q6_K head"] == 1
+    dense = sd.load_model(path, quantization=None)  # every weight dequantized in memory, none on disk
+    assert "dense" not in _written(cache)
+    ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(3))
+    quantized, reference = _logits(loaded, ids), _logits(dense, ids)
+    assert (quantized - reference).norm() / reference.norm() < 2e-3  # int16 activations, a float16 cache
+    earlier = AutoModelForCausalLM.from_pretrained(loader._dense_cache(path), dtype=torch.float32)
+    for name, param in earlier.state_dict().items():  # the dense load holds the earlier dense copy's weights
+        assert torch.equal(dense.model.state_dict()[name], param), name
+
+
+def test_a_file_of_an_architecture_transformers_cannot_read_is_refused_in_one_line(tmp_path, cache):
+    path = write_gguf(tmp_path / "odd.gguf", LAYOUTS["q4-q5"], architecture="notamodel")
+    with pytest.raises((ModelNotAvailable, ValueError), match="notamodel"):
+        sd.load_model(path)
