@@ -73,7 +73,7 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
 
     With the compiled kernels every integer format runs as ``KernelLinear`` (GGUF blocks of every type kept as
     stored); without them, as PyTorch's int4/int8 weight-only kernels (other GGUF types stay dense float32).
-    ``model`` may be a skeleton whose parameters are on the meta device (``gguf_load``): every parameter then
+    ``model`` may be a skeleton whose parameters are on the meta device (``loader``'s GGUF path): every parameter then
     comes from the file, blocks straight into the kernels' layout, and only what stays dense is dequantized.
     """
     if quantization.reads_gguf and gguf_path is None:
@@ -209,11 +209,12 @@ def _quantize_head(
     """LM head → its own blocks from the file when the kernels run (the embedding's when tied), else int8 per row;
     return the format it runs. A head whose weights are int8 times a scale (Q8_0, Q6_K, ...) carries its exact
     int8 rows, from which the runner recomputes each row's top logits (an int8 head carries its own). The input
-    embedding reads the file's blocks a row at a time (exact), else the tied head's int8 rows."""
+    embedding is the file's int8 table (exact), else reads the file's blocks a row at a time (exact), else (no
+    blocks) the tied head's int8 rows."""
     head = model.lm_head
     embed = model.model.embed_tokens
-    embed_blocks = _file_blocks(stored, "model.embed_tokens.weight")
-    head_blocks = embed_blocks if tied else _file_blocks(stored, "lm_head.weight")
+    embed_blocks = _blocks_of(stored, "model.embed_tokens.weight")
+    head_blocks = embed_blocks if tied else _blocks_of(stored, "lm_head.weight")
     embed_table = _int8_table(embed_blocks)
     head_table = embed_table if tied else _int8_table(head_blocks)
     if head_blocks is not None and (native or (head_table is not None and head_blocks.layout[1] == 8)):
@@ -240,7 +241,7 @@ def _quantize_head(
     return name
 
 
-def _file_blocks(stored: dict[str, StoredTensor], name: str) -> IntBlocks | FileBlocks | None:
+def _blocks_of(stored: dict[str, StoredTensor], name: str) -> IntBlocks | FileBlocks | None:
     found = stored.get(name)
     return found if isinstance(found, IntBlocks | FileBlocks) else None
 
