@@ -314,12 +314,16 @@ def _metadata_folder(gguf: Path) -> Path:
 def _metadata_cache(gguf: Path) -> Path:
     """A HF folder with the GGUF's config and tokenizer, as transformers reads them from its metadata (built once:
     converting a 262,144-token vocabulary takes seconds)."""
-    folder = _metadata_folder(gguf)
+    return _built_once(_metadata_folder(gguf), f"reading the metadata of {gguf.name}", _build_metadata, gguf)
+
+
+def _built_once(folder: Path, what: str, build, gguf: Path) -> Path:
+    """``folder``, calling ``build(gguf, folder)`` first unless it holds a config: one builder across processes."""
     if (folder / "config.json").is_file():
         return folder
-    with exclusive(_build_lock(folder), f"reading the metadata of {gguf.name}"):
+    with exclusive(_build_lock(folder), what):
         if not (folder / "config.json").is_file():  # else another process built it while we waited
-            _build_metadata(gguf, folder)
+            build(gguf, folder)
     return folder
 
 
@@ -379,13 +383,7 @@ def _build_lock(folder: Path) -> Path:
 
 def _dense_cache(gguf: Path) -> Path:
     """A HF folder with the GGUF's weights dequantized once to float32 safetensors (built on first use)."""
-    folder = _dense_folder(gguf)
-    if (folder / "config.json").is_file():
-        return folder
-    with exclusive(_build_lock(folder), f"the first-use copy of {gguf.name}"):
-        if not (folder / "config.json").is_file():  # else another process built it while we waited
-            _build_dense_copy(gguf, folder)
-    return folder
+    return _built_once(_dense_folder(gguf), f"the first-use copy of {gguf.name}", _build_dense_copy, gguf)
 
 
 def _build_dense_copy(gguf: Path, folder: Path) -> None:
