@@ -3,6 +3,7 @@ every instruction set, and one OpenMP runtime (torch's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import platform
 import subprocess
@@ -78,6 +79,30 @@ def test_linear_computes_the_quantized_product_of_the_files_blocks(kind, bits):
     assert (other - expected).norm() / expected.norm() > 1e-4 if bits == 8 else 1e-6
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_two_level_scales_give_the_one_level_bits(kind, bits):
+    """K-quants keep their scales as the file does (int8 per group × f16 per super-block, a quarter of the bytes);
+    the kernels' products d·sc are exact, so every output is bitwise the float32-scales matrix's. 3 super-blocks
+    per row and a partial last tile: a wrong super-block index or a lost offset factor changes the bits."""
+    blocks = random_blocks(kind, 40, 768, seed=12)
+    assert blocks.factors is not None
+    two_level = KernelLinear.from_blocks(blocks, activation_bits=bits)
+    assert two_level.scales.dtype == torch.int8 and two_level.supers.dtype == torch.float16
+    one_level = KernelLinear.from_blocks(dataclasses.replace(blocks, factors=None), activation_bits=bits)
+    assert one_level.scales.dtype == torch.float32 and one_level.supers is None
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(two_level(x), one_level(x))
+    # the control: one super-block factor of one output changed (to another f16 value) moves that output only
+    d = blocks.factors.d.clone()
+    d[3, 1] = -d[3, 1] if d[3, 1] != 0 else 1.0
+    changed = KernelLinear.from_blocks(
+        dataclasses.replace(blocks, factors=dataclasses.replace(blocks.factors, d=d)), activation_bits=bits
+    )(x)
+    moved = (changed != one_level(x)).any(0)
+    assert moved[3] and moved.sum() == 1
+
+
 @pytest.mark.parametrize(
     ("kind", "bias", "bits"),
     [("Q4_1", False, 16), ("Q8_0", True, 16), ("Q6_K", False, 16), ("Q5_K", True, 16), ("Q4_1", False, 8),
@@ -126,11 +151,11 @@ def test_every_instruction_set_gives_the_same_bits(variant):
         blocks = random_blocks(kind, 48, 512, seed=6)
         linear = KernelLinear.from_blocks(blocks, activation_bits=bits)
         quads = bits == 8 and other.quad_layout()  # int8 activations: each build's own layout, the same sums
-        packed, scales, offsets = _tile_layout(blocks.u, blocks.scale, blocks.offset, blocks.group_size,
-                                               linear.nibbles, blocks.half_scales, quads)  # fmt: skip
-        registered = other.register_matrix(
-            packed, scales, offsets, None, 48, 512, linear.group_size, linear.nibbles, linear.sym, bits
-        )
+        packed = _tile_layout(blocks.u, linear.group_size, linear.nibbles, quads)
+        per = 1 if linear.supers is None else linear.scales.numel() // linear.supers.numel()
+        registered = other.register_matrix(packed, linear.scales, linear.offsets, None, 48, 512, linear.group_size,
+                                           linear.nibbles, linear.sym, bits, linear.supers, linear.super_offsets,
+                                           per)  # fmt: skip
         x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
         assert torch.equal(other.linear(x, [registered]), linear(x)), (kind, bits)
     case = _attention_case(rows=5, cached=300, seed=8)
@@ -341,6 +366,32 @@ def test_head_refines_each_rows_top_logits_exactly():
     for row in range(6):  # row-invariant too
         alone = ops.lm_head(x[row : row + 1], norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
         assert torch.equal(alone[0], logits[row])
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_0"])
+def test_a_heads_exact_rows_read_back_from_its_tiles_are_the_int8_tables(kind, bits):
+    """A tied head's embedding and exact rows come from its own tiles (no second table): every row bitwise the int8
+    table's, in each layout (bytes, nibbles; pairs, and quads with int8 activations), and the head's refined logits
+    bitwise those refined from the table. Control: a head of other blocks refines to other logits."""
+    from specdecode.models.weights import Int8Groups, KernelRows
+
+    blocks = random_blocks(kind, 200, 256, seed=16)  # 200 outputs: a partial last tile
+    head = KernelLinear.from_blocks(blocks, activation_bits=bits)
+    table, rows = Int8Groups.from_blocks(blocks), KernelRows(head)
+    tokens = torch.tensor([[0, 15, 16, 199], [17, 3, 3, 198]])
+    assert torch.equal(rows(tokens), table(tokens))
+    assert torch.equal(rows.dequantize(), table.dequantize())
+    ops = kernels.ops("native")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(17))
+    norm = torch.rand(256) + 0.5
+    from_table = ops.lm_head(x, norm, 1e-5, [head.handle.id], 190, table.q, table.scale, 8)
+    from_tiles = ops.lm_head(x, norm, 1e-5, [head.handle.id], 190, None, None, 8, True)
+    assert torch.equal(from_tiles, from_table)
+    assert not torch.equal(from_tiles, ops.lm_head(x, norm, 1e-5, [head.handle.id], 190, None, None, 0))
+    other = KernelLinear.from_blocks(random_blocks(kind, 200, 256, seed=18), activation_bits=bits)
+    assert not torch.equal(ops.lm_head(x, norm, 1e-5, [other.handle.id], 190, table.q, table.scale, 8),
+                           ops.lm_head(x, norm, 1e-5, [other.handle.id], 190, None, None, 8, True))  # fmt: skip
 
 
 # --- how it ships ------------------------------------------------------------------------------------------

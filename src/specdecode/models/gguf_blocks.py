@@ -15,13 +15,17 @@ import numpy as np
 import torch
 
 from .gguf_index import IndexedTensor, gguf_index
-from .weights import IntBlocks
+from .weights import IntBlocks, SuperScales
 
 GROUP = 32
 
 
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
+
+
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return _half(blocks, at).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -35,17 +39,25 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint8) << 4
 
 
+def _tensor(values: np.ndarray, dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values.reshape(values.shape[0], -1), dtype=dtype))
+
+
 def _blocks(u: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, sym: int, bits: int, group: int = GROUP,
-            half: bool = False) -> IntBlocks:  # fmt: skip
-    n = u.shape[0]
-
-    def tensor(values: np.ndarray, dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values.reshape(n, -1), dtype=dtype))
-
+            half: bool = False, factors: SuperScales | None = None) -> IntBlocks:  # fmt: skip
     return IntBlocks(
-        tensor(u, np.uint8), tensor(scale, np.float32), None if offset is None else tensor(offset, np.float32),
-        sym if offset is None else -1, group, bits, half,
+        _tensor(u, np.uint8), _tensor(scale, np.float32), None if offset is None else _tensor(offset, np.float32),
+        sym if offset is None else -1, group, bits, half, factors,
     )  # fmt: skip
+
+
+def _two_level(d: np.ndarray, sc: np.ndarray, dmin: np.ndarray | None, mn: np.ndarray | None) -> SuperScales:
+    """A K-quant's per-super-block f16 factors [N, blocks] and per-group integers [N, blocks, per] as ``SuperScales``
+    (offsets' factor m = −dmin: negating a float16 is exact)."""
+    per = sc.shape[-1]
+    m = None if dmin is None else _tensor(-dmin, np.float16)
+    return SuperScales(_tensor(d, np.float16), _tensor(sc, np.int8), m, None if mn is None else _tensor(mn, np.int8),
+                       per)  # fmt: skip
 
 
 def decode_q4_0(raw: np.ndarray) -> IntBlocks:
@@ -80,7 +92,7 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tail = packed[..., 8:12].astype(np.int32)
     sc = np.concatenate([lo & 63, (tail & 0x0F) | ((lo >> 6) << 4)], axis=-1)
     mn = np.concatenate([hi & 63, (tail >> 4) | ((hi >> 6) << 4)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc.astype(np.int8), mn.astype(np.int8)
 
 
 def decode_q4_k(raw: np.ndarray) -> IntBlocks:
@@ -90,11 +102,19 @@ def decode_q4_k(raw: np.ndarray) -> IntBlocks:
     in the high nibbles of the same 32 bytes.
     """
     blocks = raw.reshape(raw.shape[0], -1, 144)
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
     sc, mn = _q4_k_scales(blocks[..., 4:16])
     qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)
     u = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # [N, blocks, 4 chunks, 2 halves, 32]
-    return _blocks(u, d[..., None] * sc, -dmin[..., None] * mn, -1, 4)
+    scale, offset = _k_scales(d, sc, dmin, mn)
+    return _blocks(u, scale, offset, -1, 4, factors=_two_level(d, sc, dmin, mn))
+
+
+def _k_scales(d, sc, dmin=None, mn=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """One-level scales d·sc and offsets −dmin·mn in float32 (exact products) from a K-quant's two levels."""
+    scale = d.astype(np.float32)[..., None] * sc.astype(np.float32)
+    offset = None if dmin is None else -dmin.astype(np.float32)[..., None] * mn.astype(np.float32)
+    return scale, offset
 
 
 def decode_q5_k(raw: np.ndarray) -> IntBlocks:
@@ -103,14 +123,15 @@ def decode_q5_k(raw: np.ndarray) -> IntBlocks:
     As Q4_K, with q = nibble + 16·bit: chunk i's sub-block 2i takes bit 2i and 2i+1 bit 2i+1 of qh[l].
     """
     blocks = raw.reshape(raw.shape[0], -1, 176)
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
     sc, mn = _q4_k_scales(blocks[..., 4:16])
     qh = blocks[..., 16:48][..., None, None, :]  # [N, blocks, 1, 1, 32]
     qs = blocks[..., 48:].reshape(*blocks.shape[:2], 4, 1, 32)
     shift = (2 * np.arange(4)[:, None] + np.arange(2)[None, :])[..., None].astype(np.uint8)  # [4, 2, 1]
     nibble = np.concatenate([qs & 0x0F, qs >> 4], axis=-2)  # [N, blocks, 4, 2, 32]
     u = nibble | (((qh >> shift) & 1) << 4)
-    return _blocks(u, d[..., None] * sc, -dmin[..., None] * mn, -1, 5)
+    scale, offset = _k_scales(d, sc, dmin, mn)
+    return _blocks(u, scale, offset, -1, 5, factors=_two_level(d, sc, dmin, mn))
 
 
 def decode_q6_k(raw: np.ndarray) -> IntBlocks:
@@ -119,8 +140,8 @@ def decode_q6_k(raw: np.ndarray) -> IntBlocks:
     l, l+32, l+64, l+96 are ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high, with qh[l] bits 0-1, 2-3, 4-5, 6-7.
     """
     blocks = raw.reshape(raw.shape[0], -1, 210)
-    d = _f16(blocks, 208)
-    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = _half(blocks, 208)
+    sc = blocks[..., 192:208].copy().view(np.int8)
     halves = []
     for half in range(2):
         ql = blocks[..., 64 * half : 64 * half + 64]
@@ -133,7 +154,8 @@ def decode_q6_k(raw: np.ndarray) -> IntBlocks:
         ]
         halves.append(np.concatenate(parts, axis=-1))
     u = np.concatenate(halves, axis=-1)
-    return _blocks(u, d[..., None] * scales, None, 32, 6, group=16)
+    scale, _ = _k_scales(d, sc)
+    return _blocks(u, scale, None, 32, 6, group=16, factors=_two_level(d, sc, None, None))
 
 
 def decode_q8_0(raw: np.ndarray) -> IntBlocks:
@@ -161,7 +183,7 @@ class FileBlocks:
         first = self.rows(0, 1)
         self.shape = (self.raw.shape[0], first.u.shape[1])
         # Every IntBlocks field but the arrays: the same for every slice of one GGUF type.
-        self.layout = (first.group_size, first.bits, first.sym, first.offset is None, first.half_scales)
+        self.layout = first.layout
 
     def _raw_rows(self, start: int, stop: int) -> np.ndarray:
         if self.order is None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import ctypes
 import fcntl
 import hashlib
 import os
@@ -29,6 +27,7 @@ from .hf import HFRunner
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
 from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model
+from .weights import return_freed_memory
 
 BACKENDS = ("auto", "native", "transformers")
 _FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen 3", "gemma3": "Gemma 3"}
@@ -186,7 +185,7 @@ def load_model(
         formats = {}
     _fill_skeleton(model, gguf_path, dtype)
     if gguf_path is not None:
-        _return_freed_memory()
+        return_freed_memory()
     loaded = _wrap(model, tokenizer, name, backend)
     loaded.quantization = quantization
     loaded.formats = formats
@@ -212,13 +211,6 @@ def _fill_skeleton(model: PreTrainedModel, gguf_path: Path | None, dtype: torch.
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelNotAvailable(f"{gguf_path.name} has no tensor for {missing[0]} ({len(missing)} missing)")
-
-
-def _return_freed_memory() -> None:
-    """Hand the unpacking's freed temporaries back to the system (glibc keeps them in its arenas otherwise: ~240 MB
-    of a 1.7B-shaped file's load); a no-op where the C library has no ``malloc_trim``."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def load_tokenizer(source: str) -> Any:

@@ -38,6 +38,7 @@ from .weights import (
     Int8Groups,
     KernelHandle,
     KernelLinear,
+    KernelRows,
     Linear,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -534,8 +535,10 @@ class NativeLlamaRunner:
         """The final norm and LM head through the kernels: float32 logits, the top rows refined exactly."""
         exact = self._exact_head_rows
         q, scale = (exact.q, exact.scale) if isinstance(exact, Int8Groups) else (None, None)
+        from_head = isinstance(exact, KernelRows) and exact.matrix is self._lm_head
+        refine = REFINED_LOGITS if q is not None or from_head else 0
         return self._lm_head.handle.kernels.lm_head(
-            x, self._norm, self._eps, [self._lm_head.handle.id], self.vocab_size, q, scale, REFINED_LOGITS
+            x, self._norm, self._eps, [self._lm_head.handle.id], self.vocab_size, q, scale, refine, from_head
         )
 
     def _reserve(self, end: int) -> None:

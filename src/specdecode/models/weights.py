@@ -9,9 +9,10 @@ both are row-invariant (each row of a k-row product is bitwise the one-row produ
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,31 @@ class GroupQuant:
 
 
 @dataclass(frozen=True)
+class SuperScales:
+    """A K-quant's scales as its file stores them, two levels: per group g of a row, scale = d[g // per]·sc[g] and
+    offset = m[g // per]·mn[g] (m = −dmin), float16 factors per super-block of ``per`` groups times small integers.
+    Each product is exact in float32 (11 × 8 significant bits), so the kernels compute the one-level scales bitwise
+    from a quarter of their bytes."""
+
+    d: torch.Tensor  # float16 [N, G / per]
+    sc: torch.Tensor  # int8 [N, G]
+    m: torch.Tensor | None  # float16 [N, G / per], asymmetric types only
+    mn: torch.Tensor | None  # int8 [N, G]
+    per: int
+
+    def rows(self, index) -> SuperScales:
+        """Output rows ``index`` (a slice or a tensor of row ids)."""
+        m, mn = (None, None) if self.m is None else (self.m[index], self.mn[index])
+        return SuperScales(self.d[index], self.sc[index], m, mn, self.per)
+
+    @staticmethod
+    def cat(parts: Sequence[SuperScales]) -> SuperScales:
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        mn = None if parts[0].mn is None else torch.cat([p.mn for p in parts])
+        return SuperScales(torch.cat([p.d for p in parts]), torch.cat([p.sc for p in parts]), m, mn, parts[0].per)
+
+
+@dataclass(frozen=True)
 class IntBlocks:
     """Integer weights exactly as a GGUF file stores them, per group g = j // group_size of each row:
     w[n, j] = scale[n, g]·(u[n, j] − sym) for symmetric types (Q4_0, Q5_0, Q6_K, Q8_0: ``offset`` None), else
@@ -75,6 +101,7 @@ class IntBlocks:
     group_size: int
     bits: int
     half_scales: bool = False  # every scale and offset is exactly a float16 value (the file's own fields)
+    factors: SuperScales | None = None  # the same scales and offsets in two levels (K-quants), for the kernels
 
     def dequantize(self) -> torch.Tensor:
         """The weights in float32 (computed in float64, rounded once)."""
@@ -96,9 +123,16 @@ class IntBlocks:
         return tuple(self.u.shape)
 
     @property
-    def layout(self) -> tuple[int, int, int, bool, bool]:
-        """(group size, bits, sym, symmetric, half scales): what blocks must share to be stacked into one matrix."""
-        return self.group_size, self.bits, self.sym, self.offset is None, self.half_scales
+    def layout(self) -> Layout:
+        """(group size, bits, sym, symmetric, scale format): what blocks must share to be stacked into one matrix."""
+        return self.group_size, self.bits, self.sym, self.offset is None, self.scale_format
+
+    @property
+    def scale_format(self) -> str:
+        """How the kernels store the scales: "super" (``factors``), "f16" (``half_scales``) or "f32"."""
+        if self.factors is not None:
+            return f"super{self.factors.per}"
+        return "f16" if self.half_scales else "f32"
 
     def blocks(self) -> IntBlocks:
         return self
@@ -109,13 +143,23 @@ class IntBlocks:
     def dense_rows(self, index: torch.Tensor) -> torch.Tensor:
         return self.take(index.reshape(-1)).dequantize().view(*index.shape, -1)
 
-    def take(self, index: torch.Tensor) -> IntBlocks:
+    def take(self, index: torch.Tensor | slice) -> IntBlocks:
+        """Output rows ``index`` (a slice or a tensor of row ids)."""
         offset = None if self.offset is None else self.offset[index]
-        return dataclasses.replace(self, u=self.u[index], scale=self.scale[index], offset=offset)
+        factors = None if self.factors is None else self.factors.rows(index)
+        return dataclasses.replace(self, u=self.u[index], scale=self.scale[index], offset=offset, factors=factors)
 
     def rows(self, start: int, stop: int) -> IntBlocks:
-        offset = None if self.offset is None else self.offset[start:stop]
-        return dataclasses.replace(self, u=self.u[start:stop], scale=self.scale[start:stop], offset=offset)
+        return self.take(slice(start, stop))
+
+    @staticmethod
+    def cat(parts: Sequence[IntBlocks]) -> IntBlocks:
+        """Blocks of one layout stacked by output rows."""
+        first = parts[0]
+        offset = None if first.offset is None else torch.cat([p.offset for p in parts])
+        factors = None if first.factors is None else SuperScales.cat([p.factors for p in parts])
+        return dataclasses.replace(first, u=torch.cat([p.u for p in parts]), scale=torch.cat([p.scale for p in parts]),
+                                   offset=offset, factors=factors)  # fmt: skip
 
     @staticmethod
     def from_group_quant(weights: GroupQuant) -> IntBlocks:
@@ -131,12 +175,15 @@ class IntBlocks:
         return IntBlocks((weights.q.to(torch.int16) + 128).to(torch.uint8), scale, None, 128, group, 8, half)
 
 
+Layout = tuple[int, int, int, bool, str]  # IntBlocks.layout
+
+
 class BlockSource(Protocol):
     """Integer blocks that can be read a slice of rows at a time: ``IntBlocks`` in memory, ``FileBlocks`` in a
     GGUF file, or ``StackedBlocks`` of either."""
 
     shape: tuple[int, int]
-    layout: tuple[int, int, int, bool, bool]
+    layout: Layout
 
     def rows(self, start: int, stop: int) -> IntBlocks: ...
 
@@ -152,7 +199,7 @@ class StackedBlocks:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
     @property
-    def layout(self) -> tuple[int, int, int, bool, bool]:
+    def layout(self) -> Layout:
         return self.parts[0].layout
 
     def rows(self, start: int, stop: int) -> IntBlocks:
@@ -162,21 +209,26 @@ class StackedBlocks:
             if start < at + n and stop > at:
                 pieces.append(part.rows(max(start - at, 0), min(stop - at, n)))
             at += n
-        if len(pieces) == 1:
-            return pieces[0]
-        first = pieces[0]
-        offset = None if first.offset is None else torch.cat([p.offset for p in pieces])
-        return dataclasses.replace(first, u=torch.cat([p.u for p in pieces]),
-                                   scale=torch.cat([p.scale for p in pieces]), offset=offset)  # fmt: skip
+        return pieces[0] if len(pieces) == 1 else IntBlocks.cat(pieces)
 
 
 CHUNK_BYTES = 1 << 24  # a matrix is unpacked and laid out ~16 MB of weights at a time
 
 
-def row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
-    """Row slices of ~``CHUNK_BYTES`` unpacked weights, each a whole number of 16-output tiles but the last."""
+def row_chunks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
+    """Row slices of ~``CHUNK_BYTES`` unpacked weights, each a whole number of 16-output tiles but the last; the
+    previous slice's freed temporaries go back to the system before the next (else glibc keeps them: ~250 MB of
+    a 1.7B-shaped file's peak)."""
     step = max(16, CHUNK_BYTES // max(cols, 1) // 16 * 16)
-    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+        return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Hand freed memory back to the system (``malloc_trim``); a no-op where the C library has none."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 BF16_ROWS_PER_CALL = 32  # bfloat16 F.linear is row-invariant from 2 to 32 rows on every CPU measured (AMX: not past)
@@ -305,8 +357,10 @@ class KernelLinear:
     input row quantized to int16 per group, integer dot products, float32 sums in a fixed order (row-invariant)."""
 
     packed: torch.Tensor  # uint8: 4-bit blocks as nibbles, 5- to 8-bit ones as bytes, tiles of 16 outputs
-    scales: torch.Tensor  # float16 or float32 [tiles, groups, 16]
+    scales: torch.Tensor  # float32, float16, or int8 times ``supers`` [tiles, groups, 16]
     offsets: torch.Tensor | None  # as scales, for asymmetric blocks
+    supers: torch.Tensor | None  # two-level scales (K-quants): float16 factors [tiles, groups / per, 16]
+    super_offsets: torch.Tensor | None  # and the offsets' (asymmetric K-quants)
     bias: torch.Tensor | None  # float32 [N]
     in_features: int
     out_features: int
@@ -327,43 +381,54 @@ class KernelLinear:
         if kernels is None:
             raise RuntimeError("the CPU kernels are not available")
         n, k = blocks.shape
-        group, bits, sym, symmetric, half = blocks.layout
+        group, bits, sym, symmetric, scale_format = blocks.layout
         repeat = max(group // 32, 1)  # the kernels sum integers per group of ≤ 32: repeat each scale over its 32s
         group //= repeat
+        two_level = scale_format.startswith("super")
+        per = int(scale_format[5:]) if two_level else 1
+        if two_level and repeat > 1:
+            raise ValueError("two-level scales come in groups of at most 32")
         nibbles = bits <= 4
         quads = activation_bits == 8 and kernels.quad_layout()
         tiles = -(-n // 16)
         packed = torch.empty(tiles * 16 * k // (2 if nibbles else 1), dtype=torch.uint8)
-        dtype = torch.float16 if half else torch.float32
+        dtype = {"f16": torch.float16, "f32": torch.float32}.get(scale_format, torch.int8)
         scales = torch.empty(tiles, k // group, 16, dtype=dtype)
         offsets = None if symmetric else torch.empty_like(scales)
+        supers = torch.empty(tiles, k // group // per, 16, dtype=torch.float16) if two_level else None
+        super_offsets = None if symmetric or not two_level else torch.empty_like(supers)
         for start, stop in row_chunks(n, k):
             part = blocks.rows(start, stop)
-            scale = part.scale.repeat_interleave(repeat, dim=1) if repeat > 1 else part.scale
-            offset = part.offset
-            if offset is not None and repeat > 1:
-                offset = offset.repeat_interleave(repeat, dim=1)
-            p, s, o = _tile_layout(part.u, scale, offset, group, nibbles, half, quads)
             tile = start // 16
+            p = _tile_layout(part.u, group, nibbles, quads)
             packed[tile * 16 * k // (2 if nibbles else 1) :][: p.numel()] = p
-            scales[tile : tile + s.shape[0]] = s
-            if offsets is not None:
-                offsets[tile : tile + o.shape[0]] = o
-        scales, offsets = scales.view(-1), None if offsets is None else offsets.view(-1)
+            if two_level:
+                fields = [part.factors.sc, part.factors.mn, part.factors.d, part.factors.m]
+                targets = [scales, offsets, supers, super_offsets]
+            else:
+                fields = [part.scale, part.offset]
+                targets = [scales, offsets]
+            for values, target in zip(fields, targets, strict=True):
+                if target is not None:
+                    if repeat > 1:
+                        values = values.repeat_interleave(repeat, dim=1)
+                    laid = _per_tile(values, target.dtype)
+                    target[tile : tile + laid.shape[0]] = laid
+        flat = [None if t is None else t.view(-1) for t in (scales, offsets, supers, super_offsets)]
+        scales, offsets, supers, super_offsets = flat
         bias = _float(bias)
-        matrix = kernels.register_matrix(packed, scales, offsets, bias, n, k, group, nibbles, sym, activation_bits)
+        matrix = kernels.register_matrix(packed, scales, offsets, bias, n, k, group, nibbles, sym, activation_bits,
+                                         supers, super_offsets, per)  # fmt: skip
         handle = KernelHandle(kernels, matrix)
-        return KernelLinear(packed, scales, offsets, bias, k, n, group, nibbles, sym, activation_bits, handle)
+        return KernelLinear(packed, scales, offsets, supers, super_offsets, bias, k, n, group, nibbles, sym,
+                            activation_bits, handle)  # fmt: skip
 
     @staticmethod
     def cat(
         parts: Sequence[BlockSource], bias: torch.Tensor | None = None, activation_bits: int = 16
     ) -> KernelLinear | None:
         """One matrix of ``parts`` stacked by output rows, if they share one layout (else None)."""
-        if (
-            len({(g, bits <= 4, sym, symmetric, half) for g, bits, sym, symmetric, half in (p.layout for p in parts)})
-            > 1
-        ):
+        if len({(g, bits <= 4, sym, symmetric, fmt) for g, bits, sym, symmetric, fmt in (p.layout for p in parts)}) > 1:
             return None
         return KernelLinear.from_blocks(StackedBlocks(tuple(parts)), bias, activation_bits)
 
@@ -394,17 +459,14 @@ def kernel_parts(linear: Linear) -> list[int] | None:
     return None
 
 
-def _tile_layout(u, scale, offset, group: int, nibbles: bool, half: bool, quads: bool = False):
-    """``kernels.cpp``'s layout: outputs in tiles of 16 (zero rows pad the last), per tile each group's integers
-    as pairs (2p, 2p+1) per output (nibbles: pair q low, pair q + group/4 high) or, for int8 activations on
-    vpdpbusd builds, as quads (4q..4q+3; nibbles: quad 2b low, 2b+1 high), scales [tile, group, 16]."""
+def _tile_layout(u: torch.Tensor, group: int, nibbles: bool, quads: bool = False) -> torch.Tensor:
+    """``kernels.cpp``'s layout of the integers: outputs in tiles of 16 (zero rows pad the last), per tile each
+    group's integers as pairs (2p, 2p+1) per output (nibbles: pair q low, pair q + group/4 high) or, for int8
+    activations on vpdpbusd builds, as quads (4q..4q+3; nibbles: quad 2b low, 2b+1 high)."""
     n, k = u.shape
     tiles = -(-n // 16)
-    pad = tiles * 16 - n
-    if pad:
-        u = torch.cat([u, u.new_zeros(pad, k)])
-        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-        offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+    if tiles * 16 > n:
+        u = torch.cat([u, u.new_zeros(tiles * 16 - n, k)])
     groups = k // group
     if quads:
         if nibbles:  # [tile, group, chunk, output, 4]: low nibbles quad 2b, high quad 2b+1
@@ -417,12 +479,17 @@ def _tile_layout(u, scale, offset, group: int, nibbles: bool, half: bool, quads:
         if nibbles:
             quarter = group // 4
             pairs = pairs[:, :, :quarter] | (pairs[:, :, quarter:] << 4)
-    dtype = torch.float16 if half else torch.float32
+    return pairs.contiguous().view(-1)
 
-    def per_tile(values):
-        return None if values is None else values.view(tiles, 16, groups).permute(0, 2, 1).to(dtype).contiguous()
 
-    return pairs.contiguous().view(-1), per_tile(scale), per_tile(offset)
+def _per_tile(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-output values [N, columns] (scales, offsets, super-block factors) as the kernels read them:
+    [tile, column, 16], zero rows padding the last tile."""
+    n, columns = values.shape
+    tiles = -(-n // 16)
+    if tiles * 16 > n:
+        values = torch.cat([values, values.new_zeros(tiles * 16 - n, columns)])
+    return values.view(tiles, 16, columns).permute(0, 2, 1).to(dtype).contiguous()
 
 
 Linear = DenseLinear | Int4Linear | Int8Linear | KernelLinear | ConcatLinear | RowSlice
@@ -460,6 +527,24 @@ class Int8Groups:
             q[start:stop] = (part.u.to(torch.int16) - sym).to(torch.int8)
             scale[start:stop] = part.scale
         return Int8Groups(q, scale)
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """The exact rows of a symmetric ``KernelLinear`` (w = scale·q, q int8), read back from its tile layout: a tied
+    head's embedding table and exact rows without a second vocabulary-sized copy. Called with token ids (any
+    shape): float32 rows, bitwise what ``Int8Groups`` of the same blocks gives."""
+
+    matrix: KernelLinear
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        handle = self.matrix.handle
+        q, scale = handle.kernels.matrix_rows(handle.id, tokens.reshape(-1))
+        rows = Int8Groups(q, scale)(torch.arange(q.shape[0]))
+        return rows.view(*tokens.shape, self.matrix.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self(torch.arange(self.matrix.out_features))
 
 
 def int8_rows(blocks: BlockSource) -> bool:

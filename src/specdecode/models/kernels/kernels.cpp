@@ -345,16 +345,24 @@ std::vector<double> profile(bool enable) {
 // Quads (int8 activations on vpdpbusd builds, see quad_layout):
 //   nibbles: g/8 chunks of 64 bytes; byte 4c+j of chunk b holds u[c][8b+j] (low) and u[c][8b+4+j] (high);
 //   bytes:   g/4 chunks of 64 bytes; byte 4c+j of chunk q holds u[c][4q+j].
-// scales and offsets (asymmetric types only), both f16 or both f32: [tile][group][16].
+// scales and offsets (asymmetric types only), [tile][group][16], in one of three kinds (ScaleKind): f32; f16; or
+// a K-quant's two levels, int8 multipliers per group times f16 factors per super-block of `per` groups (supers and
+// super_offsets: [tile][super][16]): s = d·sc, both exact in float32, so bitwise the f32 kind's product.
+enum ScaleKind : int { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2 };
+
 struct Matrix {
   int64_t n = 0, k = 0, g = 0, tiles = 0, groups = 0;
-  bool nibbles = false, half = false;
+  int64_t per = 1, supers = 0;  // kScaleSuper: groups per super-block, super-blocks per tile row
+  bool nibbles = false;
+  int kind = kScaleF32;
   int32_t sym = -1;    // >= 0: w = s·(u − sym); < 0: w = s·u + offset
   int64_t abits = 16;  // the activations' bits: 16 (the default) or 8 (llama.cpp's numerics, twice the speed)
-  at::Tensor packed, scales, offsets, bias;  // owners of the data below
+  at::Tensor packed, scales, offsets, bias, supers_t, super_offsets_t;  // owners of the data below
   const uint8_t* wp = nullptr;
   const void* sp = nullptr;
   const void* op = nullptr;
+  const uint16_t* ssp = nullptr;  // kScaleSuper: the f16 factors of the scales and of the offsets
+  const uint16_t* sop = nullptr;
   const float* bp = nullptr;
 };
 
@@ -395,7 +403,8 @@ static std::shared_ptr<const Layer> layer_at(int64_t id) {
 
 int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                         const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t g, bool nibbles,
-                        int64_t sym, int64_t abits) {
+                        int64_t sym, int64_t abits, const c10::optional<at::Tensor>& supers,
+                        const c10::optional<at::Tensor>& super_offsets, int64_t per) {
   TORCH_CHECK(g == 16 || g == 32, "group size must be 16 or 32");
   TORCH_CHECK(abits == 8 || abits == 16, "activation bits must be 8 or 16");
   TORCH_CHECK(k % g == 0 && n > 0, "bad matrix shape");
@@ -412,14 +421,32 @@ int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, cons
   TORCH_CHECK(m->packed.scalar_type() == at::kByte, "packed weights must be uint8");
   TORCH_CHECK(m->packed.numel() == m->tiles * kLanes * k / (nibbles ? 2 : 1), "packed weights have the wrong size");
   m->scales = scales.contiguous();
-  TORCH_CHECK(m->scales.scalar_type() == at::kHalf || m->scales.scalar_type() == at::kFloat, "scales: f16 or f32");
+  const auto st = m->scales.scalar_type();
+  TORCH_CHECK(st == at::kHalf || st == at::kFloat || (st == at::kChar && supers.has_value()),
+              "scales: f16, f32, or int8 with f16 super-block factors");
   TORCH_CHECK(m->scales.numel() == m->tiles * m->groups * kLanes, "scales have the wrong size");
-  m->half = m->scales.scalar_type() == at::kHalf;
+  m->kind = st == at::kChar ? kScaleSuper : st == at::kHalf ? kScaleF16 : kScaleF32;
+  if (m->kind == kScaleSuper) {
+    TORCH_CHECK(per >= 1 && m->groups % per == 0, "super-blocks must hold whole groups");
+    m->per = per;
+    m->supers = m->groups / per;
+    m->supers_t = supers->contiguous();
+    TORCH_CHECK(m->supers_t.scalar_type() == at::kHalf && m->supers_t.numel() == m->tiles * m->supers * kLanes,
+                "super-block factors: f16 [tiles, groups / per, 16]");
+    m->ssp = reinterpret_cast<const uint16_t*>(m->supers_t.data_ptr());
+  }
   if (sym < 0) {
     TORCH_CHECK(offsets.has_value(), "an asymmetric matrix needs offsets");
     m->offsets = offsets->contiguous();
-    TORCH_CHECK(m->offsets.scalar_type() == m->scales.scalar_type() && m->offsets.numel() == m->scales.numel(),
+    TORCH_CHECK(m->offsets.scalar_type() == st && m->offsets.numel() == m->scales.numel(),
                 "offsets: the scales' dtype and size");
+    if (m->kind == kScaleSuper) {
+      TORCH_CHECK(super_offsets.has_value(), "two-level offsets need their super-block factors");
+      m->super_offsets_t = super_offsets->contiguous();
+      TORCH_CHECK(m->super_offsets_t.scalar_type() == at::kHalf && m->super_offsets_t.numel() == m->supers_t.numel(),
+                  "super-block offset factors: the scale factors' dtype and size");
+      m->sop = reinterpret_cast<const uint16_t*>(m->super_offsets_t.data_ptr());
+    }
   }
   if (bias.has_value()) {
     m->bias = bias->contiguous();
@@ -558,14 +585,20 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, 
 
 // ------------------------------------------------------------------------------------------------ linear
 
-template <bool HALF>
-static inline VF load_scales(const void* p, int64_t at) {
-  if constexpr (HALF) {
+// The 16 lanes' scales (or offsets) of one group: `at` indexes the group's lanes, `super_at` its super-block's.
+template <int SK>
+static inline VF load_scales(const void* p, const uint16_t* super, int64_t at, int64_t super_at) {
+  if constexpr (SK == kScaleSuper) {
+    return vf_mul(vf_from_half(super + super_at), vf_from_i8(static_cast<const int8_t*>(p) + at));
+  } else if constexpr (SK == kScaleF16) {
     return vf_from_half(static_cast<const uint16_t*>(p) + at);
   } else {
     return vf_load(static_cast<const float*>(p) + at);
   }
 }
+
+template <int SK>
+constexpr int64_t kScaleBytes = SK == kScaleSuper ? 1 : SK == kScaleF16 ? 2 : 4;
 
 #if SD_DOT8
 static inline VI vi_dot8(VI acc, __m512i w, int32_t quad) {
@@ -575,7 +608,7 @@ static inline VI vi_dot8(VI acc, __m512i w, int32_t quad) {
 
 // y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs. A8: the activations
 // are int8 quads (vpdpbusd); otherwise int16 pairs.
-template <int R, int G, bool NIB, bool HALF, bool SYM, bool A8>
+template <int R, int G, bool NIB, int SK, bool SYM, bool A8>
 static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                       int64_t ncols, const float* add, int64_t ldadd) {
   VF acc[R];
@@ -584,6 +617,7 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
   constexpr int64_t group_bytes = NIB ? G * 8 : G * 16;
   const uint8_t* wp = w.wp + t * groups * group_bytes;
   const int64_t sbase = t * groups * kLanes;
+  const int64_t super_base = t * w.supers * kLanes;
   const int16_t* xrow[R];
   const int8_t* xrow8[R];
   for (int r = 0; r < R; ++r) {
@@ -601,9 +635,9 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
     const int64_t k0 = j * G;
     // Streaming weights from memory (one row: bandwidth-bound): fetch ~16 groups ahead of use.
     for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(wp + kPrefetchGroups * group_bytes + at);
-    __builtin_prefetch(static_cast<const char*>(w.sp) + (sbase + (j + kPrefetchGroups) * kLanes) * (HALF ? 2 : 4));
+    __builtin_prefetch(static_cast<const char*>(w.sp) + (sbase + (j + kPrefetchGroups) * kLanes) * kScaleBytes<SK>);
     if (!SYM)
-      __builtin_prefetch(static_cast<const char*>(w.op) + (sbase + (j + kPrefetchGroups) * kLanes) * (HALF ? 2 : 4));
+      __builtin_prefetch(static_cast<const char*>(w.op) + (sbase + (j + kPrefetchGroups) * kLanes) * kScaleBytes<SK>);
     if constexpr (A8) {  // the quad layout: 16 lanes of 4 consecutive inputs per 64 bytes
 #if SD_DOT8
       if constexpr (NIB) {
@@ -669,7 +703,8 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
       for (int r = 0; r < R; ++r) ia[r] = vi_add(ia[r], ib[r]);
     wp += group_bytes;
     const int64_t si = sbase + j * kLanes;
-    const VF s = load_scales<HALF>(w.sp, si);
+    const int64_t ssi = SK == kScaleSuper ? super_base + (j / w.per) * kLanes : 0;
+    const VF s = load_scales<SK>(w.sp, w.ssp, si, ssi);
     if (SYM) {
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * x.groups + j;
@@ -677,7 +712,7 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
         acc[r] = vf_fma(vf_mul(vf_cvt(centred), vf_set(x.d[at])), s, acc[r]);
       }
     } else {
-      const VF off = load_scales<HALF>(w.op, si);
+      const VF off = load_scales<SK>(w.op, w.sop, si, ssi);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * x.groups + j;
         acc[r] = vf_fma(vf_mul(vf_cvt(ia[r]), vf_set(x.d[at])), s, acc[r]);
@@ -715,14 +750,14 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
   }
 }
 
-template <bool NIB, bool HALF, bool SYM, bool A8>
+template <bool NIB, int SK, bool SYM, bool A8>
 static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                      int64_t ncols, const float* add, int64_t ldadd) {
   switch (rows) {
 #define SD_CASE(n)                                                              \
   case n:                                                                       \
-    if (w.g == 16) return tile_rows<n, 16, NIB, HALF, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd); \
-    return tile_rows<n, 32, NIB, HALF, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd);
+    if (w.g == 16) return tile_rows<n, 16, NIB, SK, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd); \
+    return tile_rows<n, 32, NIB, SK, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd);
     SD_CASE(1)
     SD_CASE(2)
     SD_CASE(3)
@@ -746,11 +781,14 @@ using TileFn = void (*)(int, const Matrix&, int64_t, const QuantRows&, int64_t, 
 
 template <bool A8>
 static TileFn tile_fn_of(const Matrix& w) {
-  const int key = (w.nibbles ? 4 : 0) + (w.half ? 2 : 0) + (w.sym >= 0 ? 1 : 0);
-  static const TileFn table[8] = {
-      tile_any<false, false, false, A8>, tile_any<false, false, true, A8>, tile_any<false, true, false, A8>,
-      tile_any<false, true, true, A8>,   tile_any<true, false, false, A8>, tile_any<true, false, true, A8>,
-      tile_any<true, true, false, A8>,   tile_any<true, true, true, A8>,
+  const int key = (w.nibbles ? 6 : 0) + w.kind * 2 + (w.sym >= 0 ? 1 : 0);
+  static const TileFn table[12] = {
+      tile_any<false, kScaleF32, false, A8>,   tile_any<false, kScaleF32, true, A8>,
+      tile_any<false, kScaleF16, false, A8>,   tile_any<false, kScaleF16, true, A8>,
+      tile_any<false, kScaleSuper, false, A8>, tile_any<false, kScaleSuper, true, A8>,
+      tile_any<true, kScaleF32, false, A8>,    tile_any<true, kScaleF32, true, A8>,
+      tile_any<true, kScaleF16, false, A8>,    tile_any<true, kScaleF16, true, A8>,
+      tile_any<true, kScaleSuper, false, A8>,  tile_any<true, kScaleSuper, true, A8>,
   };
   return table[key];
 }
@@ -1553,11 +1591,72 @@ static float exact_dot(const int8_t* q, const float* scale, int64_t k, int64_t b
   return vf_hsum(acc);
 }
 
+static inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// Output c of tile t's scale of group j, as the kernels compute it (two levels: the exact product d·sc).
+static float group_scale(const Matrix& w, int64_t t, int64_t j, int64_t c) {
+  const int64_t at = (t * w.groups + j) * kLanes + c;
+  switch (w.kind) {
+    case kScaleSuper:
+      return half_value(w.ssp[(t * w.supers + j / w.per) * kLanes + c]) *
+             static_cast<float>(static_cast<const int8_t*>(w.sp)[at]);
+    case kScaleF16:
+      return half_value(static_cast<const uint16_t*>(w.sp)[at]);
+    default:
+      return static_cast<const float*>(w.sp)[at];
+  }
+}
+
+// Output row n of a symmetric matrix read back from its tile layout: q = u − sym (int8) and each group's float32
+// scale, so that w = scale·q exactly. The layouts are the ones described at Matrix.
+static void matrix_row_int8(const Matrix& w, int64_t n, int8_t* q, float* scale) {
+  const bool quads = w.abits == 8 && SD_DOT8;
+  const int64_t t = n / kLanes, c = n % kLanes, g = w.g, half = g / 2;
+  const int64_t group_bytes = w.nibbles ? g * 8 : g * 16;
+  for (int64_t j = 0; j < w.groups; ++j) {
+    const uint8_t* p = w.wp + (t * w.groups + j) * group_bytes;
+    for (int64_t i = 0; i < g; ++i) {
+      int u;
+      if (quads && w.nibbles) {
+        const uint8_t byte = p[(i / 8) * 64 + 4 * c + i % 4];
+        u = i % 8 < 4 ? byte & 15 : byte >> 4;
+      } else if (quads) {
+        u = p[(i / 4) * 64 + 4 * c + i % 4];
+      } else if (w.nibbles) {
+        const int64_t e = i < half ? i : i - half;
+        const uint8_t byte = p[(e / 2) * 32 + 2 * c + e % 2];
+        u = i < half ? byte & 15 : byte >> 4;
+      } else {
+        u = p[(i / 2) * 32 + 2 * c + i % 2];
+      }
+      q[j * g + i] = static_cast<int8_t>(u - w.sym);
+    }
+    scale[j] = group_scale(w, t, j, c);
+  }
+}
+
+// Rows `rows` of a symmetric matrix as {int8 q [r, k], float32 scales [r, groups]}: its exact weights without a
+// second copy of them (a tied head's embedding table and exact rows).
+std::vector<at::Tensor> matrix_rows(int64_t matrix, const at::Tensor& rows) {
+  const auto w = matrix_at(matrix);
+  TORCH_CHECK(w->sym >= 0 && w->sym <= 128, "exact int8 rows need a symmetric matrix");
+  const at::Tensor index = rows.to(at::kLong).contiguous();
+  const int64_t r = index.numel();
+  at::Tensor q = at::empty({r, w->k}, at::kChar), scale = at::empty({r, w->groups}, at::kFloat);
+  const int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < w->n, "row ", ip[i], " out of range");
+    matrix_row_int8(*w, ip[i], q.data_ptr<int8_t>() + i * w->k, scale.data_ptr<float>() + i * w->groups);
+  }
+  return {q, scale};
+}
+
 // logits [rows, vocab] = head(norm(x)); then each row's `refine` highest logits recomputed in float32 from the
-// exact int8 rows (int8 [V, hidden] with float32 scales [V, blocks]), when given.
+// exact int8 rows (int8 [V, hidden] with float32 scales [V, blocks]) when given, else, with `exact_from_head`,
+// from the head's own (symmetric) blocks read back from their tiles: the same values, so the same bits.
 at::Tensor lm_head(const at::Tensor& x, const at::Tensor& norm, double eps, at::IntArrayRef head, int64_t vocab,
                    const c10::optional<at::Tensor>& exact_q, const c10::optional<at::Tensor>& exact_scale,
-                   int64_t refine) {
+                   int64_t refine, bool exact_from_head) {
   const at::Tensor xf = x.to(at::kFloat).contiguous(), wf = norm.to(at::kFloat).contiguous();
   const auto parts = parts_of(head);
   TORCH_CHECK(parts.size() == 1, "the LM head is one matrix");
@@ -1575,7 +1674,24 @@ at::Tensor lm_head(const at::Tensor& x, const at::Tensor& norm, double eps, at::
     quantize_rows(h.data(), hidden, m, hidden, w.g, w.abits, q);
     linear_rows(w, q, out, vocab, vocab, nullptr, 0);
   }
-  if (refine > 0 && exact_q.has_value()) {
+  if (refine > 0 && !exact_q.has_value() && exact_from_head) {
+    PhaseTimer timer(kRefine);
+    TORCH_CHECK(w.sym >= 0 && w.sym <= 128, "exact rows from the head: a symmetric head");
+    const int count = static_cast<int>(std::min<int64_t>(refine, vocab));
+    at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+      int64_t top[kMaxRefine];
+      std::vector<int8_t> qrow(hidden);
+      std::vector<float> srow(w.groups);
+      for (int64_t r = r0; r < r1; ++r) {
+        float* row = out + r * vocab;
+        top_indices(row, vocab, count, top);
+        for (int i = 0; i < count; ++i) {
+          matrix_row_int8(w, top[i], qrow.data(), srow.data());
+          row[top[i]] = exact_dot(qrow.data(), srow.data(), hidden, w.g, h.data() + r * hidden);
+        }
+      }
+    });
+  } else if (refine > 0 && exact_q.has_value()) {
     PhaseTimer timer(kRefine);
     const at::Tensor eq = exact_q->contiguous(), es = exact_scale.value().to(at::kFloat).contiguous();
     TORCH_CHECK(eq.scalar_type() == at::kChar && eq.size(1) == hidden && eq.size(0) >= vocab && es.size(0) == eq.size(0),
@@ -1635,7 +1751,7 @@ std::vector<at::Tensor> head_step(const at::Tensor& features, const at::Tensor& 
           kv_heads, head_dim, eps, scaling);
   const int64_t readout_ids[1] = {readout};
   at::Tensor logits = lm_head(x.narrow(0, read_from, n - read_from), norm, norm_eps,
-                              at::IntArrayRef(readout_ids, 1), vocab, c10::nullopt, c10::nullopt, 0);
+                              at::IntArrayRef(readout_ids, 1), vocab, c10::nullopt, c10::nullopt, 0, false);
   return {x, logits};
 }
 
@@ -2044,18 +2160,19 @@ std::string isa() {
 }  // namespace sd
 
 TORCH_LIBRARY(SD_NS, m) {
-  m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym, int abits) -> int",
+  m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym, int abits, Tensor? supers=None, Tensor? super_offsets=None, int per=1) -> int",
         &sd::register_matrix);
   m.def("register_layer(Tensor input_norm, int[] qkv, int[] o, Tensor post_norm, int[] gate_up, int[] down, Tensor? q_norm, Tensor? k_norm, Tensor? attn_out_norm, Tensor? mlp_out_norm, int window, int rope, bool gelu) -> int",
         &sd::register_layer);
   m.def("release(int matrix, int layer) -> ()", &sd::release);
+  m.def("matrix_rows(int matrix, Tensor rows) -> Tensor[]", &sd::matrix_rows);
   m.def("linear(Tensor x, int[] parts) -> Tensor", &sd::linear);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &sd::rms_norm);
   m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int layer, int heads, int kv_heads, float scaling, int window=0) -> Tensor",
         &sd::attention);
   m.def("decoder(Tensor x, int[] layers, Tensor[] keys, Tensor[] values, Tensor[] cos, Tensor[] sin, int tables, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int heads, int kv_heads, int head_dim, float eps, float scaling) -> ()",
         &sd::decoder);
-  m.def("lm_head(Tensor x, Tensor norm, float eps, int[] head, int vocab, Tensor? exact_q, Tensor? exact_scale, int refine) -> Tensor",
+  m.def("lm_head(Tensor x, Tensor norm, float eps, int[] head, int vocab, Tensor? exact_q, Tensor? exact_scale, int refine, bool exact_from_head=False) -> Tensor",
         &sd::lm_head);
   m.def("head_step(Tensor features, Tensor embeddings, int fc, int layer, Tensor keys, Tensor values, Tensor cos, Tensor sin, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int heads, int kv_heads, int head_dim, float eps, float scaling, Tensor norm, float norm_eps, int readout, int vocab, int read_from) -> Tensor[]",
         &sd::head_step);
