@@ -32,6 +32,14 @@ from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_mode
 
 BACKENDS = ("auto", "native", "transformers")
 _FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen 3", "gemma3": "Gemma 3"}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -225,6 +233,8 @@ def load_tokenizer(source: str) -> Any:
     """The tokenizer ``load_model(source)`` attaches (a bundled name, a .gguf file or a folder), without loading
     the weights; None when the folder has none."""
     folder, _, _ = _locate(str(source))
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None  # transformers would build an empty tokenizer of the config's class (Qwen, Gemma: 1-5 tokens)
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError):
