@@ -59,6 +59,17 @@ def test_the_index_equals_ggufs_reader(tmp_path, alignment):
     assert [t.data.dtype for t in fast.tensors] == [t.data.dtype for t in reference.tensors]
 
 
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_scalar_values_are_ggufs_readers_and_arrays_are_left_out(tmp_path, endianess):
+    path = tmp_path / "tiny.gguf"
+    _write(path, endianess=endianess)
+    values = gguf_index(path).values
+    assert values == read_gguf_index_with_gguf(path).values
+    assert values["general.name"] == "tiny ünïcode" and values["u64"] == 2**40 and values["i32"] == -3
+    assert values["f64"] == 0.5 and values["flag"] is True and values["general.alignment"] == 64
+    assert "tokenizer.ggml.tokens" not in values and "nested" not in values
+
+
 def test_another_byte_order_goes_to_ggufs_reader(tmp_path):
     little, big = tmp_path / "little.gguf", tmp_path / "big.gguf"
     _write(little)

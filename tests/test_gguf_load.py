@@ -164,3 +164,11 @@ def test_a_file_of_an_architecture_transformers_cannot_read_is_refused_in_one_li
     path = write_gguf(tmp_path / "odd.gguf", LAYOUTS["q4-q5"], architecture="notamodel")
     with pytest.raises((ModelNotAvailable, ValueError), match="notamodel"):
         sd.load_model(path)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "gemma3"])
+def test_a_file_without_a_tokenizer_gets_none_whatever_its_architecture(architecture, tmp_path, cache):
+    """From a folder with a config and no tokenizer files, transformers builds an empty tokenizer of a Qwen or Gemma
+    config's class (1 to 5 tokens), which would cut the vocabulary to it: the file has none, so None."""
+    path = write_gguf(tmp_path / f"{architecture}.gguf", LAYOUTS["q4-q5"], architecture=architecture)
+    assert loader.load_tokenizer(str(path)) is None

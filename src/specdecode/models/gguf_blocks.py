@@ -276,8 +276,9 @@ def gguf_to_hf_names(model: torch.nn.Module) -> dict[str, str]:
 
     from .gguf_speedups import faster_transformers_gguf
 
+    model_type = "llama" if model.config.model_type == "mistral" else None  # gguf has no Mistral: llama.cpp's Llama
     with faster_transformers_gguf():  # gguf's name map built once
-        return get_gguf_hf_weights_map(model, TensorProcessor())
+        return get_gguf_hf_weights_map(model, TensorProcessor(), model_type)
 
 
 def _rows_order(architecture: str, name: str, config, rows: int) -> torch.Tensor | None:

@@ -2,9 +2,10 @@
 
 gguf's own ``GGUFReader`` turns every metadata value into numpy views, one per element: the 49,152-token
 vocabulary and 48,900 merges of the bundled SmolLM2 took ~9 s of a ~14 s load (Gemma 3's 262,144 tokens more).
-Loading a model needs only ``general.architecture``, ``general.alignment`` and the tensor index, so this reader
-steps over the other values (a string or array of strings by its lengths, a fixed-size array in one jump) and
-gives each tensor's bytes as the same memory-mapped numpy view, shape and type ``GGUFReader`` gives.
+Loading a model needs only ``general.architecture``, ``general.alignment``, the tensor index and a few scalar
+values (the ones transformers' GGUF reader drops, such as RoPE scaling), so this reader keeps every scalar value
+(a number, a bool, a string), steps over arrays (of strings by their lengths, of fixed-size values in one jump)
+and gives each tensor's bytes as the same memory-mapped numpy view, shape and type ``GGUFReader`` gives.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,12 @@ _FIXED_SIZES = {
     GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
     GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
 }  # fmt: skip
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}  # fmt: skip
+Scalar = int | float | bool | str
 
 
 class UnreadVariant(ValueError):
@@ -70,7 +77,8 @@ class IndexedTensor:
 class GGUFIndex:
     architecture: str | None
     tensors: tuple[IndexedTensor, ...]
-    keys: frozenset[str] = frozenset()  # the metadata's keys (their values are not read)
+    keys: frozenset[str] = frozenset()  # the metadata's keys
+    values: dict[str, Scalar] = field(default_factory=dict)  # the scalar values (numbers, bools, strings); no arrays
 
 
 class _Cursor:
@@ -131,14 +139,18 @@ def _read_index(path: str | Path, data: np.ndarray) -> GGUFIndex:
     if version not in VERSIONS:
         raise UnreadVariant(f"{path}: GGUF version {version} (or another byte order) is not read here")
     tensor_count, kv_count = cursor.u64(), cursor.u64()
-    architecture, alignment, keys = None, DEFAULT_ALIGNMENT, set()
+    architecture, alignment, keys, values = None, DEFAULT_ALIGNMENT, set(), {}
     for _ in range(kv_count):
         key, kind = cursor.string(), cursor.u32()
         keys.add(key)
         if key == "general.architecture" and kind == GGUFValueType.STRING:
-            architecture = cursor.string()
+            architecture = values[key] = cursor.string()
         elif key == "general.alignment" and kind == GGUFValueType.UINT32:
-            alignment = cursor.u32()
+            alignment = values[key] = cursor.u32()
+        elif kind == GGUFValueType.STRING:
+            values[key] = cursor.string()
+        elif kind in _SCALAR_FORMATS:
+            values[key] = cursor.unpack(_SCALAR_FORMATS[GGUFValueType(kind)])[0]
         else:
             cursor.skip_value(kind)
     if alignment == 0 or alignment & (alignment - 1):
@@ -167,7 +179,7 @@ def _read_index(path: str | Path, data: np.ndarray) -> GGUFIndex:
         if view.nbytes < int(np.prod(shape)) * view.itemsize:
             raise ValueError(f"{path}: tensor {name} runs past the end of the file")
         tensors.append(IndexedTensor(name, kind, view.reshape(shape), at, getattr(data, "_mmap", None)))
-    return GGUFIndex(architecture, tuple(tensors), frozenset(keys))
+    return GGUFIndex(architecture, tuple(tensors), frozenset(keys), values)
 
 
 def read_gguf_index_with_gguf(path: str | Path) -> GGUFIndex:
@@ -178,7 +190,9 @@ def read_gguf_index_with_gguf(path: str | Path) -> GGUFIndex:
     field = reader.fields.get("general.architecture")
     architecture = None if field is None else bytes(field.parts[field.data[0]]).decode()
     tensors = tuple(IndexedTensor(t.name, t.tensor_type, t.data) for t in reader.tensors)
-    return GGUFIndex(architecture, tensors, frozenset(reader.fields))
+    values = {key: f.contents() for key, f in reader.fields.items()
+              if f.types and f.types[0] != GGUFValueType.ARRAY and not key.startswith("GGUF.")}  # fmt: skip
+    return GGUFIndex(architecture, tensors, frozenset(reader.fields), values)
 
 
 def gguf_index(path: str | Path) -> GGUFIndex:

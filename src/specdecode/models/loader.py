@@ -23,6 +23,7 @@ from .architecture import architecture_of, unsupported_reason
 from .base import ModelRunner
 from .bundled import BUNDLED
 from .gguf_blocks import read_gguf_tensors
+from .gguf_config import complete_config, readable_config
 from .hf import HFRunner
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
@@ -31,6 +32,14 @@ from .weights import return_freed_memory
 
 BACKENDS = ("auto", "native", "transformers")
 _FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen 3", "gemma3": "Gemma 3"}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -217,6 +226,8 @@ def load_tokenizer(source: str) -> Any:
     """The tokenizer ``load_model(source)`` attaches (a bundled name, a .gguf file or a folder), without loading
     the weights; None when the folder has none."""
     folder, _, _ = _locate(str(source))
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None  # transformers would build an empty tokenizer of the config's class (Qwen, Gemma: 1-5 tokens)
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError):
@@ -286,10 +297,15 @@ def exclusive(lock_file: Path, what: str) -> Iterator[None]:
         yield
 
 
+CONFIG_VERSION = 2  # 2: what transformers' GGUF reader drops put back (gguf_config.py); entries of 1 are not read
+
+
 def _cache_folder(gguf: Path, kind: str) -> Path:
-    """Where a cache entry of ``gguf`` lives: keyed by the file's path, size and modification time."""
+    """Where a cache entry of ``gguf`` lives: keyed by the file's path, size and modification time and by how its
+    config is read (``CONFIG_VERSION``)."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    text = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}:{CONFIG_VERSION}"
+    key = hashlib.sha256(text.encode()).hexdigest()[:12]
     return cache_root() / kind / f"{gguf.stem}-{key}"
 
 
@@ -327,7 +343,7 @@ def _build_metadata(gguf: Path, folder: Path) -> None:
     print(f"specdecode: reading the config and tokenizer of {gguf.name} for its first use (once, into "
           f"{folder.parent}) ...", file=sys.stderr, flush=True)  # fmt: skip
     with faster_transformers_gguf():
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = complete_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), index, gguf.name)
         tokenizer = _file_tokenizer(gguf, index)
 
     def write(staging: Path) -> None:
@@ -386,22 +402,21 @@ def _build_dense_copy(gguf: Path, folder: Path) -> None:
     from .gguf_speedups import faster_transformers_gguf
 
     index = _readable_index(gguf)
+    config = AutoConfig.from_pretrained(_metadata_cache(gguf))  # what transformers' reader drops, put back
     print(f"specdecode: reading {gguf.name} for its first use (its tokenizer and a float32 copy, once, into "
           f"{folder.parent}) ...", file=sys.stderr, flush=True)  # fmt: skip
     with faster_transformers_gguf():  # the same reads, the file parsed once (Gemma 3: 82 -> 27 s, Zen 3)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent,
             gguf_file=gguf.name,
+            config=readable_config(copy.deepcopy(config)),  # transformers adds its quantization_config
             dtype=torch.float32,
             quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
         )
         tokenizer = _file_tokenizer(gguf, index)
 
     def write(staging: Path) -> None:
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(staging)
+        config.save_pretrained(staging)  # the weights are named alike in a readable_config's model
         model.generation_config.save_pretrained(staging)
         save_model(model, str(staging / "model.safetensors"))
         if tokenizer is not None:
