@@ -26,6 +26,8 @@ from .base import ModelRunner
 from .bundled import BUNDLED
 from .gguf_blocks import read_gguf_tensors
 from .hf import HFRunner
+from .memory import describe as describe_memory
+from .memory import loaded_footprint
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
 from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model
@@ -49,7 +51,8 @@ class LoadedModel:
     formats: dict[str, int] = field(default_factory=dict)  # matrices per stored format (quantized models)
 
     def describe(self) -> str:
-        """One line: the runner this model got (and why not the native one), its weights and its KV cache."""
+        """One line: the runner this model got (and why not the native one), its weights, its KV cache and, on the
+        native runner, its memory (weights repacked and mapped, KV cache per token, scratch per row)."""
         if self.backend == "native":
             family = architecture_of(self.model).family
             engine = "compiled kernels" if native_uses_kernels(self.model) else "PyTorch ops"
@@ -61,7 +64,8 @@ class LoadedModel:
         else:
             weights = f"dense {str(next(self.model.parameters()).dtype).removeprefix('torch.')}"
         kv = str(self.kv_dtype).removeprefix("torch.")
-        return f"{self.name}: {runner}; weights {weights}; KV cache {kv}"
+        line = f"{self.name}: {runner}; weights {weights}; KV cache {kv}"
+        return line + (f"; memory: {describe_memory(loaded_footprint(self))}" if self.backend == "native" else "")
 
     @property
     def kv_dtype(self) -> torch.dtype:

