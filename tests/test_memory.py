@@ -1,16 +1,23 @@
-"""Memory that fits the machine: the accounting (``models/memory.py``) equals what a loaded model holds."""
+"""Memory that fits the machine: the accounting (``models/memory.py``) equals what a loaded model holds, and the KV
+cache stops at ``max_context`` (a longer request is refused in one line)."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+import torch
+from conftest import tiny_llama, word_tokenizer
 from test_gguf_load import LAYOUTS, write_gguf
+from typer.testing import CliRunner
 
 import specdecode as sd
+import specdecode.cli as cli
+from specdecode import commands
 from specdecode.models import kernels, memory
 from specdecode.models.memory import FileTensor, Footprint, Layout, Shape
 
+runner = CliRunner()
 needs_kernels = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
 
 
@@ -67,6 +74,27 @@ def test_the_accounting_of_the_bundled_model_is_its_tensors_bytes():
     assert "memory: weights 122.5 MiB in RAM + 0 B mapped from the file, KV cache 22.5 KiB/token" in line
 
 
+def _tiny(max_context: int | None = None) -> sd.LoadedModel:
+    words = [f"w{i}" for i in range(64)]
+    return sd.load_model(tiny_llama(64, seed=5), tokenizer=word_tokenizer(words), max_context=max_context)
+
+
+def test_the_kv_cache_stops_at_max_context_and_a_longer_request_is_refused():
+    capped, free = _tiny(max_context=48), _tiny()
+    assert (capped.context_window, free.context_window) == (48, 512)
+    runner_ = capped.new_runner()
+    if runner_.uses_kernels:
+        assert runner_._capacity == 48  # a multiple of the kernels' 16-slot tiles
+    runner_.prefill(torch.arange(40) % 64)
+    assert runner_._capacity == 48  # never doubled past the cap
+    out = sd.autoregressive_generate(capped, list(range(8)), sd.SamplingParams(max_new_tokens=40))
+    assert len(out.token_ids) <= 40
+    with pytest.raises(ValueError, match=r"past the 48 tokens a sequence may hold \(max_context, --max-context\)"):
+        sd.autoregressive_generate(capped, list(range(8)), sd.SamplingParams(max_new_tokens=41))
+    with pytest.raises(ValueError, match="max_context 600 is past the model's context window of 512 tokens"):
+        _tiny(max_context=600)
+
+
 def test_available_memory_reads_the_override_else_the_machine(monkeypatch):
     monkeypatch.setenv(memory.AVAILABLE_ENV, "1.5G")
     assert memory.available_memory() == (3 * 2**29, f"${memory.AVAILABLE_ENV}")
@@ -77,3 +105,29 @@ def test_available_memory_reads_the_override_else_the_machine(monkeypatch):
     found = memory.available_memory()
     assert found is None or found[0] >= 0
     assert Footprint(1, 2, 3, 4, 5, 6, 7) + Footprint(1, 1, 1, 1, 1, 1, 1) == Footprint(2, 3, 4, 5, 6, 7, 8)
+
+
+def _one_line(result) -> str:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: ")
+    return result.stderr
+
+
+def test_generate_past_max_context_is_one_line(monkeypatch):
+    monkeypatch.setattr(commands, "load", lambda name, *settings: _tiny(max_context=settings[-1]))
+    args = ["generate", "w1 w2 w3", "--raw", "--max-new-tokens", "40"]
+    assert runner.invoke(cli.app, [*args, "--max-context", "64"]).exit_code == 0
+    line = _one_line(runner.invoke(cli.app, [*args, "--max-context", "32"]))
+    assert "past the 32 tokens a sequence may hold" in line
+    assert "--max-context" in runner.invoke(cli.app, ["generate", "--help"]).stdout
+
+
+def test_a_server_caps_its_requests_at_its_context(monkeypatch):
+    from specdecode.serving.app import Server, ServerConfig
+
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+    target = _tiny()
+    assert Server(ServerConfig(target=target, proposer="none")).window == 512  # the model's, under 4096
+    server = Server(ServerConfig(target=target, proposer="none", max_context=64))
+    assert server.window == server.target.context_window == 64 and target.max_context is None

@@ -26,8 +26,8 @@ from .base import ModelRunner
 from .bundled import BUNDLED
 from .gguf_blocks import read_gguf_tensors
 from .hf import HFRunner
+from .memory import INITIAL_SLOTS, loaded_footprint
 from .memory import describe as describe_memory
-from .memory import loaded_footprint
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
 from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model
@@ -49,6 +49,16 @@ class LoadedModel:
     backend: str = "transformers"
     quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "gguf-a8", "int8", "int4"
     formats: dict[str, int] = field(default_factory=dict)  # matrices per stored format (quantized models)
+    max_context: int | None = None  # tokens a sequence may hold (prompt and output): caps each runner's KV cache
+
+    @property
+    def context_window(self) -> int | None:
+        """The most tokens a sequence may hold: ``max_context`` if set, else the model's context window (None if
+        its config gives none)."""
+        window = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if self.max_context is None or window is None:
+            return window if self.max_context is None else self.max_context
+        return min(window, self.max_context)
 
     def describe(self) -> str:
         """One line: the runner this model got (and why not the native one), its weights, its KV cache and, on the
@@ -77,9 +87,12 @@ class LoadedModel:
         return torch.float32 if quantized else next(self.model.parameters()).dtype
 
     def new_runner(self) -> ModelRunner:
-        """A fresh runner with its own empty KV cache over this model's weights (native or transformers)."""
+        """A fresh runner with its own empty KV cache over this model's weights (native or transformers); a native
+        one's cache grows on demand up to ``context_window`` slots."""
         if self.backend == "native":
-            return NativeLlamaRunner(self.model, self.vocab_size, max_length=1024)
+            cap = self.context_window
+            first = INITIAL_SLOTS if cap is None else min(INITIAL_SLOTS, cap)
+            return NativeLlamaRunner(self.model, self.vocab_size, max_length=first, max_capacity=cap)
         return HFRunner(self.model, self.vocab_size)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -133,6 +146,7 @@ def load_model(
     backend: str = "auto",
     quantization: str | None = "auto",
     group_size: int = 32,
+    max_context: int | None = None,
 ) -> LoadedModel:
     """Load a bundled name (``smollm2``, ``gemma3-270m``), a local HF folder, a ``.gguf`` file, or wrap a model.
 
@@ -144,8 +158,13 @@ def load_model(
     for a GGUF file the native runner supports (unless ``dtype`` asks for dense bfloat16), else dense.
     Quantized weights run with a float32 residual stream (on the compiled kernels, int16 activations; without
     them, bfloat16 ones): they need ``dtype`` float32.
+    ``max_context``: the most tokens a sequence may hold (prompt and output; default: the model's context window):
+    each runner's KV cache stops there and a longer request is refused.
     """
     dtype = resolve_dtype(dtype)
+    if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                    or max_context < 1):  # fmt: skip
+        raise ValueError(f"max_context must be a positive number of tokens, got {max_context!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if quantization not in (None, "auto", *QUANTIZATIONS):
@@ -162,6 +181,8 @@ def load_model(
     elif isinstance(source, str | os.PathLike):
         folder, name, gguf_path = _locate(str(source))
         model = _skeleton(folder) if gguf_path is not None else None
+        if model is not None:  # before any weight is read
+            checked_context(model, max_context)
         if model is None or not supports_native(model):  # not native: transformers runs the dense copy
             folder = folder if gguf_path is None else _dense_cache(gguf_path)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
@@ -194,7 +215,19 @@ def load_model(
     loaded = _wrap(model, tokenizer, name, backend)
     loaded.quantization = quantization
     loaded.formats = formats
+    if max_context is not None:
+        checked_context(model, max_context)
+        loaded.max_context = max_context
     return loaded
+
+
+def checked_context(model: PreTrainedModel, max_context: int | None) -> int | None:
+    """``max_context`` (default: the model's context window, None if its config gives none), refused past that
+    window."""
+    window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_context is not None and window is not None and max_context > window:
+        raise ValueError(f"max_context {max_context} is past the model's context window of {window} tokens")
+    return window if max_context is None else max_context
 
 
 def _skeleton(folder: Path) -> PreTrainedModel:

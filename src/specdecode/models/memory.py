@@ -21,6 +21,7 @@ from typing import Any
 
 ATTENTION_CHUNK = 128  # keys per attention partial in kernels.cpp (kAttChunk)
 VERIFY_ROWS = 9  # rows per request in a verify pass: up to 8 drafted tokens (max_gamma) and the newest one
+INITIAL_SLOTS = 1024  # a runner's first KV allocation; it doubles on demand up to the context cap
 AVAILABLE_ENV = "SPECDECODE_AVAILABLE_MEMORY"
 _CGROUP_FILES = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
 _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
