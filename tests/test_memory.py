@@ -1,5 +1,5 @@
-"""Memory that fits the machine: the accounting (``models/memory.py``) equals what a loaded model holds, and the KV
-cache stops at ``max_context`` (a longer request is refused in one line)."""
+"""Memory that fits the machine: the accounting (``models/memory.py``) equals what a loaded model holds, the KV cache
+stops at ``max_context``, and a request, a model or a server config that will not fit is refused in one line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 import specdecode as sd
 import specdecode.cli as cli
 from specdecode import commands
-from specdecode.models import kernels, memory
+from specdecode.errors import ModelNotAvailable
+from specdecode.models import kernels, loader, memory
 from specdecode.models.memory import FileTensor, Footprint, Layout, Shape
 
 runner = CliRunner()
@@ -49,10 +50,10 @@ def test_an_embedding_the_kernels_cannot_hold_as_int8_stays_mapped_and_a_tied_he
 )
 def test_the_accounting_from_the_files_index_is_what_the_loaded_model_holds(layout, head, tmp_path, cache):
     path = write_gguf(tmp_path / f"{layout}.gguf", LAYOUTS[layout], head=head)
+    planned, window = loader.planned_footprint(str(path))
     loaded = sd.load_model(path)
-    planned = memory.file_footprint(path, loaded.model)
     assert planned == memory.loaded_footprint(loaded)
-    assert planned.mapped == 0  # a Q8_0 embedding: an exact int8 table in RAM
+    assert window == 512 and planned.mapped == 0  # a Q8_0 embedding: an exact int8 table in RAM
     assert planned.repacked == sd.planner.stored_weight_bytes(loaded.model)
 
 
@@ -61,7 +62,7 @@ def test_the_accounting_from_the_files_index_is_what_the_loaded_model_holds(layo
 def test_the_accounting_of_the_bundled_model_is_its_tensors_bytes():
     loaded = sd.load_model("smollm2")
     found = memory.loaded_footprint(loaded)
-    planned = memory.file_footprint(sd.models.bundled.BUNDLED["smollm2"].gguf_path(), loaded.model)
+    planned, _ = loader.planned_footprint("smollm2")
     assert planned == found
     held = [loaded.model.lm_head.kernel, loaded.model.model.embed_tokens.table]
     held += [m.kernel for m in loaded.model.modules() if isinstance(m, sd.models.weights.QuantizedLinear)]
@@ -95,6 +96,20 @@ def test_the_kv_cache_stops_at_max_context_and_a_longer_request_is_refused():
         _tiny(max_context=600)
 
 
+def test_check_fits_refuses_in_one_line_and_says_how_many_tokens_fit():
+    found = memory.footprint(Shape(2, 64, 4, 2, 16, 128, 100), mapped=0, repacked=10_000_000)
+    need = found.total(4096, 8)
+    memory.check_fits("m", found, 4096, 8, available=(need, "test"))
+    with pytest.raises(ModelNotAvailable) as refused:
+        memory.check_fits("m", found, 4096, 8, available=(need - 1, "test"), fix="lower --max-batch")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("m needs") and "8 sequences of 4096 tokens" in message
+    most = int(message.rsplit("at most ", 1)[1].split()[0])
+    assert found.total(most, 8) <= need - 1 < found.total(most + 1, 8)
+    with pytest.raises(ModelNotAvailable, match="the weights alone do not fit"):
+        memory.check_fits("m", found, 4096, 1, available=(1000, "test"))
+
+
 def test_available_memory_reads_the_override_else_the_machine(monkeypatch):
     monkeypatch.setenv(memory.AVAILABLE_ENV, "1.5G")
     assert memory.available_memory() == (3 * 2**29, f"${memory.AVAILABLE_ENV}")
@@ -123,6 +138,29 @@ def test_generate_past_max_context_is_one_line(monkeypatch):
     assert "--max-context" in runner.invoke(cli.app, ["generate", "--help"]).stdout
 
 
+@needs_kernels
+def test_a_model_or_server_that_will_not_fit_is_refused_in_one_line_before_its_weights_are_read(
+    tmp_path, cache, monkeypatch
+):
+    path = write_gguf(tmp_path / "tiny.gguf", LAYOUTS["q4-q5"])
+    found, window = loader.planned_footprint(str(path))
+    generate = ["generate", "hi", "--target", str(path), "--max-context", "256"]
+    serve = ["serve", "--target", str(path), "--max-batch", "64", "--max-context", "256", "--proposer", "none"]
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(loader, "quantize_model", read_weights)
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(found.total(256) - 1))  # one sequence does not fit
+    line = _one_line(runner.invoke(cli.app, generate))
+    assert f"{path.name} needs" in line and "a sequence of 256 tokens" in line and "lower --max-context" in line
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(found.total(256, 16)))  # 16 fit, the server's 64 do not
+    line = _one_line(runner.invoke(cli.app, serve))
+    assert "64 sequences of 256 tokens" in line and "lower --max-batch or --max-context (at most" in line
+    assert window == 512
+    assert "--max-context" in runner.invoke(cli.app, ["serve", "--help"]).stdout
+
+
 def test_a_server_caps_its_requests_at_its_context(monkeypatch):
     from specdecode.serving.app import Server, ServerConfig
 
@@ -131,3 +169,7 @@ def test_a_server_caps_its_requests_at_its_context(monkeypatch):
     assert Server(ServerConfig(target=target, proposer="none")).window == 512  # the model's, under 4096
     server = Server(ServerConfig(target=target, proposer="none", max_context=64))
     assert server.window == server.target.context_window == 64 and target.max_context is None
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "1K")  # the weights are in memory: the caches alone do not fit
+    if target.backend == "native":
+        with pytest.raises(ModelNotAvailable, match="16 sequences of 64 tokens"):
+            Server(ServerConfig(target=target, proposer="none", max_context=64))

@@ -41,7 +41,8 @@ def serve(
         None,
         min=1,
         help="Most tokens a request may hold, prompt and output together (default: 4096, or the model's context "
-        "window if shorter); a longer request is refused.",
+        "window if shorter); a longer request is refused. The server starts only if the weights and --max-batch "
+        "KV caches of this many tokens fit the memory available (checked before the weights are read).",
     ),
     api_key: str | None = typer.Option(
         None, envvar="SPECDECODE_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health."

@@ -26,7 +26,8 @@ from .base import ModelRunner
 from .bundled import BUNDLED
 from .gguf_blocks import read_gguf_tensors
 from .hf import HFRunner
-from .memory import INITIAL_SLOTS, loaded_footprint
+from .kernels import ops as kernels_ops
+from .memory import INITIAL_SLOTS, Footprint, check_fits, dense_footprint, file_footprint, loaded_footprint
 from .memory import describe as describe_memory
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
@@ -159,7 +160,9 @@ def load_model(
     Quantized weights run with a float32 residual stream (on the compiled kernels, int16 activations; without
     them, bfloat16 ones): they need ``dtype`` float32.
     ``max_context``: the most tokens a sequence may hold (prompt and output; default: the model's context window):
-    each runner's KV cache stops there and a longer request is refused.
+    each runner's KV cache stops there and a longer request is refused. A GGUF file is refused
+    (``ModelNotAvailable``, one line) before its weights are read when they and one sequence of ``max_context``
+    tokens (default: a runner's first allocation) do not fit the memory available (``memory.available_memory``).
     """
     dtype = resolve_dtype(dtype)
     if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
@@ -182,7 +185,9 @@ def load_model(
         folder, name, gguf_path = _locate(str(source))
         model = _skeleton(folder) if gguf_path is not None else None
         if model is not None:  # before any weight is read
-            checked_context(model, max_context)
+            context = checked_context(model, max_context)
+            found = _footprint_of(model, gguf_path, dtype, backend, quantization, group_size)
+            check_fits(name, found, max_context or min(context or INITIAL_SLOTS, INITIAL_SLOTS))
         if model is None or not supports_native(model):  # not native: transformers runs the dense copy
             folder = folder if gguf_path is None else _dense_cache(gguf_path)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
@@ -228,6 +233,43 @@ def checked_context(model: PreTrainedModel, max_context: int | None) -> int | No
     if max_context is not None and window is not None and max_context > window:
         raise ValueError(f"max_context {max_context} is past the model's context window of {window} tokens")
     return window if max_context is None else max_context
+
+
+def planned_footprint(
+    source: str, dtype: str | torch.dtype = torch.float32, quantization: str | None = "auto", group_size: int = 32
+) -> tuple[Footprint, int | None] | None:
+    """(footprint, context window) of what ``load_model(source, ...)`` will hold, from a GGUF file's metadata and
+    index before any weight is read; None for a source that is not a GGUF file (or a bundled name)."""
+    folder, _, gguf_path = _locate(str(source))
+    if gguf_path is None:
+        return None
+    skeleton = _skeleton(folder)
+    window = getattr(skeleton.config.get_text_config(), "max_position_embeddings", None)
+    return _footprint_of(skeleton, gguf_path, resolve_dtype(dtype), "auto", quantization, group_size), window
+
+
+def _footprint_of(
+    skeleton: PreTrainedModel,
+    gguf_path: Path,
+    dtype: torch.dtype,
+    backend: str = "auto",
+    quantization: str | None = "auto",
+    group_size: int = 32,
+) -> Footprint:
+    """What ``load_model`` of ``gguf_path`` with these settings will hold, from the file's index and ``skeleton``
+    (on the meta device): its own blocks on the kernels exactly, other formats by their bytes per parameter."""
+    native = backend != "transformers" and supports_native(skeleton)
+    if quantization == "auto":
+        quantization = "gguf" if native and dtype == torch.float32 else None
+    kernels_run = native and kernels_ops() is not None
+    if quantization in ("gguf", "gguf-a8") and kernels_run:
+        return file_footprint(gguf_path, skeleton)
+    if quantization is None:
+        return dense_footprint(skeleton, dtype.itemsize, dtype.itemsize, dtype.itemsize)
+    # quantized: int8 rows or int4 groups (a float32 scale and offset each), a float32 residual stream
+    per_parameter = 0.5 + 8 / group_size if quantization == "int4" else 1.125
+    kv = KERNEL_CACHE_DTYPE.itemsize if kernels_run else 4
+    return dense_footprint(skeleton, per_parameter, kv, 4)
 
 
 def _skeleton(folder: Path) -> PreTrainedModel:

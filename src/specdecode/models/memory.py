@@ -5,8 +5,8 @@ table the kernels do not repack) or held in RAM (``repacked``: the kernels' tile
 per cached token, the KV cache (K and V, every layer: float16 on the compiled kernels) and the runner's position
 tables (RoPE cos/sin rows, the slot index); per row of a pass, the decoder's scratch, and the attention partials
 per row and chunk of 128 keys. ``file_footprint`` computes it from a GGUF file's index before any weight is read;
-``loaded_footprint`` from the tensors a loaded model holds; ``available_memory()`` is what the machine has
-(MemAvailable, or a cgroup's limit if lower; ``$SPECDECODE_AVAILABLE_MEMORY`` overrides).
+``loaded_footprint`` from the tensors a loaded model holds. ``check_fits`` refuses, in one line, a need larger than
+``available_memory()`` (MemAvailable, or a cgroup's limit if lower; ``$SPECDECODE_AVAILABLE_MEMORY`` overrides).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..errors import ModelNotAvailable
 
 ATTENTION_CHUNK = 128  # keys per attention partial in kernels.cpp (kAttChunk)
 VERIFY_ROWS = 9  # rows per request in a verify pass: up to 8 drafted tokens (max_gamma) and the newest one
@@ -355,3 +357,40 @@ def describe(found: Footprint) -> str:
         f"KV cache {format_bytes(found.kv_per_token)}/token (+{format_bytes(found.tables_per_token)} position "
         f"tables), scratch {format_bytes(found.scratch_per_row)}/row"
     )
+
+
+def check_fits(
+    name: str,
+    found: Footprint,
+    context: int,
+    batch: int = 1,
+    available: tuple[int, str] | None = None,
+    fix: str = "lower --max-context",
+) -> None:
+    """Refuse (``ModelNotAvailable``, one line) when ``batch`` sequences of ``context`` tokens of ``name`` need more
+    than the memory available (``available_memory()`` unless given; nothing is refused where it is unknown)."""
+    available = available_memory() if available is None else available
+    need = found.total(context, batch)
+    if available is None or need <= available[0]:
+        return
+    free, source = available
+    sequences = f"{batch} sequences of {context} tokens" if batch > 1 else f"a sequence of {context} tokens"
+    most = _most_tokens(found, batch, free, context)
+    if found.weights >= free:
+        advice = "the weights alone do not fit: free memory first"
+    else:
+        advice = f"{fix} (at most {most} tokens fit)" if most else f"{fix} (no length fits {batch} at once)"
+    raise ModelNotAvailable(
+        f"{name} needs {format_bytes(need)} for {sequences} (weights {format_bytes(found.weights)}, KV cache "
+        f"{format_bytes(found.cache(context, batch))}, scratch {format_bytes(found.scratch(context, batch))}) but "
+        f"{format_bytes(free)} is available ({source}): {advice}"
+    )
+
+
+def _most_tokens(found: Footprint, batch: int, free: int, context: int) -> int:
+    """The longest sequence below ``context`` whose ``batch`` copies fit ``free`` bytes (0: none)."""
+    low, high = 0, context - 1
+    while low < high:  # the need grows with the context
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if found.total(middle, batch) <= free else (low, middle - 1)
+    return low

@@ -62,6 +62,7 @@ DISCONNECT_POLL_SECONDS = 0.25
 SUFFIX_SCOPES = ("global", "request")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
 CHAT_DEFAULT_MAX_TOKENS = 1024  # for a model that states no context window
+RESERVE_FIX = "lower --max-batch or --max-context"
 SERVER_CONTEXT = 4096  # tokens per request by default (less where the model's window is shorter), as llama-server
 # A refused request's body (401, 413) is read and dropped up to this much, within this time, before the answer:
 # a client that reads only after sending all of it (Python's http.client) then gets the error, not a reset. Past
@@ -143,9 +144,36 @@ def server_context(config: ServerConfig, window: int | None) -> int:
     return SERVER_CONTEXT if window is None else min(window, SERVER_CONTEXT)
 
 
+def reserve_memory(config: ServerConfig) -> int | None:
+    """Refuse (one line) a config whose ``max_batch`` requests of its context do not fit the memory available: the
+    target's weights (and a draft model's), each request's KV cache and the largest pass's scratch, from the GGUF
+    files' metadata before any weight is read. Return the context (None: not a GGUF file, the model's window)."""
+    from ..factory import parse_quantization
+    from ..models.loader import planned_footprint
+    from ..models.memory import check_fits
+
+    quantization = parse_quantization(config.quantization)
+    plan = planned_footprint(config.target, config.dtype, quantization, config.group_size)
+    if plan is None:  # not a GGUF file: nothing to read the sizes from before loading
+        return config.max_context
+    found, window = plan
+    context = server_context(config, window)
+    drafted = config.draft if config.proposer.partition("+")[0] == "draft" else None
+    draft = None if drafted is None or drafted.startswith(("self:", "skip:")) else planned_footprint(drafted)
+    name = str(config.target) if draft is None else f"{config.target} with draft {drafted}"
+    check_fits(name, found if draft is None else found + draft[0], context, config.max_batch, fix=RESERVE_FIX)
+    return context
+
+
 def capped_to_context(config: ServerConfig, loaded: LoadedModel) -> LoadedModel:
-    """``loaded`` capped to the config's context (a copy: the caller's model keeps its own cap)."""
+    """``loaded`` capped to the config's context (a copy: the caller's model keeps its own cap), after refusing (one
+    line) a config whose ``max_batch`` requests' KV caches and scratch do not fit (its weights are in memory)."""
+    from ..models.memory import check_fits, loaded_footprint
+
     context = server_context(config, loaded.context_window)
+    if loaded.backend == "native":
+        found = dataclasses.replace(loaded_footprint(loaded), mapped=0, repacked=0)
+        check_fits(loaded.name, found, context, config.max_batch, fix=RESERVE_FIX)
     return loaded if loaded.max_context == context else dataclasses.replace(loaded, max_context=context)
 
 
@@ -177,7 +205,8 @@ class Server:
         if isinstance(config.target, LoadedModel):
             target = config.target
         else:
-            target = load(config.target, config.dtype, config.quantization, config.group_size, config.max_context)
+            context = reserve_memory(config)
+            target = load(config.target, config.dtype, config.quantization, config.group_size, context)
         target = capped_to_context(config, target)
         self.target = target
         prototype = None
