@@ -471,10 +471,17 @@ def test_cli_memory(invoke, monkeypatch):
     target, draft = (sum(t.nbytes for t in [*m.parameters(), *m.buffers()]) for m in models.values())
     budget = int(0.001 * 2**30)
     assert data["target_weight_bytes"] == target
-    assert data["speculation_fixed_bytes"] == draft
-    assert data["speculation_bytes_per_sequence"] == 100 * 2 * 1 * 2 * 8 * 4
-    assert data["sequences_without_draft"] == (budget - target) // (100 * 2 * 3 * 2 * 8 * 4)
-    assert data["sequences_with_draft"] == (budget - target - draft) // (100 * 2 * 4 * 2 * 8 * 4)
+    assert data["draft_weight_bytes"] == draft
+    assert data["target_mapped_bytes"] == 0 and data["target_repacked_bytes"] == target
+    # K and V · layers · kv heads · head_dim 8 · float32; cos and sin rows of head_dim 8 in float32, a slot index
+    tables = 2 * 8 * 4 + 8
+    assert data["target_tables_bytes_per_token"] == data["draft_tables_bytes_per_token"] == tables
+    fixed = target + data["target_scratch_bytes"]
+    extra = draft + data["draft_scratch_bytes"]
+    assert data["speculation_fixed_bytes"] == extra
+    assert data["speculation_bytes_per_sequence"] == 100 * (2 * 1 * 2 * 8 * 4 + tables)
+    assert data["sequences_without_draft"] == (budget - fixed) // (100 * (2 * 3 * 2 * 8 * 4 + tables))
+    assert data["sequences_with_draft"] == (budget - fixed - extra) // (100 * (2 * 4 * 2 * 8 * 4 + 2 * tables))
     assert data["target_stored"] == data["draft_stored"] == "dense"
     result = invoke(*args)
     assert result.exit_code == 0, result.output

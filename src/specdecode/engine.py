@@ -68,8 +68,9 @@ def fresh_seed() -> int:
 
 
 def check_context_window(target: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse a request that would run past the positions the model was trained on (prompt + new ≤ window)."""
-    window = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
+    """Refuse a request that would run past the positions the model was trained on, or past the tokens its KV cache
+    may hold (``max_context``): prompt + new ≤ ``target.context_window``."""
+    window = target.context_window
     if window is None or prompt_tokens + max_new_tokens <= window:
         return
     fix = (
@@ -79,9 +80,15 @@ def check_context_window(target: LoadedModel, prompt_tokens: int, max_new_tokens
     )
     raise ValueError(
         f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) is "
-        f"{prompt_tokens + max_new_tokens} tokens, past {target.name}'s context window of {window} positions "
-        f"(max_position_embeddings): {fix}"
+        f"{prompt_tokens + max_new_tokens} tokens, past {_limit(target, window)}: {fix}"
     )
+
+
+def _limit(target: LoadedModel, window: int) -> str:
+    """What caps a sequence of ``target`` at ``window`` tokens, in words."""
+    if target.max_context == window:
+        return f"the {window} tokens a sequence may hold (max_context, --max-context)"
+    return f"{target.name}'s context window of {window} positions (max_position_embeddings)"
 
 
 def _check_logprobs(logprobs: int | None) -> None:

@@ -32,11 +32,15 @@ def parse_quantization(text: str) -> str | None:
     return text
 
 
-def load(name: str, dtype: str, quantization: str = "auto", group_size: int = 32) -> LoadedModel:
-    """A model from CLI words (``--quantization`` as the CLI spells it)."""
+def load(
+    name: str, dtype: str, quantization: str = "auto", group_size: int = 32, max_context: int | None = None
+) -> LoadedModel:
+    """A model from CLI words (``--quantization`` as the CLI spells it; ``--max-context``)."""
     from .models.loader import load_model
 
-    return load_model(name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size)
+    return load_model(
+        name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size, max_context=max_context
+    )
 
 
 def build_proposer(

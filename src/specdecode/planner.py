@@ -8,10 +8,9 @@ recovered/bonus token.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
@@ -284,30 +283,9 @@ def stored_weight_bytes(model: Any) -> int:
     the fused formats the quantizer registered for the native runner. Views share their base's storage (fused
     q/k/v and their modules' kernels, a tied embedding and LM head), so bytes are summed per storage.
     """
-    from .models.weights import fused_of
+    from .models.memory import held_weight_bytes
 
-    storages = {}
-    for module in model.modules():
-        attributes = [v for k, v in vars(module).items() if not k.startswith("_")]
-        held = [*module._parameters.values(), *module._buffers.values(), *attributes, fused_of(module)]
-        for tensor in _tensors(held):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def _tensors(held: Any) -> Iterator[Any]:
-    """The tensors inside ``held``: a tensor, a weight format (a dataclass of tensors), or a list of them."""
-    import torch
-
-    if isinstance(held, torch.Tensor):
-        yield held
-    elif dataclasses.is_dataclass(held) and not isinstance(held, type):
-        for field in dataclasses.fields(held):
-            yield from _tensors(getattr(held, field.name))
-    elif isinstance(held, list | tuple):
-        for item in held:
-            yield from _tensors(item)
+    return held_weight_bytes(model)[1]
 
 
 def kv_bytes_per_token(config: Any, dtype: Any) -> int:
@@ -318,14 +296,19 @@ def kv_bytes_per_token(config: Any, dtype: Any) -> int:
 
 @dataclass(frozen=True)
 class ModelMemory:
-    """One model's memory: weight bytes and KV-cache bytes per token."""
+    """One model's memory: weight bytes, KV-cache bytes per token (and the runner's position tables per token),
+    and the scratch of its largest pass."""
 
     weight_bytes: int
     kv_bytes_per_token: int
+    scratch_bytes: int = 0
+    table_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if self.weight_bytes < 0:
             raise ValueError(f"weight bytes must be >= 0, got {self.weight_bytes}")
+        if self.scratch_bytes < 0 or self.table_bytes_per_token < 0:
+            raise ValueError("scratch and table bytes must be >= 0")
         if self.kv_bytes_per_token < 1:
             raise ValueError(f"KV-cache bytes per token must be >= 1, got {self.kv_bytes_per_token}")
 
@@ -352,29 +335,35 @@ class MemoryPlan:
             raise ValueError(f"the memory budget must be > 0, got {self.budget_bytes} bytes")
 
     @property
+    def _target_fixed(self) -> int:
+        return self.target.weight_bytes + self.target.scratch_bytes
+
+    @property
     def target_bytes_per_sequence(self) -> int:
-        """context · target KV bytes per token."""
-        return self.context * self.target.kv_bytes_per_token
+        """context · target KV (and position table) bytes per token."""
+        return self.context * (self.target.kv_bytes_per_token + self.target.table_bytes_per_token)
 
     @property
     def draft_weight_bytes(self) -> int:
-        """The fixed cost of speculation: the draft's weights (0 without a draft)."""
-        return 0 if self.draft is None else self.draft.weight_bytes
+        """The fixed cost of speculation: the draft's weights and scratch (0 without a draft)."""
+        return 0 if self.draft is None else self.draft.weight_bytes + self.draft.scratch_bytes
 
     @property
     def draft_bytes_per_sequence(self) -> int:
-        """The per-sequence cost of speculation: context · draft KV bytes per token."""
-        return 0 if self.draft is None else self.context * self.draft.kv_bytes_per_token
+        """The per-sequence cost of speculation: context · draft KV (and position table) bytes per token."""
+        if self.draft is None:
+            return 0
+        return self.context * (self.draft.kv_bytes_per_token + self.draft.table_bytes_per_token)
 
     @property
     def sequences_without_draft(self) -> int:
-        """⌊(budget − target weights) / (context · target KV/token)⌋, at least 0."""
-        return _fit(self.budget_bytes - self.target.weight_bytes, self.target_bytes_per_sequence)
+        """⌊(budget − target weights and scratch) / (context · target KV/token)⌋, at least 0."""
+        return _fit(self.budget_bytes - self._target_fixed, self.target_bytes_per_sequence)
 
     @property
     def sequences_with_draft(self) -> int:
-        """⌊(budget − target and draft weights) / (context · (target + draft KV/token))⌋, at least 0."""
-        free = self.budget_bytes - self.target.weight_bytes - self.draft_weight_bytes
+        """⌊(budget − target and draft weights and scratch) / (context · (target + draft KV/token))⌋, at least 0."""
+        free = self.budget_bytes - self._target_fixed - self.draft_weight_bytes
         return _fit(free, self.target_bytes_per_sequence + self.draft_bytes_per_sequence)
 
 

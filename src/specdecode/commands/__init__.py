@@ -122,6 +122,12 @@ QuantizationOption = Annotated[
     ),
 ]
 GroupSizeOption = Annotated[int, typer.Option(help="int4: weights per quantization group (32, 64, 128 or 256).")]
+MAX_CONTEXT_HELP = (
+    "Most tokens a sequence may hold, prompt and output together (default: the model's context window): the KV "
+    "cache stops there, a longer request is refused, and a model whose weights and one such sequence do not fit "
+    "the memory available is refused before its weights are read."
+)
+MaxContextOption = Annotated[int | None, typer.Option(min=1, help=MAX_CONTEXT_HELP)]
 # The EAGLE proposer's options, worded once.
 HeadOption = Annotated[
     str | None,

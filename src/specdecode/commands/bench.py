@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specdecode.commands import quiet_transformers, usage_errors
+from specdecode.commands import MAX_CONTEXT_HELP, quiet_transformers, usage_errors
 
 QUIRK_MAX_K = 32
 QUIRK_CONTEXT = 500
@@ -148,6 +148,7 @@ def bench(
     ] = False,
     quirk_repeats: Annotated[int, typer.Option(help="--quirk: timed sweeps over k (medians).")] = 5,
     warmup: Annotated[int, typer.Option(help="Questions run untimed by every method first.")] = 1,
+    max_context: Annotated[int | None, typer.Option(min=1, help=f"Our target's: {MAX_CONTEXT_HELP}")] = None,
     threads: Annotated[
         int | None, typer.Option(help="torch threads, also llama.cpp's (default: torch's choice).")
     ] = None,
@@ -194,7 +195,9 @@ def bench(
             targets = {}
             for q in settings:
                 try:
-                    targets[q] = specdecode.load_model(target, dtype=dtype, quantization=None if q == "none" else q)
+                    targets[q] = specdecode.load_model(
+                        target, dtype=dtype, quantization=None if q == "none" else q, max_context=max_context
+                    )
                 except ValueError as e:
                     raise ValueError(f"--quantization {q}: {e}") from None
             shared_draft = draft

@@ -15,6 +15,7 @@ from specdecode.commands import (
     GroupSizeOption,
     HeadOption,
     HeadsOption,
+    MaxContextOption,
     ProposerChoice,
     QuantizationOption,
     SuffixCacheOption,
@@ -72,6 +73,7 @@ def generate(
     dtype: DtypeOption = "float32",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
+    max_context: MaxContextOption = None,
     head: HeadOption = None,
     tree_nodes: TreeNodesOption = None,
     heads: HeadsOption = None,
@@ -104,7 +106,7 @@ def generate(
         raise ValueError("--proposer draft needs --draft PATH, self:N or skip:SKIP.json")
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        target_model = load(target, dtype, quantization, group_size)
+        target_model = load(target, dtype, quantization, group_size, max_context)
         chosen = (
             None
             if choice is ProposerChoice.none

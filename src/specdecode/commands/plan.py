@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,11 +18,12 @@ from specdecode.planner import (
     SpeedupPlan,
     VerifyCost,
     dtype_bytes,
-    kv_bytes_per_token,
     plan_speedup,
     speedup_table,
-    stored_weight_bytes,
 )
+
+if TYPE_CHECKING:
+    from specdecode.models.memory import Footprint
 
 GIB = 2**30
 
@@ -45,12 +46,19 @@ def plan(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     memory: Annotated[
-        bool, typer.Option("--memory", help="Plan memory instead: weights, KV cache, sequences that fit.")
+        bool,
+        typer.Option(
+            "--memory",
+            help="Plan memory instead: the weights in RAM and mapped from the file, the KV cache and position "
+            "tables per token, the scratch per row and at --context, and how many sequences fit --budget.",
+        ),
     ] = False,
     target: Annotated[str | None, typer.Option(help="--memory: the target (name, folder or .gguf).")] = None,
     draft: Annotated[str | None, typer.Option(help="--memory: the draft model, if any.")] = None,
     context: Annotated[int | None, typer.Option(help="--memory: tokens per sequence (prompt and output).")] = None,
-    budget: Annotated[float | None, typer.Option(help="--memory: memory budget in GiB.")] = None,
+    budget: Annotated[
+        float | None, typer.Option(help="--memory: memory budget in GiB (default: what is available now).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="--memory/--measure: dtype of weights and KV cache.")] = "float32",
     quantization: Annotated[
         str,
@@ -178,38 +186,77 @@ def _run_memory(
     group_size: int,
     json_output: bool,
 ) -> None:
-    if target is None or context is None or budget is None:
-        raise ValueError("--memory needs --target, --context and --budget (GiB)")
+    if target is None or context is None:
+        raise ValueError("--memory needs --target and --context (tokens per sequence); --budget is optional")
     # Fail on bad values before spending time loading models.
     if context < 1:
         raise ValueError(f"--context must be >= 1 token, got {context}")
-    if not budget > 0:
+    if budget is not None and not budget > 0:
         raise ValueError(f"--budget must be > 0 GiB, got {budget}")
     dtype_bytes(dtype)
-    target_memory, target_stored = _measured_memory(target, dtype, quantization, group_size)
-    draft_memory, draft_stored = (
+    budget_bytes = _budget_bytes(budget)
+    target_found, target_stored = _measured_memory(target, dtype, quantization, group_size)
+    draft_found, draft_stored = (
         (None, None) if draft is None else _measured_memory(draft, dtype, quantization, group_size)
     )
-    result = MemoryPlan(target_memory, draft_memory, context, int(budget * GIB))
+    result = MemoryPlan(
+        _model_memory(target_found, context),
+        None if draft_found is None else _model_memory(draft_found, context),
+        context,
+        budget_bytes,
+    )
     if json_output:
-        typer.echo(json.dumps(memory_summary(result) | {"target_stored": target_stored, "draft_stored": draft_stored}))
+        found = _footprint_summary("target", target_found, context) | _footprint_summary("draft", draft_found, context)
+        summary = memory_summary(result) | found | {"target_stored": target_stored, "draft_stored": draft_stored}
+        typer.echo(json.dumps(summary))
     else:
         draft_label = None if draft is None else f"{draft}, {draft_stored}"
-        Console().print(_memory_table(result, f"{target}, {target_stored}", draft_label, dtype))
+        table = _memory_table(result, f"{target}, {target_stored}", draft_label, dtype, target_found, draft_found)
+        Console().print(table)
 
 
-def _measured_memory(source: str, dtype: str, quantization: str | None, group_size: int) -> tuple[ModelMemory, str]:
-    """Memory of a model as loaded: the bytes its weights are stored in, and the KV cache per token (in the dtype
-    its runner keeps it: float16 on the compiled kernels, else the model's, float32 for quantized weights); and how
-    its weights are stored."""
+def _budget_bytes(budget: float | None) -> int:
+    """``--budget`` GiB in bytes; by default the memory available now (``memory.available_memory``)."""
+    if budget is not None:
+        return int(budget * GIB)
+    from specdecode.models.memory import available_memory
+
+    available = available_memory()
+    if available is None:
+        raise ValueError("cannot tell the memory available here: give --budget (GiB)")
+    return available[0]
+
+
+def _model_memory(found: Footprint, context: int) -> ModelMemory:
+    """The planner's view of a footprint: all weights, the KV cache and position tables per token, and the scratch
+    of the largest pass at ``context``."""
+    return ModelMemory(found.weights, found.kv_per_token, found.scratch(context), found.tables_per_token)
+
+
+def _measured_memory(source: str, dtype: str, quantization: str | None, group_size: int) -> tuple[Footprint, str]:
+    """Memory of a model as loaded (``memory.loaded_footprint``: the bytes its weights are held in, the KV cache
+    per token in the dtype its runner keeps it, float16 on the compiled kernels; scratch), and how its weights are
+    stored."""
     import specdecode  # deferred: loading models pulls in torch and transformers
+    from specdecode.models.memory import loaded_footprint
 
     try:
         loaded = specdecode.load_model(source, dtype=dtype, quantization=quantization, group_size=group_size)
     except (OSError, specdecode.SpecDecodeError) as e:
         raise ValueError(f"cannot load model {source!r}: {e}") from e
-    memory = ModelMemory(stored_weight_bytes(loaded.model), kv_bytes_per_token(loaded.model.config, loaded.kv_dtype))
-    return memory, _stored_as(loaded.quantization, group_size)
+    return loaded_footprint(loaded), _stored_as(loaded.quantization, group_size)
+
+
+def _footprint_summary(role: str, found: Footprint | None, context: int) -> dict[str, int | None]:
+    """A footprint's figures as JSON fields named ``{role}_...``."""
+    figures = {
+        "mapped_bytes": None if found is None else found.mapped,
+        "repacked_bytes": None if found is None else found.repacked,
+        "tables_bytes_per_token": None if found is None else found.tables_per_token,
+        "scratch_bytes_per_row": None if found is None else found.scratch_per_row,
+        "scratch_bytes": None if found is None else found.scratch(context),
+    }
+    return {f"{role}_{name}": value for name, value in figures.items()}
 
 
 def _stored_as(quantization: str | None, group_size: int) -> str:
@@ -234,17 +281,29 @@ def memory_summary(result: MemoryPlan) -> dict[str, int | None]:
     }
 
 
-def _memory_table(result: MemoryPlan, target: str, draft: str | None, dtype: str) -> Table:
+def _memory_table(
+    result: MemoryPlan,
+    target: str,
+    draft: str | None,
+    dtype: str,
+    target_found: Footprint,
+    draft_found: Footprint | None,
+) -> Table:
     budget = _bytes(result.budget_bytes)
     table = Table(title=f"memory at {dtype}, {result.context} tokens/sequence, budget {budget}")
     table.add_column("")
     table.add_column("value", justify="right")
-    table.add_row(f"target weights ({target})", _bytes(result.target.weight_bytes))
-    table.add_row("target KV cache per token", _bytes(result.target.kv_bytes_per_token))
-    if result.draft is not None:
-        table.add_row(f"draft weights ({draft})", _bytes(result.draft.weight_bytes))
-        table.add_row("draft KV cache per token", _bytes(result.draft.kv_bytes_per_token))
-    table.add_row("speculation: fixed extra (draft weights)", _bytes(result.draft_weight_bytes))
+    for role, label, found in (("target", target, target_found), ("draft", draft, draft_found)):
+        if found is None:
+            continue
+        table.add_row(f"{role} weights in RAM ({label})", _bytes(found.repacked))
+        table.add_row(f"{role} weights mapped from the file", _bytes(found.mapped))
+        table.add_row(f"{role} KV cache per token", _bytes(found.kv_per_token))
+        table.add_row(f"{role} position tables per token", _bytes(found.tables_per_token))
+        table.add_row(f"{role} scratch per row", _bytes(found.scratch_per_row))
+        table.add_row(f"{role} scratch at {result.context} tokens (prefill)", _bytes(found.scratch(result.context)))
+        table.add_row(f"{role}: one sequence of {result.context} tokens", _bytes(found.total(result.context)))
+    table.add_row("speculation: fixed extra (draft weights, scratch)", _bytes(result.draft_weight_bytes))
     table.add_row("speculation: extra per sequence (draft KV)", _bytes(result.draft_bytes_per_sequence))
     table.add_row("sequences that fit without draft", str(result.sequences_without_draft))
     if result.draft is not None:

@@ -37,6 +37,13 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; 0.0.0.0 for all)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     max_batch: int = typer.Option(16, help="Most requests decoded at once (each holds a KV cache); more wait."),
+    max_context: int | None = typer.Option(
+        None,
+        min=1,
+        help="Most tokens a request may hold, prompt and output together (default: 4096, or the model's context "
+        "window if shorter); a longer request is refused. The server starts only if the weights and --max-batch "
+        "KV caches of this many tokens fit the memory available (checked before the weights are read).",
+    ),
     api_key: str | None = typer.Option(
         None, envvar="SPECDECODE_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health."
     ),
@@ -73,6 +80,7 @@ def serve(
         policy=policy,
         mode=mode,
         max_batch=max_batch,
+        max_context=max_context,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         served_model_name=served_model_name,
@@ -106,7 +114,8 @@ def _serve_here(config, host: str, port: int) -> None:
         server = Server(config)  # load before binding: a bad model or option is one line, not a traceback
     err.print(
         f"[dim]serving {server.model_name} on http://{host}:{port} (proposer {config.proposer}, gamma "
-        f"{config.gamma}, policy {config.policy}, max batch {config.max_batch}, pid {os.getpid()})[/dim]",
+        f"{config.gamma}, policy {config.policy}, max batch {config.max_batch} × {server.window} tokens, pid "
+        f"{os.getpid()})[/dim]",
         highlight=False,
     )
     uvicorn.run(create_app(server), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

