@@ -32,12 +32,13 @@ _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_u
 @dataclass(frozen=True)
 class Layout:
     """A matrix's integer blocks as the kernels keep them: ``group`` weights per scale, ``bits`` per weight,
-    ``sym`` the zero point of symmetric blocks (-1: asymmetric, with offsets), float16 (``half``) or float32 scales."""
+    ``sym`` the zero point of symmetric blocks (-1: asymmetric, with offsets), ``scales`` as ``IntBlocks.scale_format``
+    ("f32", "f16", or "superN": int8 per group times float16 per super-block of N groups)."""
 
     group: int
     bits: int
     sym: int
-    half: bool
+    scales: str
 
     @property
     def int8_rows(self) -> bool:
@@ -146,11 +147,16 @@ def footprint(shape: Shape, mapped: int, repacked: int, kv_element: int = 2, tab
 
 def kernel_matrix_bytes(rows: int, cols: int, layout: Layout, bias: bool = False) -> int:
     """Bytes of ``KernelLinear.from_blocks``: outputs in tiles of 16, 4-bit weights as nibbles, 5- to 8-bit ones as
-    bytes, one scale (and offset, if asymmetric) per group of ≤ 32 per output, a float32 bias."""
+    bytes, one scale (and offset, if asymmetric) per group of ≤ 32 per output (two-level: an int8 per group and a
+    float16 per super-block), a float32 bias."""
     group = layout.group // max(layout.group // 32, 1)
     padded = math.ceil(rows / 16) * 16
     packed = padded * cols // (2 if layout.bits <= 4 else 1)
-    scales = padded * (cols // group) * (2 if layout.half else 4)
+    groups = padded * (cols // group)
+    if layout.scales.startswith("super"):
+        scales = groups + groups // int(layout.scales.removeprefix("super")) * 2
+    else:
+        scales = groups * (2 if layout.scales == "f16" else 4)
     return packed + scales * (1 if layout.sym >= 0 else 2) + (4 * rows if bias else 0)
 
 
@@ -162,8 +168,9 @@ def int8_table_bytes(rows: int, cols: int, group: int) -> int:
 def weight_bytes(tensors: Sequence[FileTensor]) -> tuple[int, int]:
     """(mapped, repacked) bytes of a GGUF's weights as the native runner on the kernels holds them: decoder
     matrices in the kernels' tiles (q/k/v and gate/up fused when their layouts match); the embedding as an exact
-    int8 table when its blocks allow, else read from the file (mapped); the LM head in tiles (a tied one from the
-    embedding's blocks), with its exact int8 rows when untied; float tensors (norms, biases) dense in float32."""
+    int8 table when its blocks allow (a tied head's: read back from the head's tiles, no table), else read from the
+    file (mapped); the LM head in tiles (a tied one from the embedding's blocks), with its exact int8 rows when
+    untied; float tensors (norms, biases) dense in float32."""
     by_name = {t.name: t for t in tensors}
     mapped = repacked = 0
     groups: dict[tuple[str, str], list[FileTensor]] = {}
@@ -187,6 +194,8 @@ def weight_bytes(tensors: Sequence[FileTensor]) -> tuple[int, int]:
     if embed is not None:
         if embed.layout is None:
             repacked += 4 * embed.rows * embed.cols
+        elif embed.layout.int8_rows and head is embed:
+            pass  # KernelRows: the head's tiles
         elif embed.layout.int8_rows:
             repacked += int8_table_bytes(embed.rows, embed.cols, embed.layout.group)
         else:
@@ -233,8 +242,8 @@ def file_tensors(path: str | Path) -> list[FileTensor]:
         rows = data.shape[0] if data.ndim > 1 else 1
         if kind in BLOCK_TYPES:
             if kind not in layouts:
-                group, bits, sym, _, half = FileBlocks(tensor).layout
-                layouts[kind] = Layout(group, bits, sym, half)
+                group, bits, sym, _, scales = FileBlocks(tensor).layout
+                layouts[kind] = Layout(group, bits, sym, scales)
             block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
             cols = data.shape[-1] // size * block
         else:
