@@ -42,15 +42,20 @@ BLOCK_TYPES = {
 }
 
 
-def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> IntBlocks:
-    """Random GGUF blocks of ``kind`` for a [rows, cols] matrix (f16 fields uniform in ±scale)."""
-    decode, size, halves, per_block = BLOCK_TYPES[kind]
+def random_raw(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+    """Random GGUF block rows of ``kind`` for a [rows, cols] matrix (f16 fields uniform in ±scale), as stored."""
+    _, size, halves, per_block = BLOCK_TYPES[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // per_block, size), dtype=np.uint8)
     for at in halves:
         fields = rng.uniform(-scale, scale, size=(rows, cols // per_block, 1)).astype(np.float16)
         raw[..., at : at + 2] = fields.view(np.uint8)
-    return decode(raw.reshape(rows, -1))
+    return raw.reshape(rows, -1)
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> IntBlocks:
+    """Random GGUF blocks of ``kind`` for a [rows, cols] matrix, decoded (``IntBlocks``)."""
+    return BLOCK_TYPES[kind][0](random_raw(kind, rows, cols, seed, scale))
 
 
 def quantized_reference(x: torch.Tensor, blocks: IntBlocks, bits: int = 16) -> torch.Tensor:
@@ -77,6 +82,47 @@ def test_linear_computes_the_quantized_product_of_the_files_blocks(kind, bits):
     # the control: the other activation precision is measurably another product
     other = quantized_reference(x, blocks, 24 - bits)
     assert (other - expected).norm() / expected.norm() > 1e-4 if bits == 8 else 1e-6
+
+
+class _MappedTensor:
+    """What ``FileBlocks`` reads of a GGUF file's tensor (gguf_index.IndexedTensor), over raw rows in memory."""
+
+    def __init__(self, kind: str, raw: np.ndarray) -> None:
+        import gguf
+
+        self.data, self.tensor_type, self.dropped = raw, gguf.GGMLQuantizationType[kind], []
+
+    def drop_pages(self, start: int = 0, stop: int | None = None) -> None:
+        self.dropped.append((start, stop))
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+def test_the_compiled_repacker_lays_out_the_files_blocks_as_the_decoders_do(kind, bits):
+    """The loader's fast path (the file's blocks decoded and tiled in C++) gives every buffer of the matrix bitwise
+    as the numpy decoders + _tile_layout do: one part and stacked parts whose seams fall inside a tile (40 + 24
+    rows), in file order and permuted (Llama's q/k), both activation layouts. The control: a part's rows in
+    another order give other tiles."""
+    from specdecode.models.gguf_blocks import FileBlocks
+    from specdecode.models.weights import StackedBlocks
+
+    fields = ("packed", "scales", "offsets", "supers", "super_offsets")
+    raws = [random_raw(kind, 40, 512, seed=20), random_raw(kind, 24, 512, seed=21)]
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(22))
+    one = [FileBlocks(_MappedTensor(kind, raws[0]))]
+    two = [FileBlocks(_MappedTensor(kind, raws[0]), order), FileBlocks(_MappedTensor(kind, raws[1]))]
+    for files in (one, two):
+        stacked = StackedBlocks(tuple(files))
+        fast = KernelLinear.from_blocks(stacked if len(files) > 1 else files[0], activation_bits=bits)
+        decoded = IntBlocks.cat([f.blocks() for f in files])
+        slow = KernelLinear.from_blocks(decoded, activation_bits=bits)
+        for name in fields:
+            a, b = getattr(fast, name), getattr(slow, name)
+            assert (a is None and b is None) or torch.equal(a, b), (name, len(files))
+        assert all(f.tensor.dropped for f in files)  # the pages were let go
+    shuffled = FileBlocks(_MappedTensor(kind, raws[0]), order)
+    in_order = KernelLinear.from_blocks(BLOCK_TYPES[kind][0](raws[0]), activation_bits=bits)
+    assert not torch.equal(KernelLinear.from_blocks(shuffled, activation_bits=bits).packed, in_order.packed)
 
 
 @pytest.mark.parametrize("bits", [16, 8])

@@ -9,6 +9,7 @@ parameter name; Llama's q/k rows are un-permuted as transformers does.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,18 @@ class FileBlocks:
         blocks = _DECODERS[self.kind](np.asarray(self._raw_rows(start, stop)))
         self._drop_pages(start, stop)
         return blocks
+
+    def raw_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (after the permutation) as the file stores them, uint8 [rows, bytes per row], for the
+        kernels' ``repack_rows``; the pages are dropped when ``done_rows`` says they have been read."""
+        raw = np.asarray(self._raw_rows(start, stop))
+        with warnings.catch_warnings():  # a read-only view of the map: the kernels only read it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.ascontiguousarray(raw))
+
+    def done_rows(self, start: int, stop: int) -> None:
+        """Rows ``start:stop`` are unpacked: let the file's pages go."""
+        self._drop_pages(start, stop)
 
     def _drop_pages(self, start: int, stop: int) -> None:
         if self.order is None:

@@ -391,13 +391,23 @@ class KernelLinear:
         nibbles = bits <= 4
         quads = activation_bits == 8 and kernels.quad_layout()
         tiles = -(-n // 16)
-        packed = torch.empty(tiles * 16 * k // (2 if nibbles else 1), dtype=torch.uint8)
+        # zeroed: nibbles are or-ed into their bytes, and the last tile's missing outputs stay zero
+        packed = torch.zeros(tiles * 16 * k // (2 if nibbles else 1), dtype=torch.uint8)
         dtype = {"f16": torch.float16, "f32": torch.float32}.get(scale_format, torch.int8)
-        scales = torch.empty(tiles, k // group, 16, dtype=dtype)
-        offsets = None if symmetric else torch.empty_like(scales)
-        supers = torch.empty(tiles, k // group // per, 16, dtype=torch.float16) if two_level else None
-        super_offsets = None if symmetric or not two_level else torch.empty_like(supers)
-        for start, stop in row_chunks(n, k):
+        scales = torch.zeros(tiles, k // group, 16, dtype=dtype)
+        offsets = None if symmetric else torch.zeros_like(scales)
+        supers = torch.zeros(tiles, k // group // per, 16, dtype=torch.float16) if two_level else None
+        super_offsets = None if symmetric or not two_level else torch.zeros_like(supers)
+        files = _file_parts(blocks) if repeat == 1 else None
+        if files is not None:  # the compiled repacker reads the file's blocks straight into the tiles
+            row0 = 0
+            for part in files:
+                for start, stop in row_chunks(part.shape[0], k):
+                    kernels.repack_rows(part.raw_rows(start, stop), part.kind, row0 + start, k, quads, packed, scales,
+                                        offsets, supers, super_offsets)  # fmt: skip
+                    part.done_rows(start, stop)
+                row0 += part.shape[0]
+        for start, stop in row_chunks(n, k) if files is None else ():
             part = blocks.rows(start, stop)
             tile = start // 16
             p = _tile_layout(part.u, group, nibbles, quads)
@@ -457,6 +467,13 @@ def kernel_parts(linear: Linear) -> list[int] | None:
     if isinstance(linear, ConcatLinear) and all(isinstance(p, KernelLinear) for p in linear.parts):
         return [p.handle.id for p in linear.parts]
     return None
+
+
+def _file_parts(blocks: BlockSource) -> list | None:
+    """The GGUF file blocks (``FileBlocks``) that ``blocks`` stacks, when every part is one the compiled repacker
+    reads (``raw_rows``); None sends the blocks through the decoders and ``_tile_layout``."""
+    parts = blocks.parts if isinstance(blocks, StackedBlocks) else (blocks,)
+    return list(parts) if all(hasattr(p, "raw_rows") for p in parts) else None
 
 
 def _tile_layout(u: torch.Tensor, group: int, nibbles: bool, quads: bool = False) -> torch.Tensor:

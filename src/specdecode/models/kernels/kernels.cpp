@@ -462,6 +462,155 @@ int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, cons
   return static_cast<int64_t>(r.matrices.size()) - 1;
 }
 
+// ------------------------------------------------------------------------------------------------ repacking
+
+// A GGUF file's block rows decoded straight into the tile layout (Matrix): the loader's fast path, bitwise what
+// gguf_blocks.py's numpy decoders and weights._tile_layout give (tests/test_kernels.py checks every type).
+struct BlockFormat {
+  int64_t elements, bytes;  // per block
+  int64_t g, per;           // kernel group; groups per super-block (1: one-level f16 scales)
+  bool nibbles, offsets;
+};
+
+static BlockFormat block_format(const std::string& kind) {
+  if (kind == "Q4_0") return {32, 18, 32, 1, true, false};
+  if (kind == "Q4_1") return {32, 20, 32, 1, true, true};
+  if (kind == "Q5_0") return {32, 22, 32, 1, false, false};
+  if (kind == "Q5_1") return {32, 24, 32, 1, false, true};
+  if (kind == "Q8_0") return {32, 34, 32, 1, false, false};
+  if (kind == "Q4_K") return {256, 144, 32, 8, true, true};
+  if (kind == "Q5_K") return {256, 176, 32, 8, false, true};
+  if (kind == "Q6_K") return {256, 210, 16, 16, false, false};
+  TORCH_CHECK(false, "no repacking for block type ", kind);
+}
+
+static inline uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+// One block's integers u[elements] and, per group, its scale and offset fields: f16 bits (one-level types) or the
+// int8 multipliers sc/mn (K-quants, whose f16 factors d and -dmin come back in super_d/super_m).
+static void decode_block(const std::string& kind, const uint8_t* b, uint8_t* u, uint16_t* half_s, uint16_t* half_m,
+                         int8_t* sc, int8_t* mn, uint16_t& super_d, uint16_t& super_m) {
+  if (kind == "Q4_0" || kind == "Q4_1") {
+    const int at = kind == "Q4_0" ? 2 : 4;
+    for (int l = 0; l < 16; ++l) {
+      u[l] = b[at + l] & 15;
+      u[l + 16] = b[at + l] >> 4;
+    }
+    half_s[0] = load_u16(b);
+    if (kind == "Q4_1") half_m[0] = load_u16(b + 2);
+  } else if (kind == "Q5_0" || kind == "Q5_1") {
+    const int qh_at = kind == "Q5_0" ? 2 : 4, qs_at = qh_at + 4;
+    const uint32_t qh = b[qh_at] | (b[qh_at + 1] << 8) | (b[qh_at + 2] << 16) | (static_cast<uint32_t>(b[qh_at + 3]) << 24);
+    for (int l = 0; l < 16; ++l) {
+      u[l] = (b[qs_at + l] & 15) | (((qh >> l) & 1) << 4);
+      u[l + 16] = (b[qs_at + l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+    }
+    half_s[0] = load_u16(b);
+    if (kind == "Q5_1") half_m[0] = load_u16(b + 2);
+  } else if (kind == "Q8_0") {
+    for (int l = 0; l < 32; ++l) u[l] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + l]) + 128);
+    half_s[0] = load_u16(b);
+  } else if (kind == "Q4_K" || kind == "Q5_K") {
+    super_d = load_u16(b);
+    super_m = load_u16(b + 2) ^ 0x8000;  // −dmin: negating a float16 flips its sign bit
+    const uint8_t* q = b + 4;
+    for (int j = 0; j < 8; ++j) {
+      if (j < 4) {
+        sc[j] = static_cast<int8_t>(q[j] & 63);
+        mn[j] = static_cast<int8_t>(q[j + 4] & 63);
+      } else {
+        sc[j] = static_cast<int8_t>((q[j + 4] & 15) | ((q[j - 4] >> 6) << 4));
+        mn[j] = static_cast<int8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+      }
+    }
+    const bool five = kind == "Q5_K";
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (five ? 48 : 16);
+    for (int i = 0; i < 4; ++i)
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          uint8_t v = h ? qs[32 * i + l] >> 4 : qs[32 * i + l] & 15;
+          if (five) v |= ((qh[l] >> (2 * i + h)) & 1) << 4;
+          u[64 * i + 32 * h + l] = v;
+        }
+  } else {  // Q6_K
+    const uint8_t* ql0 = b;
+    const uint8_t* qh0 = b + 128;
+    for (int j = 0; j < 16; ++j) sc[j] = static_cast<int8_t>(b[192 + j]);
+    super_d = load_u16(b + 208);
+    for (int hh = 0; hh < 2; ++hh) {
+      const uint8_t* ql = ql0 + 64 * hh;
+      const uint8_t* qh = qh0 + 32 * hh;
+      uint8_t* o = u + 128 * hh;
+      for (int l = 0; l < 32; ++l) {
+        o[l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
+        o[l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+        o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+  }
+}
+
+// Rows of raw blocks ([rows, bytes per row], uint8) as output rows row0.. of a matrix whose tile-layout buffers are
+// given (packed zeroed for nibbles; scales/offsets f16, or int8 with f16 supers/super_offsets for K-quants).
+void repack_rows(const at::Tensor& raw, const std::string& kind, int64_t row0, int64_t k, bool quads,
+                 const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
+                 const c10::optional<at::Tensor>& supers, const c10::optional<at::Tensor>& super_offsets) {
+  const BlockFormat f = block_format(kind);
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "raw blocks: uint8 [rows, bytes]");
+  TORCH_CHECK(k % f.elements == 0 && raw.size(1) == k / f.elements * f.bytes, "raw blocks: the wrong row size");
+  TORCH_CHECK(f.offsets == offsets.has_value() && (f.per > 1) == supers.has_value(), "repack: the type's fields");
+  const int64_t rows = raw.size(0), g = f.g, groups = k / g, blocks = k / f.elements, gpb = f.elements / g;
+  const int64_t group_bytes = f.nibbles ? g * 8 : g * 16, half = g / 2, n_supers = f.per > 1 ? groups / f.per : 0;
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  void* sp = scales.data_ptr();
+  void* op = offsets.has_value() ? offsets->data_ptr() : nullptr;
+  uint16_t* ssp = supers.has_value() ? reinterpret_cast<uint16_t*>(supers->data_ptr()) : nullptr;
+  uint16_t* sop = super_offsets.has_value() ? reinterpret_cast<uint16_t*>(super_offsets->data_ptr()) : nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> u(f.elements);
+    int8_t sc[16], mn[16];
+    uint16_t hs = 0, hm = 0, sd = 0, sm = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = row0 + r, t = n / kLanes, c = n % kLanes;
+      for (int64_t bi = 0; bi < blocks; ++bi) {
+        decode_block(kind, rp + r * raw.size(1) + bi * f.bytes, u.data(), &hs, &hm, sc, mn, sd, sm);
+        for (int64_t gj = 0; gj < gpb; ++gj) {
+          const int64_t j = bi * gpb + gj, at = (t * groups + j) * kLanes + c;
+          uint8_t* base = pp + (t * groups + j) * group_bytes;
+          const uint8_t* v = u.data() + gj * g;
+          for (int64_t i = 0; i < g; ++i) {
+            if (quads && f.nibbles) {
+              base[(i / 8) * 64 + 4 * c + i % 4] |= static_cast<uint8_t>(v[i] << (i % 8 < 4 ? 0 : 4));
+            } else if (quads) {
+              base[(i / 4) * 64 + 4 * c + i % 4] = v[i];
+            } else if (f.nibbles) {
+              const int64_t e = i < half ? i : i - half;
+              base[(e / 2) * 32 + 2 * c + e % 2] |= static_cast<uint8_t>(v[i] << (i < half ? 0 : 4));
+            } else {
+              base[(i / 2) * 32 + 2 * c + i % 2] = v[i];
+            }
+          }
+          if (f.per > 1) {
+            static_cast<int8_t*>(sp)[at] = sc[gj];
+            if (op != nullptr) static_cast<int8_t*>(op)[at] = mn[gj];
+          } else {
+            static_cast<uint16_t*>(sp)[at] = hs;
+            if (op != nullptr) static_cast<uint16_t*>(op)[at] = hm;
+          }
+        }
+        if (f.per > 1) {
+          const int64_t at = (t * n_supers + bi) * kLanes + c;
+          ssp[at] = sd;
+          if (sop != nullptr) sop[at] = sm;
+        }
+      }
+    }
+  });
+}
+
 static std::vector<std::shared_ptr<const Matrix>> parts_of(at::IntArrayRef ids) {
   std::vector<std::shared_ptr<const Matrix>> parts;
   for (int64_t id : ids) parts.push_back(matrix_at(id));
@@ -2166,6 +2315,7 @@ TORCH_LIBRARY(SD_NS, m) {
         &sd::register_layer);
   m.def("release(int matrix, int layer) -> ()", &sd::release);
   m.def("matrix_rows(int matrix, Tensor rows) -> Tensor[]", &sd::matrix_rows);
+  m.def("repack_rows(Tensor raw, str kind, int row0, int k, bool quads, Tensor(a!) packed, Tensor(b!) scales, Tensor(c!)? offsets, Tensor(d!)? supers, Tensor(e!)? super_offsets) -> ()", &sd::repack_rows);
   m.def("linear(Tensor x, int[] parts) -> Tensor", &sd::linear);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &sd::rms_norm);
   m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int layer, int heads, int kv_heads, float scaling, int window=0) -> Tensor",
