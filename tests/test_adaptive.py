@@ -139,6 +139,43 @@ def test_engine_auto_gamma_turns_a_useless_proposer_off_and_stays_greedy_identic
     assert sum(k > 0 for k in proposer.asked[first_off:]) <= len(proposer.asked[first_off:]) // 10
 
 
+class WrongProposer:
+    """Drafts, after each context, the token after the one greedy decoding picks there (``sequence``: the prompt and
+    plain decoding's output), so greedy verification rejects every first guess; records every k it is asked for."""
+
+    def __init__(self, sequence: list[int], vocab_size: int) -> None:
+        self.sequence = sequence
+        self.vocab_size = vocab_size
+        self.asked: list[int] = []
+
+    def propose(self, context, k, params, generator):
+        self.asked.append(k)
+        following = self.sequence[len(context) : len(context) + k]
+        return Draft(torch.tensor([(token + 1) % self.vocab_size for token in following], dtype=torch.int64))
+
+
+def test_the_api_default_is_auto_and_switches_a_proposer_that_is_never_accepted_off():
+    """``SpeculativeDecoder(target, proposer)`` is ``gamma="auto"``: over 300 tokens a proposer that is never right
+    drafts in a handful of rounds, then only one-token probes at doubling intervals, and the text is plain's."""
+    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
+    params = sd.SamplingParams(max_new_tokens=300)
+    prompt = list(range(10))
+    plain = sd.autoregressive_generate(target, prompt, params).token_ids
+    timed = sd.SpeculativeDecoder(target, WrongProposer(prompt + plain, LARGE_VOCAB))  # costs measured on the clock
+    assert timed.gamma == "auto" and timed.generate(prompt, params).token_ids == plain
+    proposer = WrongProposer(prompt + plain, LARGE_VOCAB)
+    decoder = sd.SpeculativeDecoder(target, proposer)
+    decoder.costs = fixed_costs()  # v(k) = 1 + 0.05 (k - 1), c = 0.1: the rounds below depend on no clock
+    out = decoder.generate(prompt, params)
+    assert out.token_ids == plain and out.stats.accepted == 0
+    asked = proposer.asked
+    assert len(asked) == 300  # one token a round: nothing is ever accepted
+    first_off = asked.index(0)
+    assert first_off <= 8 and all(k <= 1 for k in asked[first_off:])  # off, then one-token probes only
+    assert sum(k > 0 for k in asked[100:]) <= 2  # probe intervals double: 64 and 128 rounds by then
+    assert out.stats.drafted <= 20  # of 300 tokens; a fixed gamma = 4 would have drafted 4 a round
+
+
 def test_auto_gamma_is_validated():
     target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
     for bad in ("fast", 0, -1, 2.5, True):

@@ -185,6 +185,11 @@ class Request:
 class SpeculativeDecoder:
     """Draft up to ``gamma`` tokens, score them in one target pass, keep the longest acceptable run + 1.
 
+    ``gamma="auto"`` (the default) chooses each round's draft length (≤ ``max_gamma``) from the acceptance and
+    step costs measured so far, and 0 — a plain round — where speculation does not pay, probing with one guess
+    at doubling intervals (``adaptive``), so a proposer that is never right costs little over plain decoding.
+    An integer drafts that many tokens every round (fewer only near the token budget), paying or not.
+
     Cache invariant between rounds: the target's cache holds every context token but the newest, which
     leads the next round's forward pass ahead of the draft tokens.
 
@@ -204,7 +209,7 @@ class SpeculativeDecoder:
         self,
         target: LoadedModel,
         proposer: Proposer | None = None,
-        gamma: int | str = 4,
+        gamma: int | str = "auto",
         max_gamma: int = 8,
         mode: str = "exact",
     ) -> None:
