@@ -1,7 +1,7 @@
 """What a model costs in memory on the native runner, and whether it fits the machine.
 
 A ``Footprint`` holds the real bytes: weights read from the memory-mapped file when used (``mapped``: an embedding
-table the kernels do not repack) or held in RAM (``repacked``: the kernels' tiles, int8 tables, norms, biases);
+table the kernels do not repack) or held in RAM (``repacked``: the kernels' tiles, norms, biases);
 per cached token, the KV cache (K and V, every layer: float16 on the compiled kernels) and the runner's position
 tables (RoPE cos/sin rows, the slot index); per row of a pass, the decoder's scratch, and the attention partials
 per row and chunk of 128 keys. ``file_footprint`` computes it from a GGUF file's index before any weight is read;
@@ -160,17 +160,12 @@ def kernel_matrix_bytes(rows: int, cols: int, layout: Layout, bias: bool = False
     return packed + scales * (1 if layout.sym >= 0 else 2) + (4 * rows if bias else 0)
 
 
-def int8_table_bytes(rows: int, cols: int, group: int) -> int:
-    """Bytes of an exact int8 table (``Int8Groups``): int8 weights and a float32 scale per block."""
-    return rows * cols + rows * (cols // group) * 4
-
-
 def weight_bytes(tensors: Sequence[FileTensor]) -> tuple[int, int]:
     """(mapped, repacked) bytes of a GGUF's weights as the native runner on the kernels holds them: decoder
-    matrices in the kernels' tiles (q/k/v and gate/up fused when their layouts match); the embedding as an exact
-    int8 table when its blocks allow (a tied head's: read back from the head's tiles, no table), else read from the
-    file (mapped); the LM head in tiles (a tied one from the embedding's blocks), with its exact int8 rows when
-    untied; float tensors (norms, biases) dense in float32."""
+    matrices in the kernels' tiles (q/k/v and gate/up fused when their layouts match); the LM head in tiles (a tied
+    one from the embedding's blocks), its exact int8 rows read back from them; the embedding: a tied head's exact
+    rows when its blocks are int8 values, else read from the file (mapped); float tensors (norms, biases) dense in
+    float32."""
     by_name = {t.name: t for t in tensors}
     mapped = repacked = 0
     groups: dict[tuple[str, str], list[FileTensor]] = {}
@@ -196,17 +191,13 @@ def weight_bytes(tensors: Sequence[FileTensor]) -> tuple[int, int]:
             repacked += 4 * embed.rows * embed.cols
         elif embed.layout.int8_rows and head is embed:
             pass  # KernelRows: the head's tiles
-        elif embed.layout.int8_rows:
-            repacked += int8_table_bytes(embed.rows, embed.cols, embed.layout.group)
         else:
             mapped += embed.file_bytes
     if head is not None:
         if head.layout is None:  # re-quantized to int8 rows (approximately: weights once, exact rows once)
             repacked += 2 * head.rows * head.cols
         else:
-            repacked += kernel_matrix_bytes(head.rows, head.cols, head.layout)
-            if head is not embed and head.layout.int8_rows:
-                repacked += int8_table_bytes(head.rows, head.cols, head.layout.group)
+            repacked += kernel_matrix_bytes(head.rows, head.cols, head.layout)  # its exact rows: KernelRows
     return mapped, repacked
 
 

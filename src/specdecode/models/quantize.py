@@ -209,31 +209,27 @@ def _quantize_head(
 ) -> str:  # fmt: skip
     """LM head → its own blocks from the file when the kernels run (the embedding's when tied), else int8 per row;
     return the format it runs. A head whose weights are int8 times a scale (Q8_0, Q6_K, ...) carries its exact
-    int8 rows, from which the runner recomputes each row's top logits (an int8 head carries its own): a tied head
-    on the kernels reads them back from its own tiles (``KernelRows``), else they are an int8 table. The input
-    embedding is those exact rows, else reads the file's blocks a row at a time (exact), else (no blocks) the tied
-    head's int8 rows."""
+    int8 rows, from which the runner recomputes each row's top logits (an int8 head carries its own): on the kernels
+    they are read back from the head's own tiles (``KernelRows``: no second vocabulary-sized table, ~100 MB at 1.7B,
+    ~500 MB at 8B), else they are an int8 table. The input embedding is a tied head's exact rows, else reads the
+    file's blocks a row at a time (exact), else (no blocks) the tied head's int8 rows."""
     head = model.lm_head
     embed = model.model.embed_tokens
     embed_blocks = _blocks_of(stored, "model.embed_tokens.weight")
     head_blocks = embed_blocks if tied else _blocks_of(stored, "lm_head.weight")
-    if tied and native and head_blocks is not None and int8_rows(head_blocks):
-        # The head's own tiles are the exact int8 table: no second copy (~100 MB at 1.7B, ~500 MB at 8B).
+    embed_table = None
+    if native and head_blocks is not None:
         kernel = KernelLinear.from_blocks(head_blocks, head.bias, activation_bits)
-        embed_table = head_table = KernelRows(kernel)
-    else:
-        embed_table = _int8_table(embed_blocks)
-        head_table = embed_table if tied else _int8_table(head_blocks)
-    if head_blocks is not None and (native or (head_table is not None and head_blocks.layout[1] == 8)):
-        exact = head_table
-        if isinstance(head_table, KernelRows):
-            kernel = head_table.matrix
-        elif native:
-            kernel = KernelLinear.from_blocks(head_blocks, head.bias, activation_bits)
-        else:
-            kernel = Int8Linear.quantize(head_table.dequantize(), head.bias)
+        exact = KernelRows(kernel) if int8_rows(head_blocks) else None
+        embed_table = exact if tied else None
+        name = types["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    elif head_blocks is not None and int8_rows(head_blocks) and head_blocks.layout[1] == 8:  # no kernels: Q8_0
+        exact = _int8_table(head_blocks)
+        embed_table = exact if tied else _int8_table(embed_blocks)
+        kernel = Int8Linear.quantize(exact.dequantize(), head.bias)
         name = types["model.embed_tokens.weight" if tied else "lm_head.weight"]
     else:
+        embed_table = None if native else _int8_table(embed_blocks)
         fill_from_file(model, {k: v for k, v in stored.items() if k == "lm_head.weight"})
         rows = Int8Linear.quantize(head.weight, head.bias)
         exact = rows.exact_rows()
