@@ -561,6 +561,16 @@ class DenseEmbedding:
         return F.embedding(tokens, self.weight)
 
 
+@dataclass(frozen=True)
+class FloatRows:
+    """A dense table kept in its stored dtype (bfloat16, float16), rows read out in float32 (exact)."""
+
+    weight: torch.Tensor
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight).float()
+
+
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids -> float rows: DenseEmbedding, Int8Groups, ...
 
 
