@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -22,16 +23,25 @@ from ..errors import ModelNotAvailable
 from .architecture import architecture_of, unsupported_reason
 from .base import ModelRunner
 from .bundled import BUNDLED
+from .checkpoint import Checkpoint, checkpoint_of
 from .gguf_blocks import read_gguf_tensors
 from .gguf_config import complete_config, readable_config
 from .hf import HFRunner
 from .kernels import ops as kernels_ops
-from .memory import INITIAL_SLOTS, Footprint, check_fits, dense_footprint, file_footprint, loaded_footprint
+from .memory import (
+    INITIAL_SLOTS,
+    Footprint,
+    check_fits,
+    dense_footprint,
+    file_footprint,
+    loaded_footprint,
+    rounded_footprint,
+)
 from .memory import describe as describe_memory
 from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
-from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model
-from .weights import return_freed_memory
+from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model, tied_head
+from .weights import FloatRows, return_freed_memory
 
 BACKENDS = ("auto", "native", "transformers")
 _FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen 3", "gemma3": "Gemma 3"}
@@ -59,6 +69,7 @@ class LoadedModel:
     quantization: str | None = None  # how the weights are stored: None (dense), "gguf", "gguf-a8", "int8", "int4"
     formats: dict[str, int] = field(default_factory=dict)  # matrices per stored format (quantized models)
     max_context: int | None = None  # tokens a sequence may hold (prompt and output): caps each runner's KV cache
+    checkpoint_dtype: torch.dtype | None = None  # an HF folder's stored weights' dtype (None: not loaded from one)
 
     @property
     def context_window(self) -> int | None:
@@ -78,10 +89,19 @@ class LoadedModel:
             runner = f"native runner ({_FAMILY_NAMES[family]} family, {engine})"
         else:
             runner = f"transformers runner (not native: {unsupported_reason(self.model) or 'asked for'})"
+        stored = _dtype_name(self.checkpoint_dtype) if self.checkpoint_dtype is not None else None
         if self.formats:
             weights = ", ".join(f"{count} {name}" for name, count in sorted(self.formats.items(), key=lambda i: -i[1]))
+            weights += f" (rounded from the checkpoint's {stored})" if stored else ""
+            table = getattr(self.model.model.embed_tokens, "table", None)
+            weights += f", embedding {_dtype_name(table.weight.dtype)}" if isinstance(table, FloatRows) else ""
         else:
-            weights = f"dense {str(next(self.model.parameters()).dtype).removeprefix('torch.')}"
+            dense = _dtype_name(next(self.model.parameters()).dtype)
+            weights = f"dense {dense}"
+            if stored == dense:
+                weights += " (the checkpoint's dtype)"
+            elif stored:
+                weights += f" (the checkpoint holds {stored})"
         kv = str(self.kv_dtype).removeprefix("torch.")
         line = f"{self.name}: {runner}; weights {weights}; KV cache {kv}"
         return line + (f"; memory: {describe_memory(loaded_footprint(self))}" if self.backend == "native" else "")
@@ -138,6 +158,10 @@ class LoadedModel:
         return [int(t) for t in ids]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``torch.float32`` / ``"bfloat16"`` / ``"bf16"`` … → a torch dtype (float32 and bfloat16 only)."""
     if isinstance(dtype, torch.dtype):
@@ -151,7 +175,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model(
     source: Any,
     tokenizer: Any = None,
-    dtype: str | torch.dtype = torch.float32,
+    dtype: str | torch.dtype | None = None,
     backend: str = "auto",
     quantization: str | None = "auto",
     group_size: int = 32,
@@ -161,18 +185,23 @@ def load_model(
 
     ``backend``: ``native`` (our Llama-family runner: static cache, fused weights), ``transformers`` (any
     causal LM), or ``auto`` = native where it reproduces the model exactly, else transformers.
+    ``dtype``: dense weights' dtype, float32 or bfloat16; by default an HF folder's own (a float16 checkpoint runs in
+    bfloat16: the native runner's dtypes), float32 for a GGUF file or a model object.
     ``quantization``: ``None`` = dense weights in ``dtype``; ``"gguf"`` = the GGUF file's own blocks (``"gguf-a8"``:
     with int8 activations, llama.cpp's numerics);
     ``"int8"`` / ``"int4"`` (groups of ``group_size``) = dense weights rounded; ``"auto"`` (default) = ``"gguf"``
     for a GGUF file the native runner supports (unless ``dtype`` asks for dense bfloat16), else dense.
     Quantized weights run with a float32 residual stream (on the compiled kernels, int16 activations; without
-    them, bfloat16 ones): they need ``dtype`` float32.
+    them, bfloat16 ones): they need ``dtype`` float32 (or unset). An HF folder's safetensors are read tensor by
+    tensor into a skeleton (native architectures): never a float32 copy of all weights unless ``dtype`` asks for it;
+    ``int8`` / ``int4`` round each matrix from its own float32 copy, freed before the next is read.
     ``max_context``: the most tokens a sequence may hold (prompt and output; default: the model's context window):
     each runner's KV cache stops there and a longer request is refused. A GGUF file is refused
     (``ModelNotAvailable``, one line) before its weights are read when they and one sequence of ``max_context``
-    tokens (default: a runner's first allocation) do not fit the memory available (``memory.available_memory``).
+    tokens (default: a runner's first allocation) do not fit the memory available (``memory.available_memory``);
+    an HF folder too, when its architecture is native.
     """
-    dtype = resolve_dtype(dtype)
+    dtype = None if dtype is None else resolve_dtype(dtype)
     if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                     or max_context < 1):  # fmt: skip
         raise ValueError(f"max_context must be a positive number of tokens, got {max_context!r}")
@@ -182,8 +211,9 @@ def load_model(
         raise ValueError(f"quantization must be auto, {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
     if isinstance(source, LoadedModel):
         return source
-    gguf_path = None
+    gguf_path = stored = checkpoint = None
     if isinstance(source, torch.nn.Module):
+        dtype = dtype or torch.float32
         model = source.eval()
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
         if quantization not in (None, "auto"):
@@ -191,14 +221,22 @@ def load_model(
         model = model.to(dtype) if dtype != next(model.parameters()).dtype else model
     elif isinstance(source, str | os.PathLike):
         folder, name, gguf_path = _locate(str(source))
-        model = _skeleton(folder) if gguf_path is not None else None
+        checkpoint = checkpoint_of(folder) if gguf_path is None else None
+        stored = None if gguf_path is not None else _stored_dtype(folder, checkpoint)
+        dtype = dtype or _default_dtype(stored, quantization)
+        model = _skeleton(folder) if gguf_path is not None or checkpoint is not None else None
+        if gguf_path is None and model is not None and not (supports_native(model) and _fills(model, checkpoint)):
+            model = None  # transformers' loader: other architectures, renamed or converted tensors
         if model is not None:  # before any weight is read
             context = checked_context(model, max_context)
-            found = _footprint_of(model, gguf_path, dtype, backend, quantization, group_size)
+            found = _footprint_of(model, gguf_path, dtype, backend, quantization, group_size, stored)
             check_fits(name, found, max_context or min(context or INITIAL_SLOTS, INITIAL_SLOTS))
         if model is None or not supports_native(model):  # not native: transformers runs the dense copy
             folder = folder if gguf_path is None else _dense_cache(gguf_path)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+            checkpoint = None
+        elif gguf_path is None:
+            _read_generation_config(model, folder)
         if tokenizer is None:
             tokenizer = load_tokenizer(str(source))
     else:
@@ -217,17 +255,20 @@ def load_model(
             raise ValueError(
                 f"quantization={quantization!r} keeps a GGUF file's blocks: load a .gguf file or a bundled model"
             )
-        if not spec.reads_gguf:  # int8 / int4 round the dense weights
+        if not spec.reads_gguf and checkpoint is None:  # int8 / int4 round the dense weights
             _fill_skeleton(model, gguf_path)
-        formats = quantize_model(model, spec, gguf_path)
+        formats = quantize_model(model, spec, gguf_path, checkpoint)
     else:
         formats = {}
+    if checkpoint is not None:
+        _fill_from_checkpoint(model, checkpoint, folder, dtype)
     _fill_skeleton(model, gguf_path, dtype)
     if gguf_path is not None:
         return_freed_memory()
     loaded = _wrap(model, tokenizer, name, backend)
     loaded.quantization = quantization
     loaded.formats = formats
+    loaded.checkpoint_dtype = stored
     if max_context is not None:
         checked_context(model, max_context)
         loaded.max_context = max_context
@@ -244,40 +285,53 @@ def checked_context(model: PreTrainedModel, max_context: int | None) -> int | No
 
 
 def planned_footprint(
-    source: str, dtype: str | torch.dtype = torch.float32, quantization: str | None = "auto", group_size: int = 32
+    source: str,
+    dtype: str | torch.dtype | None = None,
+    quantization: str | None = "auto",
+    group_size: int = 32,
 ) -> tuple[Footprint, int | None] | None:
     """(footprint, context window) of what ``load_model(source, ...)`` will hold, from a GGUF file's metadata and
-    index before any weight is read; None for a source that is not a GGUF file (or a bundled name)."""
+    index (or an HF folder's config and safetensors headers) before any weight is read; None for a source that
+    ``load_model`` hands to transformers' loader (an HF folder of another architecture, or without safetensors)."""
     folder, _, gguf_path = _locate(str(source))
-    if gguf_path is None:
+    checkpoint = checkpoint_of(folder) if gguf_path is None else None
+    if gguf_path is None and checkpoint is None:
         return None
     skeleton = _skeleton(folder)
+    if gguf_path is None and not (supports_native(skeleton) and _fills(skeleton, checkpoint)):
+        return None
+    stored = None if gguf_path is not None else _stored_dtype(folder, checkpoint)
+    dtype = None if dtype is None else resolve_dtype(dtype)
     window = getattr(skeleton.config.get_text_config(), "max_position_embeddings", None)
-    return _footprint_of(skeleton, gguf_path, resolve_dtype(dtype), "auto", quantization, group_size), window
+    found = _footprint_of(skeleton, gguf_path, dtype or _default_dtype(stored, quantization), "auto", quantization,
+                          group_size, stored)  # fmt: skip
+    return found, window
 
 
 def _footprint_of(
     skeleton: PreTrainedModel,
-    gguf_path: Path,
+    gguf_path: Path | None,
     dtype: torch.dtype,
     backend: str = "auto",
     quantization: str | None = "auto",
     group_size: int = 32,
+    stored: torch.dtype | None = None,
 ) -> Footprint:
-    """What ``load_model`` of ``gguf_path`` with these settings will hold, from the file's index and ``skeleton``
-    (on the meta device): its own blocks on the kernels exactly, other formats by their bytes per parameter."""
+    """What ``load_model`` of ``gguf_path`` (None: an HF folder whose checkpoint holds ``stored`` weights) with these
+    settings will hold, from the file's index and ``skeleton`` (on the meta device): a GGUF's own blocks on the
+    kernels exactly, dense weights by their bytes per parameter, int8 / int4 as ``quantize_model`` rounds them."""
     native = backend != "transformers" and supports_native(skeleton)
     if quantization == "auto":
-        quantization = "gguf" if native and dtype == torch.float32 else None
+        quantization = "gguf" if gguf_path is not None and native and dtype == torch.float32 else None
     kernels_run = native and kernels_ops() is not None
     if quantization in ("gguf", "gguf-a8") and kernels_run:
         return file_footprint(gguf_path, skeleton)
     if quantization is None:
         return dense_footprint(skeleton, dtype.itemsize, dtype.itemsize, dtype.itemsize)
-    # quantized: int8 rows or int4 groups (a float32 scale and offset each), a float32 residual stream
-    per_parameter = 0.5 + 8 / group_size if quantization == "int4" else 1.125
-    kv = KERNEL_CACHE_DTYPE.itemsize if kernels_run else 4
-    return dense_footprint(skeleton, per_parameter, kv, 4)
+    # int8 / int4 (GGUF types the kernels cannot run: about so): an untied embedding stays in its stored dtype
+    embed_element = (stored or torch.float32).itemsize if gguf_path is None else 4
+    return rounded_footprint(skeleton, "int4" if quantization == "int4" else "int8", group_size, kernels_run,
+                             embed_element)  # fmt: skip
 
 
 def _skeleton(folder: Path) -> PreTrainedModel:
@@ -288,6 +342,47 @@ def _skeleton(folder: Path) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(folder)
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _stored_dtype(folder: Path, checkpoint: Checkpoint | None) -> torch.dtype | None:
+    """The float dtype of a folder's weights: its safetensors', else its config's (None where neither says)."""
+    if checkpoint is not None and checkpoint.dtype is not None:
+        return checkpoint.dtype
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    named = config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, named, None) if isinstance(named, str) else None
+
+
+def _default_dtype(stored: torch.dtype | None, quantization: str | None) -> torch.dtype:
+    """``load_model``'s dtype when none is given: float32 under quantized weights (their residual stream), else the
+    checkpoint's own where the native runner runs it (float16 → bfloat16: the same bytes, 3 fewer mantissa bits, a
+    wider range), else float32."""
+    if quantization not in (None, "auto") or stored is None:
+        return torch.float32
+    return torch.float32 if stored == torch.float32 else torch.bfloat16
+
+
+def _fills(skeleton: PreTrainedModel, checkpoint: Checkpoint) -> bool:
+    """Whether ``checkpoint`` holds every parameter of ``skeleton`` under its own name (a tied head: the embedding)."""
+    tied = tied_head(skeleton)
+    return all(name in checkpoint or (tied and name == "lm_head.weight") for name, _ in skeleton.named_parameters())
+
+
+def _fill_from_checkpoint(model: PreTrainedModel, checkpoint: Checkpoint, folder: Path, dtype: torch.dtype) -> None:
+    """Read into ``model`` (a skeleton) the checkpoint's tensors for parameters still on the meta device, one at a
+    time, in ``dtype``; refuse a model left with a parameter the checkpoint lacks."""
+    fill_from_file(model, checkpoint, dtype)
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelNotAvailable(f"{folder.name} has no tensor for {missing[0]} ({len(missing)} missing)")
+
+
+def _read_generation_config(model: PreTrainedModel, folder: Path) -> None:
+    """The folder's generation config (its EOS ids), as ``from_pretrained`` reads it, on a skeleton."""
+    from transformers import GenerationConfig
+
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
 
 
 def _fill_skeleton(model: PreTrainedModel, gguf_path: Path | None, dtype: torch.dtype = torch.float32) -> None:

@@ -201,6 +201,11 @@ def weight_bytes(tensors: Sequence[FileTensor]) -> tuple[int, int]:
     return mapped, repacked
 
 
+def _int8_layout(cols: int) -> Layout:
+    """``IntBlocks.from_int8``'s layout: a row's bfloat16 scale (a float16 value) over blocks of 32 (else 16)."""
+    return Layout(32 if cols % 32 == 0 else 16, 8, 128, "f16")
+
+
 def shape_of(model: Any) -> Shape:
     """The decoder sizes of a (skeleton or loaded) transformers model."""
     from .architecture import architecture_of
@@ -252,9 +257,58 @@ def file_footprint(path: str | Path, skeleton: Any) -> Footprint:
 
 
 def dense_footprint(skeleton: Any, element_bytes: float, kv_element: int, table_element: int) -> Footprint:
-    """The footprint of a model whose weights take ``element_bytes`` per parameter (dense, or about so)."""
+    """The footprint of a model whose weights take ``element_bytes`` per parameter (dense; a tied head shares the
+    embedding's, though a skeleton's may not yet), and its computed buffers (RoPE's inverse frequencies)."""
+    from .quantize import tied_head
+
     parameters = sum(p.numel() for p in skeleton.parameters())
-    return footprint(shape_of(skeleton), 0, int(parameters * element_bytes), kv_element, table_element)
+    if skeleton.lm_head.weight is not skeleton.model.embed_tokens.weight and tied_head(skeleton):
+        parameters -= skeleton.lm_head.weight.numel()
+    buffers = sum(b.nbytes for b in skeleton.buffers() if not b.is_meta)
+    return footprint(shape_of(skeleton), 0, int(parameters * element_bytes) + buffers, kv_element, table_element)
+
+
+_FUSED_MODULES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def rounded_footprint(skeleton: Any, kind: str, group_size: int, kernels: bool, embed_element: int) -> Footprint:
+    """The footprint of ``int8`` / ``int4`` weights rounded from dense ones (``quantize_model``), from ``skeleton``
+    (on the meta device): decoder matrices in the kernels' tiles (q/k/v and gate/up fused; int8 rows with float16
+    scales) or, without ``kernels``, PyTorch's packed formats; the LM head as int8 rows (its tiles and its exact int8
+    table, one float32 scale a row); the input embedding as the tied head's rows, else ``embed_element`` bytes a
+    weight; norms, biases and buffers in float32; a float16 KV cache on the kernels (else float32)."""
+    from .architecture import FAMILIES
+    from .quantize import tied_head
+
+    fused = getattr(skeleton.config, "model_type", None) in FAMILIES
+    repacked = sum(b.nbytes for b in skeleton.buffers() if not b.is_meta)
+    counted: set[int] = set()
+    for layer in skeleton.model.layers:
+        matrices: dict[str, list[Any]] = {}
+        for name, module in layer.named_modules():
+            if type(module).__name__ == "Linear":
+                key = _FUSED_MODULES.get(name.rpartition(".")[2], name) if fused else name
+                matrices.setdefault(key, []).append(module)
+        for parts in matrices.values():
+            rows, cols = sum(m.out_features for m in parts), parts[0].in_features
+            bias = any(m.bias is not None for m in parts)
+            if kernels:
+                layout = _int8_layout(cols) if kind == "int8" else Layout(group_size, 4, -1, "f32")
+                repacked += kernel_matrix_bytes(rows, cols, layout, bias)
+            elif kind == "int8":  # int8 rows, a bfloat16 scale each
+                repacked += rows * cols + 2 * rows + 4 * rows * bias
+            else:  # nibbles, a bfloat16 scale and zero per group
+                repacked += rows * cols // 2 + 4 * rows * (cols // group_size) + 4 * rows * bias
+            counted.update(id(p) for m in parts for p in m.parameters())
+    head, embed = skeleton.lm_head, skeleton.model.embed_tokens
+    vocab, hidden = head.out_features, head.in_features
+    repacked += vocab * hidden + 4 * vocab  # the head's exact int8 rows
+    repacked += kernel_matrix_bytes(vocab, hidden, _int8_layout(hidden)) if kernels else 2 * vocab
+    counted.update(id(p) for p in (*head.parameters(), *embed.parameters()))
+    if not tied_head(skeleton):
+        repacked += embed.weight.numel() * embed_element
+    repacked += 4 * sum(p.numel() for p in skeleton.parameters() if id(p) not in counted)
+    return footprint(shape_of(skeleton), 0, repacked, 2 if kernels else 4, 4)
 
 
 def held_weight_bytes(model: Any) -> tuple[int, int]:

@@ -10,7 +10,9 @@ per row. A tied input embedding reads the file's table (exact) or the head's int
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,9 @@ from . import kernels
 from .architecture import FAMILIES
 from .gguf_blocks import BLOCK_TYPES, FileBlocks, StoredTensor, read_gguf_tensors
 from .weights import (
+    CHUNK_BYTES,
     GROUP_SIZES,
+    FloatRows,
     GroupQuant,
     Int4Linear,
     Int8Groups,
@@ -32,9 +36,11 @@ from .weights import (
     QuantizedEmbedding,
     QuantizedLinear,
     RowSlice,
+    StackedBlocks,
     concat_biases,
     int8_rows,
     register_fused,
+    return_freed_memory,
 )
 
 QUANTIZATIONS = ("gguf", "gguf-a8", "int8", "int4")
@@ -68,21 +74,32 @@ class Quantization:
         return 8 if self.kind == "gguf-a8" else 16
 
 
-def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path | None = None) -> dict[str, int]:
+def quantize_model(
+    model: nn.Module,
+    quantization: Quantization,
+    gguf_path: Path | None = None,
+    checkpoint: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, int]:
     """Replace ``model``'s decoder linears, LM head and tied embedding by quantized modules, in place; return how
     many matrices (the LM head included) each stored format has: GGUF type names, or ``int8`` / ``int4/G``.
 
     With the compiled kernels every integer format runs as ``KernelLinear`` (GGUF blocks of every type kept as
     stored); without them, as PyTorch's int4/int8 weight-only kernels (other GGUF types stay dense float32).
-    ``model`` may be a skeleton whose parameters are on the meta device (``loader``'s GGUF path): every parameter then
-    comes from the file, blocks straight into the kernels' layout, and only what stays dense is dequantized.
+    ``model`` may be a skeleton whose parameters are on the meta device: every parameter then comes from the GGUF
+    file (blocks straight into the kernels' layout, only what stays dense dequantized) or, for ``int8`` / ``int4``,
+    from ``checkpoint`` (an HF folder's tensors, read one at a time: each matrix is rounded from its own float32
+    copy, freed before the next is read; norms and biases in float32; an untied embedding in its stored dtype).
     """
     if quantization.reads_gguf and gguf_path is None:
         raise ValueError(f"quantization={quantization.kind!r} needs a GGUF file: load a .gguf path or a bundled model")
     types: dict[str, str] = {}
-    stored = read_gguf_tensors(gguf_path, model, types) if quantization.reads_gguf else {}
     tied = tied_head(model)
-    fill_from_file(model, {name: t for name, t in stored.items() if isinstance(t, torch.Tensor)})
+    if quantization.reads_gguf:
+        stored = read_gguf_tensors(gguf_path, model, types)
+        fill_from_file(model, {name: t for name, t in stored.items() if isinstance(t, torch.Tensor)})
+    else:
+        stored = checkpoint if checkpoint is not None else {}
+        _fill_unquantized(model, stored)
     formats: dict[str, int] = {}
     bits = quantization.activation_bits
     native = kernels.ops() is not None
@@ -100,7 +117,25 @@ def quantize_model(model: nn.Module, quantization: Quantization, gguf_path: Path
             _quantize_group(layer, group, modules, sources, bits)
     formats[f"{_quantize_head(model, stored, types, tied, native, bits)} head"] = 1
     fill_from_file(model, stored)  # what stays dense (a type the kernels do not take, or no kernels)
+    embed = model.model.embed_tokens
+    if type(embed) is not QuantizedEmbedding and embed.weight.dtype != torch.float32:  # an untied table as stored
+        scale = getattr(embed, "embed_scale", None)
+        scale = None if scale is None else scale.float()
+        model.model.embed_tokens = QuantizedEmbedding(FloatRows(embed.weight.detach()), embed.num_embeddings,
+                                                      embed.embedding_dim, scale)  # fmt: skip
     return formats
+
+
+def _fill_unquantized(model: nn.Module, checkpoint: Mapping[str, torch.Tensor]) -> None:
+    """Give a skeleton's parameters that stay dense their ``checkpoint`` tensors before its matrices are rounded:
+    norms and biases in float32 (the residual stream's dtype), the input embedding in its stored dtype."""
+    if not checkpoint:
+        return
+    embed = "model.embed_tokens.weight"
+    matrices = {f"{name}.weight" for name, m in model.named_modules() if _is_linear(m)} | {embed}
+    small = [n for n, p in model.named_parameters() if p.is_meta and n not in matrices and n in checkpoint]
+    fill_from_file(model, {name: checkpoint[name] for name in small})
+    fill_from_file(model, {embed: checkpoint[embed]} if embed in checkpoint else {}, None)
 
 
 def tied_head(model: nn.Module) -> bool:
@@ -112,16 +147,20 @@ def tied_head(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def fill_from_file(model: nn.Module, stored: dict[str, StoredTensor], dtype: torch.dtype = torch.float32) -> None:
+def fill_from_file(
+    model: nn.Module, stored: Mapping[str, StoredTensor], dtype: torch.dtype | None = torch.float32
+) -> None:
     """Give every parameter still on the meta device its tensor from the file (block types dequantized as
-    transformers' loader dequantizes them), in ``dtype``; a tied head shares the embedding's."""
+    transformers' loader dequantizes them), in ``dtype`` (None: as stored); a tied head shares the embedding's.
+    ``stored`` may read each tensor when asked (``checkpoint.Checkpoint``): one is held at a time."""
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if not param.is_meta or name not in stored:
             continue
         value = stored[name]
         value = value.dense() if isinstance(value, IntBlocks | FileBlocks) else value
         module_name, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(module_name), attribute, nn.Parameter(value.to(dtype), requires_grad=False))
+        value = value if dtype is None else value.to(dtype)
+        setattr(model.get_submodule(module_name), attribute, nn.Parameter(value, requires_grad=False))
     head, embed = model.lm_head, model.model.embed_tokens
     if isinstance(head, nn.Linear) and head.weight.is_meta and tied_head(model) and not embed.weight.is_meta:
         head.weight = embed.weight
@@ -145,13 +184,14 @@ Source = IntBlocks | FileBlocks | GroupQuant | Int8Linear | None  # IntBlocks: i
 
 def _source(module: nn.Module, stored, quantization: Quantization, native: bool) -> Source:
     """What ``module`` becomes: integer blocks for the kernels (``native``), else 4-bit groups or int8 rows for
-    PyTorch's kernels, or None (stays dense)."""
+    PyTorch's kernels, or None (stays dense). ``stored``: the file's blocks, or (a skeleton's module) its weights."""
     bias = module.bias
+    weight = stored if module.weight.is_meta and isinstance(stored, torch.Tensor) else module.weight
     if quantization.kind == "int4":
-        groups = GroupQuant.quantize(module.weight, quantization.group_size)
+        groups = _rounded(weight, None, quantization)
         return IntBlocks.from_group_quant(groups) if native else groups
     if quantization.kind == "int8":
-        rows = Int8Linear.quantize(module.weight, bias)
+        rows = _rounded(weight, bias, quantization)
         return IntBlocks.from_int8(rows) if native else rows
     if not isinstance(stored, IntBlocks | FileBlocks):
         return None
@@ -163,6 +203,35 @@ def _source(module: nn.Module, stored, quantization: Quantization, native: bool)
     if blocks.bits == 8 and blocks.sym == 128:  # Q8_0: re-quantized per row for the int8 kernel
         return Int8Linear.quantize(blocks.dequantize(), bias)
     return None
+
+
+def _rounded(weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization) -> GroupQuant | Int8Linear:
+    """``weight`` as int4 groups or int8 rows, rounded ~``CHUNK_BYTES / 4`` of float32 rows at a time (their temporaries
+    handed back to the system after each): every row is rounded on its own, so the result is bitwise the whole
+    matrix's, without a float32 copy of it."""
+    step = max(16, CHUNK_BYTES // 16 // weight.shape[1])
+    parts = []
+    for start in range(0, weight.shape[0], step):
+        part = weight[start : start + step]
+        kind = quantization.kind
+        parts.append(
+            GroupQuant.quantize(part, quantization.group_size) if kind == "int4" else Int8Linear.quantize(part)
+        )
+        return_freed_memory()
+    if quantization.kind == "int4":
+        return GroupQuant.cat(parts)
+    bias = None if bias is None else bias.detach().float()
+    return Int8Linear(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), bias)
+
+
+def _int8_blocks(rows: Int8Linear) -> StackedBlocks:
+    """``IntBlocks.from_int8(rows)`` made a slice of rows at a time (its int16 temporaries slice-sized: a
+    vocabulary-sized head's were 4 bytes a weight), the same blocks."""
+    step = max(16, CHUNK_BYTES // rows.q.shape[1] // 16 * 16)
+    parts = [IntBlocks.from_int8(Int8Linear(rows.q[start : start + step], rows.scale[start : start + step]))
+             for start in range(0, rows.q.shape[0], step)]  # fmt: skip
+    half = all(part.half_scales for part in parts)  # float16 scales only where every slice's are exactly so
+    return StackedBlocks(tuple(dataclasses.replace(part, half_scales=half) for part in parts))
 
 
 def _quantize_group(layer: nn.Module, names, modules, sources, activation_bits: int = 16) -> None:
@@ -230,10 +299,10 @@ def _quantize_head(
         name = types["model.embed_tokens.weight" if tied else "lm_head.weight"]
     else:
         embed_table = None if native else _int8_table(embed_blocks)
-        fill_from_file(model, {k: v for k, v in stored.items() if k == "lm_head.weight"})
-        rows = Int8Linear.quantize(head.weight, head.bias)
+        fill_from_file(model, {k: stored[k] for k in ("lm_head.weight",) if k in stored}, None)  # rounded by slices
+        rows = _rounded(head.weight, head.bias, Quantization("int8"))
         exact = rows.exact_rows()
-        kernel = KernelLinear.from_blocks(IntBlocks.from_int8(rows), head.bias, activation_bits) if native else rows
+        kernel = KernelLinear.from_blocks(_int8_blocks(rows), head.bias, activation_bits) if native else rows
         name = "int8"
     model.lm_head = QuantizedLinear(kernel, head.in_features, head.out_features, exact_rows=exact)
     table = embed_table
@@ -242,8 +311,8 @@ def _quantize_head(
     elif table is None and tied:
         table = exact
     if table is not None:
-        scale = getattr(embed, "embed_scale", None)  # Gemma's sqrt(hidden), in the table's dtype
-        scale = None if scale is None else scale.to(embed.weight.dtype)
+        scale = getattr(embed, "embed_scale", None)  # Gemma's sqrt(hidden), in the rows' dtype (float32)
+        scale = None if scale is None else scale.float()
         model.model.embed_tokens = QuantizedEmbedding(table, embed.num_embeddings, embed.embedding_dim, scale)
     return name
 

@@ -172,7 +172,8 @@ class IntBlocks:
         group = 32 if k % 32 == 0 else 16
         scale = weights.scale.float()[:, None].expand(n, k // group).contiguous()
         half = bool(torch.equal(scale.half().float(), scale))
-        return IntBlocks((weights.q.to(torch.int16) + 128).to(torch.uint8), scale, None, 128, group, 8, half)
+        u = weights.q.view(torch.uint8) ^ 0x80  # q + 128 for every int8 q, without int16 temporaries
+        return IntBlocks(u, scale, None, 128, group, 8, half)
 
 
 Layout = tuple[int, int, int, bool, str]  # IntBlocks.layout
@@ -576,6 +577,16 @@ class DenseEmbedding:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weight)
+
+
+@dataclass(frozen=True)
+class FloatRows:
+    """A dense table kept in its stored dtype (bfloat16, float16), rows read out in float32 (exact)."""
+
+    weight: torch.Tensor
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight).float()
 
 
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids -> float rows: DenseEmbedding, Int8Groups, ...
