@@ -172,3 +172,17 @@ def test_a_file_without_a_tokenizer_gets_none_whatever_its_architecture(architec
     config's class (1 to 5 tokens), which would cut the vocabulary to it: the file has none, so None."""
     path = write_gguf(tmp_path / f"{architecture}.gguf", LAYOUTS["q4-q5"], architecture=architecture)
     assert loader.load_tokenizer(str(path)) is None
+
+
+def test_a_load_says_so_on_stderr_only_when_it_runs_past_the_threshold(tmp_path, cache, capfd, monkeypatch):
+    """A load past ``SLOW_LOAD_SECONDS`` prints one line naming the file and its size; a quick one prints nothing
+    (the control: the same load under the default 2 s threshold)."""
+    path = write_gguf(tmp_path / "mixed.gguf", LAYOUTS["mixed"])
+    sd.load_model(path)  # the metadata cached: the loads below are the same work
+    capfd.readouterr()
+    sd.load_model(path)
+    assert "loading" not in capfd.readouterr().err
+    monkeypatch.setattr(loader, "SLOW_LOAD_SECONDS", 0.0)
+    sd.load_model(path)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "loading" in line]
+    assert lines == [f"specdecode: loading mixed.gguf ({path.stat().st_size / 1e9:.2f} GB) ..."]

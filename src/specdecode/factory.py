@@ -47,7 +47,7 @@ def build_proposer(
     kind: str,
     target: LoadedModel,
     draft: str | None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     quantization: str = "auto",
     group_size: int = 32,
     head: str | None = None,

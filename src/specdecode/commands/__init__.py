@@ -112,7 +112,13 @@ def quiet_transformers() -> None:
 
 
 # The weight options of the commands that load a target (generate, demo, check-exact), worded once.
-DtypeOption = Annotated[str, typer.Option(help="Dense weights' dtype: float32 or bfloat16 (with --quantization none).")]
+DtypeOption = Annotated[
+    str,
+    typer.Option(
+        help="Dense weights' dtype: auto (an HF folder's own, bfloat16 for a bfloat16 or float16 checkpoint, never a "
+        "float32 copy of it; float32 for a GGUF file's dense path), float32 or bfloat16."
+    ),
+]
 QuantizationOption = Annotated[
     str,
     typer.Option(

@@ -102,7 +102,7 @@ def bench_serve(
             "fresh prompts)."
         ),
     ] = "global",
-    dtype: DtypeOption = "float32",
+    dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
 ) -> None:

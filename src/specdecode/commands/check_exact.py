@@ -65,7 +65,7 @@ def check_exact(
     cap: Annotated[int, typer.Option(min=1, help="K=2: first tokens enumerated exactly; the rest pooled.")] = 64,
     seed: Annotated[int, typer.Option(min=0, help="Sample i uses seed + i.")] = 0,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
-    dtype: DtypeOption = "float32",
+    dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
     head: HeadOption = None,

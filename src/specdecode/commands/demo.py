@@ -46,7 +46,7 @@ def demo(
         "decoding; here it does not remember earlier runs, which repeat the same prompt).",
     ),
     max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
-    dtype: DtypeOption = "float32",
+    dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
     head: HeadOption = None,

@@ -70,7 +70,7 @@ def generate(
     verbose: bool = typer.Option(
         False, "--verbose", help="Say which runner and weight formats the model got (and why, on a fallback)."
     ),
-    dtype: DtypeOption = "float32",
+    dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
     max_context: MaxContextOption = None,
@@ -99,7 +99,8 @@ def generate(
         seed=seed,
         stop=tuple(stop),
     )
-    resolve_dtype(dtype)
+    if dtype != "auto":
+        resolve_dtype(dtype)
     parse_quantization(quantization)  # validate before the slow load
     choice = proposer or default_proposer(draft, head, heads)
     if choice is ProposerChoice.draft and not draft:

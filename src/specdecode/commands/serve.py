@@ -52,7 +52,7 @@ def serve(
     ray: bool = typer.Option(False, "--ray", help="Run replicas on Ray Serve (pip install 'specdecode\\[ray]')."),
     replicas: int = typer.Option(1, help="With --ray: replicas of the whole app (each loads the model)."),
     threads: int | None = typer.Option(None, help="Torch threads per server or replica (default: torch's choice)."),
-    dtype: DtypeOption = "float32",
+    dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
     suffix_cache: str | None = typer.Option(

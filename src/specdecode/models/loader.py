@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +174,30 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
 
 
+SLOW_LOAD_SECONDS = 2.0  # a load still running after this says so on stderr
+
+
+def _announced_when_slow(load: Callable[..., LoadedModel]) -> Callable[..., LoadedModel]:
+    """``load`` that prints one line on stderr once it has run ``SLOW_LOAD_SECONDS`` (nothing for a quick load)."""
+
+    @functools.wraps(load)
+    def announced(source: Any, *args: Any, **kwargs: Any) -> LoadedModel:
+        what = Path(source).name if isinstance(source, str | os.PathLike) else type(source).__name__
+        size = Path(source).stat().st_size if isinstance(source, str | os.PathLike) and Path(source).is_file() else 0
+        sized = f" ({size / 1e9:.2f} GB)" if size else ""
+        notice = threading.Timer(SLOW_LOAD_SECONDS, lambda: print(f"specdecode: loading {what}{sized} ...",
+                                                                  file=sys.stderr, flush=True))  # fmt: skip
+        notice.daemon = True
+        notice.start()
+        try:
+            return load(source, *args, **kwargs)
+        finally:
+            notice.cancel()
+
+    return announced
+
+
+@_announced_when_slow
 def load_model(
     source: Any,
     tokenizer: Any = None,
@@ -185,8 +211,8 @@ def load_model(
 
     ``backend``: ``native`` (our Llama-family runner: static cache, fused weights), ``transformers`` (any
     causal LM), or ``auto`` = native where it reproduces the model exactly, else transformers.
-    ``dtype``: dense weights' dtype, float32 or bfloat16; by default an HF folder's own (a float16 checkpoint runs in
-    bfloat16: the native runner's dtypes), float32 for a GGUF file or a model object.
+    ``dtype``: dense weights' dtype, float32 or bfloat16; by default (None or ``"auto"``) an HF folder's own (a float16
+    checkpoint runs in bfloat16: the native runner's dtypes), float32 for a GGUF file or a model object.
     ``quantization``: ``None`` = dense weights in ``dtype``; ``"gguf"`` = the GGUF file's own blocks (``"gguf-a8"``:
     with int8 activations, llama.cpp's numerics);
     ``"int8"`` / ``"int4"`` (groups of ``group_size``) = dense weights rounded; ``"auto"`` (default) = ``"gguf"``
@@ -201,7 +227,7 @@ def load_model(
     tokens (default: a runner's first allocation) do not fit the memory available (``memory.available_memory``);
     an HF folder too, when its architecture is native.
     """
-    dtype = None if dtype is None else resolve_dtype(dtype)
+    dtype = None if dtype in (None, "auto") else resolve_dtype(dtype)
     if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                     or max_context < 1):  # fmt: skip
         raise ValueError(f"max_context must be a positive number of tokens, got {max_context!r}")
@@ -301,7 +327,7 @@ def planned_footprint(
     if gguf_path is None and not (supports_native(skeleton) and _fills(skeleton, checkpoint)):
         return None
     stored = None if gguf_path is not None else _stored_dtype(folder, checkpoint)
-    dtype = None if dtype is None else resolve_dtype(dtype)
+    dtype = None if dtype in (None, "auto") else resolve_dtype(dtype)
     window = getattr(skeleton.config.get_text_config(), "max_position_embeddings", None)
     found = _footprint_of(skeleton, gguf_path, dtype or _default_dtype(stored, quantization), "auto", quantization,
                           group_size, stored)  # fmt: skip

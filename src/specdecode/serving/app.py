@@ -99,7 +99,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 1_000_000
     served_model_name: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # load_model's default: an HF folder's own dtype, float32 for a GGUF's dense path
     quantization: str = "auto"
     group_size: int = 32
     threads: int | None = None
