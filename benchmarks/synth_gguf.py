@@ -3,9 +3,9 @@
 (specdecode.bench.synthetic): a stand-in for timing and memory next to llama.cpp on the same file. The text it
 writes is noise; acceptance cannot be measured on it.
 
-Usage: .venv/bin/python scripts/synth_gguf.py OUT.gguf SHAPE [SOURCE.gguf]
+Usage: .venv/bin/python benchmarks/synth_gguf.py OUT.gguf SHAPE [SOURCE.gguf]
 (SHAPE: 360m | 1.7b | 8b; SOURCE: the bundled SmolLM2 by default, for its tokenizer.) Generated, never committed:
-scripts/load_cost.py measures load, memory and speed on the result; ``specdecode bench --synthetic SHAPES`` writes
+benchmarks/load_cost.py measures load, memory and speed on the result; ``specdecode bench --synthetic SHAPES`` writes
 the files into the cache and measures them in one go."""
 
 import sys

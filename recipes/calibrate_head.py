@@ -1,7 +1,7 @@
 """Measure a saved head's sampling temperature factors on held-out chats and (``--write``) store them in its
 config.json (``sampling_calibration``; train-head does this itself, on its held-out chats, for the heads it trains).
 
-    .venv/bin/python scripts/calibrate_head.py --at 0.8=DIR08/answers.jsonl --at 1.0=DIR10/answers.jsonl \
+    .venv/bin/python recipes/calibrate_head.py --at 0.8=DIR08/answers.jsonl --at 1.0=DIR10/answers.jsonl \
         --head DIR|shipped [--write]
 
 Each ``--at T=FILE`` calibrates request temperature T on the chats of a make-data answers file (best: the held-out

@@ -6,7 +6,7 @@ Two kinds of traffic, answered one after another in one process (``specdecode be
 - ``faq``: the same questions about stdlib modules asked again by other users (the same words, and the same
   words after a greeting), as support bots, retries and agent loops send them.
 
-    python scripts/make_repetitive_workload.py docs/bench/issue18/repetitive.jsonl
+    python recipes/make_repetitive_workload.py docs/bench/issue18/repetitive.jsonl
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def items() -> list[dict]:
 
 def main() -> None:
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python scripts/make_repetitive_workload.py OUT.jsonl")
+        raise SystemExit("usage: python recipes/make_repetitive_workload.py OUT.jsonl")
     with open(sys.argv[1], "w", encoding="utf-8") as handle:
         for item in items():
             handle.write(json.dumps(item) + "\n")

@@ -2,7 +2,7 @@
 the seconds, the probability that a guess was accepted on the way, and the total variation from the target's
 own law; then the minimally biased controls' TV. The numbers of docs/EXACTNESS.md's enumeration table.
 
-    .venv/bin/python scripts/enumerated_laws.py
+    .venv/bin/python benchmarks/enumerated_laws.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Time k-token forwards of the native runner over a warm KV cache, and split a step into where it goes.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/profile_runner.py [--target smollm2|gemma3-270m]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_runner.py [--target smollm2|gemma3-270m]
         [--quantization gguf|int8|int4|none]
         [--dtype float32|bfloat16] [--context 500] [--ks 1,2,4,8,16,32] [--split] [--transformers]
 

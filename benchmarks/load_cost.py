@@ -1,7 +1,7 @@
 """What a GGUF file costs to load and to run, ours next to llama.cpp's on the same file (specdecode.bench.load_cost):
 load time, peak memory and disk written (first and later loads), a 500-token prefill, the step and v(k).
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/load_cost.py FILE.gguf [--rounds 2] [--llamacpp-python PATH]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/load_cost.py FILE.gguf [--rounds 2] [--llamacpp-python PATH]
 
 ``--llamacpp-python``: an interpreter with llama-cpp-python (not a dependency; it builds llama.cpp from source).
 Prints one JSON line per measurement, then the medians. ``specdecode bench --synthetic 1.7b,8b`` does the same on

@@ -2,7 +2,7 @@
 size, its per-test threshold, the TV it detects with probability 0.9 (``exactness.detectable_tv``) and the
 draws it would need for TV 0.05 and 0.02. No sampling: the laws are computed, the pooling depends on N only.
 
-    .venv/bin/python scripts/exactness_power.py      # prints the markdown table of docs/EXACTNESS.md
+    .venv/bin/python benchmarks/exactness_power.py      # prints the markdown table of docs/EXACTNESS.md
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A/B the kernels' attention between versions of kernels.cpp, in one process, over a model-sized KV cache.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/attention_ab.py OLD.cpp NEW.cpp [...] [--reps 25]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/attention_ab.py OLD.cpp NEW.cpp [...] [--reps 25]
 
 Each source is compiled as the runner's native build would be, under a namespace of its own, so all load side by
 side; each case then calls ``attention`` over 30 layers of a SmolLM2-shaped cache (9 query heads, 3 key/value

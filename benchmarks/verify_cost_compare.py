@@ -1,7 +1,7 @@
 """v(k) of several weight settings or kernel builds of the bundled SmolLM2, interleaved in one process.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/verify_cost_compare.py --settings gguf,gguf-a8
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/verify_cost_compare.py --kernels native,avx2
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/verify_cost_compare.py --settings gguf,gguf-a8
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/verify_cost_compare.py --kernels native,avx2
 
 Each setting is loaded once (``--kernels`` picks the build of the compiled kernels, as SPECDECODE_KERNELS does);
 then k new tokens on a ``--context``-token cache, sweeps in a shuffled order, every setting in turn at each k,

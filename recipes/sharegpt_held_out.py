@@ -2,7 +2,7 @@
 excluded, in make-data's order), as a Spec-Bench-style JSONL: generation on the prompts the head's held-out
 figures come from.
 
-    .venv/bin/python scripts/sharegpt_held_out.py OUT.jsonl [--count 32]
+    .venv/bin/python recipes/sharegpt_held_out.py OUT.jsonl [--count 32]
 """
 
 from __future__ import annotations

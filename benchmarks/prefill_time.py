@@ -1,6 +1,6 @@
 """Time a prompt's prefill on the native runner at several lengths, with the compiled kernels' phase split.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/prefill_time.py [--target smollm2|gemma3-270m|FILE.gguf]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/prefill_time.py [--target smollm2|gemma3-270m|FILE.gguf]
         [--lengths 512,1024,2048,4096] [--reps 3] [--split]
 
 Random token ids (seed 0), a fresh runner per prefill, medians of ``--reps`` after one warm-up prefill. ``--split``
@@ -17,7 +17,7 @@ import statistics
 import time
 
 import torch
-from profile_runner import KERNEL_PHASES  # scripts/ is on the path when a script there runs
+from profile_runner import KERNEL_PHASES  # benchmarks/ is on the path when a script there runs
 
 import specdecode as sd
 

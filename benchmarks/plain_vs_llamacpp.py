@@ -1,7 +1,7 @@
 """Plain greedy decode of 96 tokens: our runner against llama.cpp's own eval loop (a bare argmax, no Python
 sampler) and against llama-cpp-python's ``generate()``, alternated, medians of 3, prefill included.
 
-    .venv/bin/python scripts/plain_vs_llamacpp.py [gemma3-270m|smollm2]
+    .venv/bin/python benchmarks/plain_vs_llamacpp.py [gemma3-270m|smollm2]
 
 Needs llama-cpp-python (not a dependency). Both read the bundled model's GGUF file with 2 threads.
 """

@@ -4,7 +4,7 @@
 # trains a head at once on all of those answers for TRAIN_MINUTES (train-head --max-minutes), and OUT receives
 # each head (head.safetensors + config.json), the answers (gzip) and the logs.
 #
-#   scripts/gpu_head.sh TARGET PROMPTS OUT
+#   recipes/gpu_head.sh TARGET PROMPTS OUT
 #
 # TARGET: the target (a .gguf file or a bundled name); PROMPTS: make-data's --prompts (chats in ShareGPT's order,
 # so indices match `--prompts sharegpt`). Settings (environment): DEVICE (cuda), DTYPE (the answering target's:

@@ -3,7 +3,7 @@
 conversations (the stage-1 held-out set), over every row and over the answer rows alone (``SET answers``: the rows
 whose guess is an assistant's token, ``heads/answer_rows.py``). Features are computed once and shared by the heads.
 
-    .venv/bin/python scripts/score_heads.py --answers DIR/answers.jsonl --out DIR --head NAME=DIR [--head ...]
+    .venv/bin/python recipes/score_heads.py --answers DIR/answers.jsonl --out DIR --head NAME=DIR [--head ...]
 
 ``--head NAME=shipped`` scores the head shipped for smollm2; the figures go to ``DIR/scores.json``.
 """
@@ -15,11 +15,29 @@ import json
 from pathlib import Path
 
 import torch
-from compare_head_data import scores  # scripts/ is on sys.path when run as a script
 
 import specdecode as sd
-from specdecode.heads.saved import shipped_head
-from specdecode.heads.train import TrainSettings, read_samples
+from specdecode.heads.answer_rows import answer_markers
+from specdecode.heads.model import TargetParts, lm_head_rows
+from specdecode.heads.saved import load_head, shipped_head
+from specdecode.heads.train import FeatureCache, TrainSettings, held_out_accuracy, read_samples
+
+
+def scores(target: sd.LoadedModel, head_dir: Path, held_out: dict[str, list[list[int]]], cache_root: Path) -> dict:
+    """Held-out top-1 by depth of the head in ``head_dir`` on each named held-out set: over every row, and over
+    the answer rows alone (``NAME answers``: the rows drafting meets)."""
+    head, draft_vocab, _ = load_head(head_dir, target)
+    parts = TargetParts(target.model, target.vocab_size, draft_vocab)
+    rows = lm_head_rows(target.model)[: target.vocab_size]
+    result = {}
+    for name, sequences in held_out.items():
+        cache = FeatureCache(cache_root / name, target, torch.bfloat16)
+        markers = answer_markers(target.tokenizer)
+        figures = held_out_accuracy(head, parts, rows, cache, sequences, [draft_vocab.numel()], markers)
+        cache.flush()
+        result[name] = figures[draft_vocab.numel()]["top1_by_depth"]
+        result[f"{name} answers"] = figures[draft_vocab.numel()]["answers_top1_by_depth"]
+    return result
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ For each prompt (a JSONL of Spec-Bench-style questions) the variants run in turn
 plain decoding, then every (head, drafter, shape) triple, greedy. Prints one markdown table of medians/means
 and writes the per-prompt records as JSON.
 
-    .venv/bin/python scripts/eagle_drafting_bench.py docs/bench/eagle/unseen_chat.jsonl --out DIR \
+    .venv/bin/python recipes/eagle_drafting_bench.py docs/bench/eagle/unseen_chat.jsonl --out DIR \
         [--head NAME=DIR ...] [--variants "kernels/chain γ1,kernels/tree 3 nodes"]
 
 ``--head`` (repeatable) compares heads (default: the shipped one, named "shipped"); ``--variants`` keeps the

@@ -1,7 +1,7 @@
 """Time one-row and four-row forwards of the native runner over caches of 128 to 4,096 tokens, with the kernels'
 phase split: how a decode step and a verify pass grow with the context.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/decode_context_time.py [--target smollm2|gemma3-270m]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/decode_context_time.py [--target smollm2|gemma3-270m]
 
 Random prompt ids (seed 0), five warm-up forwards per cache, then medians of 30 forwards in ms, each rolled back.
 """
@@ -13,7 +13,7 @@ import statistics
 import time
 
 import torch
-from profile_runner import KERNEL_PHASES  # scripts/ is on the path when a script there runs
+from profile_runner import KERNEL_PHASES  # benchmarks/ is on the path when a script there runs
 
 import specdecode as sd
 

@@ -2,9 +2,9 @@
 step at the same context, c = draft step / target step, and the planner's predicted speedup and best gamma at
 α = 0.6 / 0.7 / 0.8 — both models on the compiled kernels in one process (one thread pool), measurements alternated.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/draft_cost.py TARGET.gguf [--draft smollm2] [--context 500] [--reps 9]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/draft_cost.py TARGET.gguf [--draft smollm2] [--context 500] [--reps 9]
 
-The target must share the draft's tokenizer (``scripts/synth_gguf.py`` writes SmolLM2-1.7B / Llama-8B shapes with
+The target must share the draft's tokenizer (``benchmarks/synth_gguf.py`` writes SmolLM2-1.7B / Llama-8B shapes with
 the bundled SmolLM2 tokenizer and random weights: acceptance cannot be measured on those, so α is a parameter here).
 Prints a Markdown table and one JSON line.
 """

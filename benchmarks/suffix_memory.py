@@ -1,7 +1,7 @@
 """Memory, append and drafting cost of a suffix history of ~1.1 M tokens (the stdlib's .py files, SmolLM2's
-tokenizer), for docs/BENCHMARKS.md §18.5.
+tokenizer), for docs/BENCHMARKS.md ("Suffix decoding").
 
-    python scripts/suffix_memory.py [TOKENS]
+    python benchmarks/suffix_memory.py [TOKENS]
 """
 
 from __future__ import annotations
