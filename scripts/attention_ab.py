@@ -6,7 +6,7 @@ Each source is compiled as the runner's native build would be, under a namespace
 side; each case then calls ``attention`` over 30 layers of a SmolLM2-shaped cache (9 query heads, 3 key/value
 heads, head size 64; 97 MB, more than the L3 holds, as in a decode step), the versions in alternating order per
 repetition; medians in ms after 3 warm-up repetitions. Every version's output must equal the first's bit for bit.
-(e.g. ``git show HEAD:src/specdecode/models/kernels/kernels.cpp > /tmp/old.cpp`` for the committed version.)
+(e.g. ``git show HEAD:src/specdecode/kernels/kernels.cpp > /tmp/old.cpp`` for the committed version.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.models import kernels
+from specdecode import kernels
 
 HEADS, KV_HEADS, DIM, LAYERS, CAPACITY = 9, 3, 64, 30, 4224
 CASES = ((512, 1), (1024, 1), (2048, 1), (4096, 1), (2048, 4), (4096, 4), (500, 9))  # (cached keys, rows)

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (models/kernels): built here, exact to their maths, row-invariant, the same bits on
+"""The compiled CPU kernels (kernels/): built here, exact to their maths, row-invariant, the same bits on
 every instruction set, and one OpenMP runtime (torch's)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.models import kernels
+from specdecode import kernels
 from specdecode.models.gguf_blocks import (
     decode_q4_0,
     decode_q4_1,

@@ -376,7 +376,7 @@ class KernelLinear:
         """Pack ``blocks`` (groups of 16 or 32, or larger ones split into 32s) and register them with the kernels;
         each input row is quantized to ``activation_bits`` per group. The blocks are read a slice of rows at a
         time (``FileBlocks`` stay in the file until then)."""
-        from .kernels import ops
+        from ..kernels import ops
 
         kernels = ops()
         if kernels is None:

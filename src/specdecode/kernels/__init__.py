@@ -27,6 +27,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ..cache import cache_root, exclusive
+
 SOURCE = Path(__file__).with_name("kernels.cpp")
 NAMESPACE = "specdecode_kernels"
 # Build variants: the native one the runner uses, and portable ones the tests compare it with bitwise. The plain-C
@@ -122,8 +124,6 @@ def _key(variant: str) -> str:
 
 def build(variant: str = "native") -> Path:
     """The compiled library for ``variant``, built now unless the cache holds it (one build at a time per key)."""
-    from ..loader import cache_root, exclusive
-
     folder = cache_root() / "kernels" / f"{variant}-{_key(variant)}"
     library = folder / f"{_namespace(variant)}.so"
     if library.is_file():
