@@ -105,7 +105,8 @@ constexpr int kRowBlock = 3;
 constexpr int kRowBlock = 4;
 #endif
 
-// The 16 lanes' scales (or offsets) of one group: `at` indexes the group's lanes, `super_at` its super-block's.
+// The 16 lanes' scales (or offsets) of one group, stored as ScaleKind SK: `at` indexes the group's lanes,
+// `super_at` its super-block's.
 template <int SK>
 static inline VF load_scales(const void* p, const uint16_t* super, int64_t at, int64_t super_at) {
   if constexpr (SK == kScaleSuper) {
@@ -126,8 +127,18 @@ static inline VI vi_dot8(VI acc, __m512i w, int32_t quad) {
 }
 #endif
 
-// y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs. A8: the activations
-// are int8 quads (vpdpbusd); otherwise int16 pairs.
+// y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs. One instance per weight
+// format and row count, so the inner loops hold no branch on either (tile_fn_of picks it from the Matrix):
+//   R    rows in this block, 1..kRowBlock: each row's 16 accumulators stay in registers, and each group of the
+//        tile is loaded and unpacked once for all R rows;
+//   G    the group size g (16 or 32): inputs per scale, the length of each exact integer dot product;
+//   NIB  4-bit weights, two to a byte (Matrix::nibbles: the "nibbles" layout), else one byte per weight;
+//   SK   how the scales and offsets are stored, a ScaleKind (Matrix::kind): float32, float16, or a K-quant's int8
+//        multiplier per group times a float16 factor per super-block;
+//   SYM  a symmetric type (Matrix::sym >= 0): w = s·(u − sym), so Σ w·x = s·d·(Σ u·xq − sym·Σ xq) and there are no
+//        offsets; else w = s·u + m, m the group's offset (Q4_1, K-quants), added as m·d·Σ xq;
+//   A8   the activations are int8 quads for vpdpbusd (the quad layout: SD_DOT8 builds, Matrix::abits == 8); else
+//        int16 pairs (int8 activations included, where vpdpbusd is missing: the same integer sums).
 template <int R, int G, bool NIB, int SK, bool SYM, bool A8>
 static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                       int64_t ncols, const float* add, int64_t ldadd) {
@@ -270,6 +281,7 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
   }
 }
 
+// tile_rows for a block of `rows` rows (the flags as there), the matrix's group size chosen at run time.
 template <bool NIB, int SK, bool SYM, bool A8>
 static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                      int64_t ncols, const float* add, int64_t ldadd) {
@@ -299,6 +311,7 @@ static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, i
 using TileFn = void (*)(int, const Matrix&, int64_t, const QuantRows&, int64_t, float*, int64_t, int64_t, const float*,
                         int64_t);
 
+// The tile function of a matrix's format: NIB, SK and SYM from its fields, A8 as the activations are packed.
 template <bool A8>
 static TileFn tile_fn_of(const Matrix& w) {
   const int key = (w.nibbles ? 6 : 0) + w.kind * 2 + (w.sym >= 0 ? 1 : 0);

@@ -11,7 +11,7 @@
 //     u unsigned, one (s, m) per group; integer dot products per group are exact in any order;
 //   * each output's float accumulation over groups runs in one fixed order (group 0, 1, ...), lanes = outputs;
 //   * threads split output columns (linear) or (row, key/value head, key chunk) tasks (attention), never a
-//     reduction; attention reduces each row over fixed chunks of ATT_CHUNK logical key positions counted from 0,
+//     reduction; attention reduces each row over fixed chunks of kAttChunk logical key positions counted from 0,
 //     merged in order, so a row's result depends only on the keys it sees, in order.
 // The vector backends (AVX-512, AVX2, portable C) run the same IEEE operations lane by lane (fused multiply-adds
 // only where written, -ffp-contract=off), so they give bitwise the same results as each other.
