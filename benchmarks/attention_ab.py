@@ -1,4 +1,4 @@
-"""A/B the kernels' attention between versions of kernels.cpp, in one process, over a model-sized KV cache.
+"""A/B the kernels' attention between versions of their C++ sources, in one process, over a model-sized KV cache.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/attention_ab.py OLD.cpp NEW.cpp [...] [--reps 25]
 
@@ -6,7 +6,8 @@ Each source is compiled as the runner's native build would be, under a namespace
 side; each case then calls ``attention`` over 30 layers of a SmolLM2-shaped cache (9 query heads, 3 key/value
 heads, head size 64; 97 MB, more than the L3 holds, as in a decode step), the versions in alternating order per
 repetition; medians in ms after 3 warm-up repetitions. Every version's output must equal the first's bit for bit.
-(e.g. ``git show HEAD:src/specdecode/models/kernels/kernels.cpp > /tmp/old.cpp`` for the committed version.)
+Each SOURCE is a version's ops.cpp, beside its other parts (``git archive HEAD src/specdecode/kernels/csrc | tar -x
+-C /tmp/old`` for the committed version), or the single kernels.cpp of a version from before the split.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.models import kernels
+from specdecode import kernels
 
 HEADS, KV_HEADS, DIM, LAYERS, CAPACITY = 9, 3, 64, 30, 4224
 CASES = ((512, 1), (1024, 1), (2048, 1), (4096, 1), (2048, 4), (4096, 4), (500, 9))  # (cached keys, rows)

@@ -36,8 +36,8 @@ from transformers import (
 )
 
 import specdecode as sd
+from specdecode import kernels
 from specdecode.errors import ModelNotAvailable
-from specdecode.models import kernels
 from specdecode.models.architecture import architecture_of, unsupported_reason
 
 pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")

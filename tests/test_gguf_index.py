@@ -139,6 +139,7 @@ def test_a_process_that_finds_the_dense_copy_being_built_waits_and_reads_it(tmp_
     import threading
     import time
 
+    from specdecode.cache import exclusive
     from specdecode.models import loader
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
@@ -147,7 +148,7 @@ def test_a_process_that_finds_the_dense_copy_being_built_waits_and_reads_it(tmp_
     folder, builds, found = loader._dense_folder(gguf_file), [], []
     monkeypatch.setattr(loader, "_build_dense_copy", lambda gguf_path, out: builds.append(out))
     second = threading.Thread(target=lambda: found.append(loader._dense_cache(gguf_file)))
-    with loader.exclusive(loader._build_lock(folder), "a test's build"):
+    with exclusive(loader._build_lock(folder), "a test's build"):
         second.start()
         said, deadline = "", time.monotonic() + 60
         while "waiting" not in said and time.monotonic() < deadline:

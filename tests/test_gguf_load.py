@@ -13,8 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import specdecode as sd
+from specdecode import kernels
 from specdecode.errors import ModelNotAvailable
-from specdecode.models import kernels, loader
+from specdecode.models import loader
 from specdecode.models.quantize import Quantization, quantize_model
 
 pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")

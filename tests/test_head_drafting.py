@@ -11,11 +11,11 @@ from conftest import randomized, train_word_head, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
+from specdecode import kernels as compiled
 from specdecode.enumeration import engine_law, prefix_law, total_variation
 from specdecode.heads.drafting import KernelHead, TorchHead, TreeRows, kernel_blocks
 from specdecode.heads.model import TargetParts, lm_head_rows
 from specdecode.heads.saved import load_head
-from specdecode.models import kernels as compiled
 from specdecode.proposers.eagle import EagleProposer
 
 OPS = compiled.ops()

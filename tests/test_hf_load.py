@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
-from specdecode.models import kernels, loader, memory
+from specdecode import kernels
+from specdecode.models import loader, memory
 from specdecode.models.weights import FloatRows, GroupQuant, Int8Linear
 
 VOCAB = 64
@@ -181,7 +182,7 @@ import sys
 import torch
 torch.set_num_threads(1)
 import specdecode as sd
-from specdecode.models.kernels import ops
+from specdecode.kernels import ops
 
 def high_water():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))

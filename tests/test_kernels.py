@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (models/kernels): built here, exact to their maths, row-invariant, the same bits on
+"""The compiled CPU kernels (kernels/): built here, exact to their maths, row-invariant, the same bits on
 every instruction set, and one OpenMP runtime (torch's)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import platform
+import shutil
 import subprocess
 import warnings
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.models import kernels
+from specdecode import kernels
 from specdecode.models.gguf_blocks import (
     decode_q4_0,
     decode_q4_1,
@@ -464,7 +465,7 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_path(monkeypatch, tmp_pa
 
 def test_the_build_is_cached_per_machine_and_source(monkeypatch, tmp_path):
     """The cache logic, with g++'s compile replaced by a stand-in (the real compile, ~90 s from a cold cache, is
-    what every kernel test here loads)."""
+    what every kernel test here loads); an edit to any file of csrc/ is a new build."""
     real_run, compiles = kernels.subprocess.run, []
 
     def run(command, *args, **kwargs):
@@ -476,11 +477,16 @@ def test_the_build_is_cached_per_machine_and_source(monkeypatch, tmp_path):
 
     monkeypatch.setattr(kernels.subprocess, "run", run)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    sources = tmp_path / "csrc"
+    shutil.copytree(kernels.SOURCES, sources)
+    monkeypatch.setattr(kernels, "SOURCES", sources)
     first = kernels.build("portable")
     stamp = first.stat().st_mtime_ns
     assert kernels.build("portable") == first and first.stat().st_mtime_ns == stamp  # no second build
     assert len(compiles) == 1 and first.parent.parent == tmp_path / "kernels"
     assert kernels.build("avx2").parent != first.parent and len(compiles) == 2  # one build per variant
+    (sources / "simd.h").write_text((sources / "simd.h").read_text() + "// an edit to a part ops.cpp includes\n")
+    assert kernels.build("portable").parent != first.parent and len(compiles) == 3
 
 
 # --- the runner on every GGUF block type -------------------------------------------------------------------

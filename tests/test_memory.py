@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands
+from specdecode import commands, kernels
 from specdecode.bench import synthetic
+from specdecode.cache import cache_root
 from specdecode.errors import ModelNotAvailable
-from specdecode.models import kernels, loader, memory
+from specdecode.models import loader, memory
 from specdecode.models.memory import FileTensor, Footprint, Layout, Shape
 
 runner = CliRunner()
@@ -186,7 +187,7 @@ def test_a_server_caps_its_requests_at_its_context(monkeypatch):
 PEAK_CHILD = """
 import json, os, sys
 import specdecode as sd
-from specdecode.models import kernels
+from specdecode import kernels
 kernels.ops()  # the compiled library, linked from the parent's cache: part of the imports, not of the load
 with open("/proc/self/statm") as statm:
     imported = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -218,7 +219,7 @@ def test_a_few_hundred_mb_gguf_loads_in_about_its_own_size_and_writes_only_its_m
     cache = tmp_path / "cache"
     cache.mkdir()
     kernels.build(kernels.runner_variant() or "native")  # the child's build, linked into its cache
-    (cache / "kernels").symlink_to(loader.cache_root() / "kernels")
+    (cache / "kernels").symlink_to(cache_root() / "kernels")
     env = {**os.environ, "SPECDECODE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     loads = []
     for _ in ("first", "later"):

@@ -170,7 +170,7 @@ def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(family, dtype, qu
 def test_kernels_compute_what_the_torch_path_computes(family):
     """The compiled decoder's Gemma/Qwen options (norms, GELU, windows, RoPE tables) against the torch path over
     the same int8 weights: equal up to the kernels' int16 activations and float16 cache."""
-    from specdecode.models.kernels import ops
+    from specdecode.kernels import ops
 
     if ops() is None:
         pytest.skip("the compiled kernels did not build here")
@@ -225,7 +225,7 @@ def test_unsupported_configs_say_why():
 
 
 def test_describe_names_family_engine_and_formats():
-    from specdecode.models.kernels import ops
+    from specdecode.kernels import ops
 
     line = _loaded(gemma(), "float32", "int4", 32, "kernels").describe()
     engine = "compiled kernels" if ops() is not None else "PyTorch ops"
@@ -242,7 +242,7 @@ def test_every_instruction_set_runs_the_gemma_and_qwen_options_to_the_same_bits(
 
     from test_kernels import _variant
 
-    from specdecode.models.kernels import ops
+    from specdecode.kernels import ops
 
     _variant(variant)  # skips where that build is unavailable
     ids = _ids(40, seed=13)

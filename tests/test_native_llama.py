@@ -274,7 +274,7 @@ def _wide(model_cls=LlamaForCausalLM, config_cls=LlamaConfig, **overrides):
 
 def _loaded(model, dtype: str, quantization: str | None, group_size: int, kernels: str = "kernels"):
     import specdecode as sd
-    from specdecode.models.kernels import ops
+    from specdecode.kernels import ops
 
     with pytest.MonkeyPatch.context() as patch:
         if kernels == "torch":

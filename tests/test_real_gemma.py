@@ -38,7 +38,7 @@ def long_ids(gemma) -> list[int]:
 
 
 def test_native_by_default_on_the_files_blocks(gemma):
-    from specdecode.models.kernels import ops
+    from specdecode.kernels import ops
 
     assert gemma.backend == "native" and gemma.quantization == "gguf"
     assert gemma.new_runner().uses_kernels == (ops() is not None)

@@ -11,8 +11,8 @@ from conftest import with_eos
 from scipy.stats import chi2
 
 import specdecode as sd
+from specdecode import kernels
 from specdecode.keyed_noise import KeyedNoise, gumbel_max, gumbel_noise, keyed_argmax, philox_uniforms
-from specdecode.models import kernels
 from specdecode.sampling import probs_from_logits
 from specdecode.verify import coupled_verify
 

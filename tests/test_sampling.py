@@ -8,9 +8,8 @@ import pytest
 import torch
 from conftest import chisquare_pvalue
 
-from specdecode import SamplingParams
+from specdecode import SamplingParams, kernels
 from specdecode.choices import GeneratorChoices, inverse_cdf, inverse_cdf_torch
-from specdecode.models import kernels
 from specdecode.sampling import probs_from_logits, sample, warp_logits
 
 

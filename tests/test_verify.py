@@ -20,7 +20,7 @@ from conftest import biased_tree_sample, chisquare_pvalue, draw_tree, random_tab
 
 import specdecode.choices
 import specdecode.verify
-from specdecode.models import kernels
+from specdecode import kernels
 from specdecode.verify import (
     greedy_verify,
     speculative_sample,

@@ -73,7 +73,7 @@ def _sampling_kernels(probs: torch.Tensor):
     """The CPU kernels' operators when they can draw from ``probs`` (float32 / float64 on the CPU), else None."""
     if probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64) or probs.shape[-1] == 0:
         return None
-    from .models.kernels import ops
+    from .kernels import ops
 
     return ops()
 

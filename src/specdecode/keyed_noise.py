@@ -83,7 +83,7 @@ def keyed_argmax(warped: torch.Tensor, seed: int, positions: list[int]) -> torch
     path choose the same token bitwise. The kernel also draws Philox in C, parallel over the vocabulary: 0.1 ms
     a row of 49,152 instead of 0.4 ms (docs/BENCHMARKS.md).
     """
-    from .models.kernels import ops
+    from .kernels import ops
 
     kernels = ops()
     if kernels is not None:

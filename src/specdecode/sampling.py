@@ -19,7 +19,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     torch's ~100 µs, which a greedy step pays per verified row); the index is the same on either path (tested).
     """
     if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.shape[-1]:
-        from .models.kernels import ops
+        from .kernels import ops
 
         kernels = ops()
         if kernels is not None:

@@ -94,7 +94,7 @@ def _chain_kernels(target_probs: torch.Tensor, draft_probs: torch.Tensor | None)
     rows = (target_probs,) if draft_probs is None else (target_probs, draft_probs)
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in rows):
         return None
-    from .models.kernels import ops
+    from .kernels import ops
 
     return ops()
 

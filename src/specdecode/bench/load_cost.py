@@ -99,10 +99,11 @@ def compare_load(
     """Measure ``path`` ``rounds`` times (our first and later loads; llama.cpp's where ``llamacpp_python`` names an
     interpreter with llama-cpp-python), alternating which engine goes first; ``on_result(name, row)`` after each.
     Returns the rows by name ("specdecode, first load", "specdecode, later load", "llama.cpp")."""
-    from ..models import kernels, loader
+    from .. import kernels
+    from ..cache import cache_root
 
     kernels.build("native")  # compiled once into the current cache; linked into each fresh one
-    built = loader.cache_root() / "kernels"
+    built = cache_root() / "kernels"
     results: dict[str, list[dict]] = {}
 
     def record(name: str, row: dict) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..models.loader import cache_root
+from ..cache import cache_root
 
 Q = gguf.GGMLQuantizationType
 FORMAT = 1  # bump when the files written change: older cached files are then not reused

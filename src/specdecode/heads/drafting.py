@@ -2,7 +2,7 @@
 
 ``TorchHead`` runs the head module with torch ops (any device, any dtype): ~30 small ops a step, whose dispatch
 alone costs more on a CPU than the head's ~9 MB of int8 weights take to read. ``KernelHead`` runs a step as one
-call into the compiled kernels (``models/kernels``: ``head_step``): the input norms, ``fc``, the head's decoder
+call into the compiled kernels (``kernels/``: ``head_step``): the input norms, ``fc``, the head's decoder
 layer (its KV cache static, float16, in the kernels' layout: rollback is a length reset), the target's final
 norm and the drafting vocabulary's LM-head rows.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import fcntl
 import functools
 import hashlib
 import json
@@ -12,8 +11,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from ..cache import cache_root, exclusive
 from ..errors import ModelNotAvailable
+from ..kernels import ops as kernels_ops
 from .architecture import architecture_of, unsupported_reason
 from .base import ModelRunner
 from .bundled import BUNDLED
@@ -29,7 +29,6 @@ from .checkpoint import Checkpoint, checkpoint_of
 from .gguf_blocks import read_gguf_tensors
 from .gguf_config import complete_config, readable_config
 from .hf import HFRunner
-from .kernels import ops as kernels_ops
 from .memory import (
     INITIAL_SLOTS,
     Footprint,
@@ -473,28 +472,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         found.add(int(tokenizer.eos_token_id))
     return frozenset(found)
-
-
-def cache_root() -> Path:
-    """Where dense copies of GGUF models live: $SPECDECODE_CACHE, else $XDG_CACHE_HOME/specdecode, else ~/.cache."""
-    if os.environ.get("SPECDECODE_CACHE"):
-        return Path(os.environ["SPECDECODE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode"
-
-
-@contextmanager
-def exclusive(lock_file: Path, what: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_file`` (created if need be): one builder of a cache entry at a time
-    across processes (two servers or test workers starting at once); released when the block ends or the
-    process dies. Waiting for another process says so on stderr, naming ``what`` it builds."""
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"specdecode: waiting for another process to finish {what} ...", file=sys.stderr, flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
 
 
 CONFIG_VERSION = 2  # 2: what transformers' GGUF reader drops put back (gguf_config.py); entries of 1 are not read

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ModelNotAvailable
 
-ATTENTION_CHUNK = 128  # keys per attention partial in kernels.cpp (kAttChunk)
+ATTENTION_CHUNK = 128  # keys per attention partial in kernels/csrc/attention.h (kAttChunk)
 VERIFY_ROWS = 9  # rows per request in a verify pass: up to 8 drafted tokens (max_gamma) and the newest one
 INITIAL_SLOTS = 1024  # a runner's first KV allocation; it doubles on demand up to the context cap
 AVAILABLE_ENV = "SPECDECODE_AVAILABLE_MEMORY"

@@ -305,7 +305,7 @@ class NativeLlamaRunner:
 
     @property
     def uses_kernels(self) -> bool:
-        """True when forwards run the compiled kernels (``kernels.cpp``), False on the pure-torch path."""
+        """True when forwards run the compiled kernels (``specdecode.kernels``), False on the pure-torch path."""
         return self._kernel_layers is not None
 
     @property

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import kernels
+from .. import kernels
 from .architecture import FAMILIES
 from .gguf_blocks import BLOCK_TYPES, FileBlocks, StoredTensor, read_gguf_tensors
 from .weights import (

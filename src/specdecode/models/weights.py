@@ -354,7 +354,7 @@ class RowSlice:
 
 @dataclass(frozen=True)
 class KernelLinear:
-    """Integer blocks in the compiled kernels' tile layout (``kernels/kernels.cpp``): float32 in and out, each
+    """Integer blocks in the compiled kernels' tile layout (``kernels/csrc/weights.h``): float32 in and out, each
     input row quantized to int16 per group, integer dot products, float32 sums in a fixed order (row-invariant)."""
 
     packed: torch.Tensor  # uint8: 4-bit blocks as nibbles, 5- to 8-bit ones as bytes, tiles of 16 outputs
@@ -376,7 +376,7 @@ class KernelLinear:
         """Pack ``blocks`` (groups of 16 or 32, or larger ones split into 32s) and register them with the kernels;
         each input row is quantized to ``activation_bits`` per group. The blocks are read a slice of rows at a
         time (``FileBlocks`` stay in the file until then)."""
-        from .kernels import ops
+        from ..kernels import ops
 
         kernels = ops()
         if kernels is None:
@@ -478,9 +478,9 @@ def _file_parts(blocks: BlockSource) -> list | None:
 
 
 def _tile_layout(u: torch.Tensor, group: int, nibbles: bool, quads: bool = False) -> torch.Tensor:
-    """``kernels.cpp``'s layout of the integers: outputs in tiles of 16 (zero rows pad the last), per tile each
-    group's integers as pairs (2p, 2p+1) per output (nibbles: pair q low, pair q + group/4 high) or, for int8
-    activations on vpdpbusd builds, as quads (4q..4q+3; nibbles: quad 2b low, 2b+1 high)."""
+    """The kernels' layout of the integers (``kernels/csrc/weights.h``): outputs in tiles of 16 (zero rows pad the
+    last), per tile each group's integers as pairs (2p, 2p+1) per output (nibbles: pair q low, pair q + group/4 high)
+    or, for int8 activations on vpdpbusd builds, as quads (4q..4q+3; nibbles: quad 2b low, 2b+1 high)."""
     n, k = u.shape
     tiles = -(-n // 16)
     if tiles * 16 > n:

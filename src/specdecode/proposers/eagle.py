@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels as compiled
 from ..choices import as_choices
 from ..heads.calibrate import TemperatureCalibration
 from ..heads.drafting import WEIGHT_BITS, KernelHead, TorchHead, TreeRows, supports_kernel_head
 from ..heads.model import TargetParts, lm_head_rows
 from ..heads.saved import load_head, shipped_head
 from ..keyed_noise import KeyedNoise
-from ..models import kernels as compiled
 from ..models.loader import LoadedModel, load_model
 from ..params import SamplingParams
 from ..sampling import probs_from_logits

@@ -1,10 +1,11 @@
-"""Our CPU kernels (``kernels.cpp``), compiled on this machine on first use and cached; or None where they can't be.
+"""Our CPU kernels (C++ in ``csrc/``), compiled on this machine on first use and cached; or None where they can't be.
 
 ``ops()`` returns the loaded operator namespace (``torch.ops.specdecode_kernels``) or None. The first call compiles
-the C++ source with this machine's g++ for its own CPU (``-march=native``: AVX-512 with VNNI, AVX2, or plain C, the
-same numerics in each), with one line on stderr while it does, and caches the library under
-``cache_root()/kernels/<key>`` where the key names the source, the compiler, torch and the CPU's flags, so each
-CPU/compiler builds once. It links torch's own OpenMP runtime, so the kernels run on torch's thread pool.
+the sources, one translation unit (``csrc/ops.cpp``, which includes the other parts in order), with this machine's
+g++ for its own CPU (``-march=native``: AVX-512 with VNNI, AVX2, or plain C, the same numerics in each), with one
+line on stderr while it does, and caches the library under ``cache_root()/kernels/<key>`` where the key names every
+file of ``csrc/``, the compiler, torch and the CPU's flags, so each CPU/compiler builds once. It links torch's own
+OpenMP runtime, so the kernels run on torch's thread pool.
 ``SPECDECODE_KERNELS=0`` turns them off (the pure-torch formats of ``weights.py`` run instead, as they do when
 the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs another instruction set's build
 (portable: the tests' plain-C reference, built at -O1, not for speed).
@@ -27,7 +28,10 @@ from types import SimpleNamespace
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+from ..cache import cache_root, exclusive
+
+SOURCES = Path(__file__).with_name("csrc")  # every file here is part of the build (and of its cache key)
+SOURCE = SOURCES / "ops.cpp"  # the one translation unit: it includes the other parts
 NAMESPACE = "specdecode_kernels"
 # Build variants: the native one the runner uses, and portable ones the tests compare it with bitwise. The plain-C
 # reference builds at -O1 (the flag after -O3 wins): g++ took 132 s at -O3 vectorizing its lane loops, 30 s at -O1
@@ -116,14 +120,13 @@ def _command(variant: str, output: Path) -> list[str]:
 def _key(variant: str) -> str:
     compiler = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     flags = " ".join(VARIANTS[variant])
-    parts = [SOURCE.read_bytes().decode(), variant, compiler, torch.__version__, _cpu_flags(), flags]
+    sources = [f"{path.name}\n{path.read_text()}" for path in sorted(SOURCES.iterdir()) if path.is_file()]
+    parts = [*sources, variant, compiler, torch.__version__, _cpu_flags(), flags]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 def build(variant: str = "native") -> Path:
     """The compiled library for ``variant``, built now unless the cache holds it (one build at a time per key)."""
-    from ..loader import cache_root, exclusive
-
     folder = cache_root() / "kernels" / f"{variant}-{_key(variant)}"
     library = folder / f"{_namespace(variant)}.so"
     if library.is_file():
