@@ -22,7 +22,7 @@ constexpr int64_t kAttChunk = 128;  // keys per attention partial (part of the n
 // Attention asks for its keys and values ahead from kPrefetchKeysFrom cached keys, in AVX-512 builds only. On a
 // 2-core Zen 4 (AVX-512) the requests took a 4,096-key row from 5.18 to 3.85 ms; on a 2-core Zen 3 the AVX2 build
 // was never faster with them and 6-27% slower at 1,024 keys (its arithmetic, at half the width, already hides the
-// stream): scripts/attention_ab.py. Elsewhere the requests are compiled out.
+// stream): benchmarks/attention_ab.py. Elsewhere the requests are compiled out.
 #if SD_AVX512
 constexpr bool kPrefetchKeys = true;
 #else

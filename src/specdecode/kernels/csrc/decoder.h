@@ -21,7 +21,7 @@ constexpr int kMaxRefine = 64;  // the most top logits per row lm_head recompute
 
 // ------------------------------------------------------------------------------------------------ profiling
 
-// Wall time per phase of the decoder and head, accumulated while profiling is on (scripts/profile_runner.py).
+// Wall time per phase of the decoder and head, accumulated while profiling is on (benchmarks/profile_runner.py).
 enum Phase { kNorm, kMatrices, kRope, kAttention, kActivation, kHead, kRefine, kPhases };
 static bool g_profiling = false;
 static double g_phase_seconds[kPhases] = {0};
