@@ -211,6 +211,44 @@ def test_every_instruction_set_gives_the_same_bits(variant):
     assert torch.equal(other.exp_lanes(values), native.exp_lanes(values))
 
 
+def _grid_law(draw, vocab: int, points: int = 20_000) -> torch.Tensor:
+    """The law of ``draw(u)`` over a midpoint grid of ``points`` uniforms (each cell's mass exact to 1/points)."""
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for token in draw((torch.arange(points, dtype=torch.float64) + 0.5) / points):
+        counts[token] += 1
+    return counts / points
+
+
+@pytest.mark.parametrize("variant", ["native", *kernels.MUTANTS])
+def test_the_mutant_builds_break_the_compiled_draws_and_the_native_one_does_not(variant):
+    """The controls that reach the compiled sampling: each mutant build (one deliberate fault, SD_MUTANT_*) moves
+    the residual draw after a rejection or the plain inverse-CDF draw by ≥ 1e-3 in total variation, where the native
+    build is within the grid's 1/20,000 of the law (norm(max(0, p − q)), and p)."""
+    ops = _variant(variant)
+    gen = torch.Generator().manual_seed(30)
+    p, q = torch.rand(2, 8, generator=gen, dtype=torch.float64).softmax(-1).float().unbind()
+    x = int(torch.argmax(q / p))  # p(x) / q(x) < 1: a rejection at accept_u just below 1
+    target = torch.stack([p, p])
+    residual = (p.double() - q.double()).clamp_min(0)
+    residual /= residual.sum()
+
+    def chain(us):
+        return [ops.exact_chain(target, q[None], torch.tensor([x]), torch.tensor([0.999999], dtype=torch.float64),
+                                float(u))[1] for u in us]  # fmt: skip
+
+    def inverse(us):
+        return ops.inverse_cdf_rows(p[None].expand(len(us), 8), us).tolist()
+
+    gaps = [
+        0.5 * (_grid_law(chain, 8) - residual).abs().sum(),
+        0.5 * (_grid_law(inverse, 8) - p.double() / p.double().sum()).abs().sum(),
+    ]
+    if variant == "native":
+        assert max(gaps) < 1e-4, gaps
+    else:
+        assert max(gaps) > 1e-3, gaps
+
+
 def _argmax_cases() -> list[torch.Tensor]:
     """Rows torch.argmax must agree on: random widths (not multiples of the vector lanes), ties at the maximum (the
     first wins), NaN (the first NaN wins, before or after the maximum), ±inf, all -inf, signed zeros."""

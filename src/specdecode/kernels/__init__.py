@@ -42,6 +42,13 @@ VARIANTS = {
     "avx2": ["-march=haswell"],
     "portable": ["-march=x86-64", *_PORTABLE] if platform.machine() == "x86_64" else _PORTABLE,
 }
+# Mutant builds, for the exactness tests' controls only: the native build with one deliberate fault in the compiled
+# sampling (sampling.h), which every law test must catch when handed these ops (or the runner, SPECDECODE_KERNELS).
+MUTANTS = {
+    "mutant_residual": ["-march=native", "-DSD_MUTANT_RESIDUAL"],  # 1% of p mixed into max(0, p - q)
+    "mutant_index": ["-march=native", "-DSD_MUTANT_INDEX"],  # every inverse-CDF draw one index off
+}
+VARIANTS |= MUTANTS
 _lock = threading.Lock()
 _loaded: dict[str, SimpleNamespace | None] = {}
 
@@ -51,7 +58,8 @@ OFF = ("0", "false", "no", "off")
 
 def runner_variant() -> str | None:
     """The build models loaded now run on: ``SPECDECODE_KERNELS`` = 0 (off: the pure-torch path), avx2 or
-    portable (another instruction set's build, to compare it on this machine), else native."""
+    portable (another instruction set's build, to compare it on this machine), a mutant (``MUTANTS``: an exactness
+    control, never for use), else native."""
     value = os.environ.get("SPECDECODE_KERNELS", "native").strip().lower()
     if value in OFF:
         return None

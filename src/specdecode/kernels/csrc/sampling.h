@@ -147,6 +147,9 @@ static inline double draw_weight(const T* p, const float* q, int64_t removed, in
     return static_cast<double>(p[j]);
   } else if constexpr (W == Weight::kResidual) {
     const double d = static_cast<double>(p[j]) - static_cast<double>(q[j]);
+#ifdef SD_MUTANT_RESIDUAL  // a test control's build (kernels.MUTANTS): 1% of p mixed into the residual
+    return (d < 0.0 ? 0.0 : d) + 0.01 * static_cast<double>(p[j]);
+#endif
     return d < 0.0 ? 0.0 : d;  // NaN stays NaN, as torch's clamp_min keeps it
   } else {
     return j == removed ? 0.0 : static_cast<double>(p[j]);
@@ -195,6 +198,9 @@ static int64_t draw_from(const T* p, const float* q, int64_t removed, int64_t vo
       for (int64_t j = start; j < end; ++j) {
         const double w = draw_weight<W>(p, q, removed, j);
         c += w;
+#ifdef SD_MUTANT_INDEX  // a test control's build (kernels.MUTANTS): every draw one index off
+        if (c > goal) return (j + 1) % vocab;
+#endif
         if (c > goal) return j;
         if (w > 0.0) last = j;
       }
