@@ -289,6 +289,22 @@ def _uniform_like(rows: torch.Tensor) -> torch.Tensor:
     return torch.full_like(rows, 1.0 / rows.shape[-1])
 
 
+def residual_mixed_with_p(ops, share: float):
+    """The real ops with exact_chain's draw after a rejection taken from (1 − share) · residual + share · p: at draw
+    uniform u < share from p (at u / share), else from the residual (at the rest of u) — the law a mutant build that
+    mixes p into the residual draws (also the strong tier's chain control: tests/test_exactness_strong.py)."""
+
+    def exact_chain(p, q, x, a, u):
+        n, _ = ops.exact_chain(p, q, x, a, 0.0)
+        if n == len(x):
+            return ops.exact_chain(p, q, x, a, u)
+        if u < share:
+            return [n, int(ops.inverse_cdf_rows(p[n : n + 1], torch.tensor([u / share], dtype=torch.float64)))]
+        return ops.exact_chain(p, q, x, a, (u - share) / (1 - share))
+
+    return SimpleNamespace(exact_chain=exact_chain, inverse_cdf_rows=ops.inverse_cdf_rows)
+
+
 def mutant(ops, name: str):
     """The real compiled ops behind one deliberate error (each a bias a mutant build could make)."""
     if name == "p-mixed-1%-uniform":
@@ -306,16 +322,7 @@ def mutant(ops, name: str):
 
         return SimpleNamespace(exact_chain=toward_q, inverse_cdf_rows=ops.inverse_cdf_rows)
     if name == "residual-mixed-1%-with-p":
-
-        def mixed_residual(p, q, x, a, u):  # u < 1%: draw from p at u / 1%; else the residual at the rest of u
-            n, token = ops.exact_chain(p, q, x, a, 0.0)
-            if n == len(x):
-                return ops.exact_chain(p, q, x, a, u)
-            if u < 0.01:
-                return [n, int(ops.inverse_cdf_rows(p[n : n + 1], torch.tensor([u / 0.01], dtype=torch.float64)))]
-            return ops.exact_chain(p, q, x, a, (u - 0.01) / 0.99)
-
-        return SimpleNamespace(exact_chain=mixed_residual, inverse_cdf_rows=ops.inverse_cdf_rows)
+        return residual_mixed_with_p(ops, 0.01)
     if name == "index-shifted":
 
         def shifted_chain(p, q, x, a, u):
