@@ -3,10 +3,10 @@
 Distribution tests compare the empirical joint law of the first two generated tokens (vocabulary 16, so
 256 cells), and its first-token marginal (16 cells: more power against a skewed first token), with the
 target's exact law, enumerated from its logits through the same warps. Each is a chi-square test (cells
-with expected count < 5 pooled) at ALPHA = 1e-3 with fixed seeds; there are 6 cases × 2 tests, so the
-family false-alarm rate (the chance a correct decoder fails one for freshly chosen seeds) is ≤ 1.2% by
-Bonferroni. The negative control shows the same test catches a decoder whose verifier resamples
-from p instead of the residual.
+with expected count < 5 pooled) at ALPHA = 1e-3 with fixed seeds; there are 6 cases × 2 tests, each run on both
+runners (the ``backend`` fixture), so the family false-alarm rate (the chance a correct decoder fails one for freshly
+chosen seeds) is ≤ 24 × 1e-3 = 2.4% by Bonferroni. The negative control shows the same test catches a decoder
+whose verifier resamples from p instead of the residual.
 """
 
 from __future__ import annotations

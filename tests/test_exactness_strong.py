@@ -17,6 +17,7 @@ import pytest
 from conftest import LARGE_VOCAB, SMALL_VOCAB, TreeProposer, perturbed, tiny_llama, word_tokenizer
 from test_eagle import WORDS
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
+from test_kernel_laws import residual_mixed_with_p
 from test_tree import informed_table
 
 import specdecode as sd
@@ -101,7 +102,10 @@ def test_every_law_at_the_size_that_catches_tv_002(name, small, large, head_dir)
 @pytest.mark.parametrize("name", CONTROLS)
 def test_a_minimally_biased_residual_is_caught(name, small, large, head_dir, monkeypatch):
     """The control: after a rejection the next token comes from 0.85 · residual + 0.15 · p — a small bias
-    (its measured TV excess is printed) that the strong tier must catch."""
+    (its measured TV excess is printed) that the strong tier must catch. Patched where each path computes it: the
+    torch rules' ``_residual`` (trees), and the compiled chain rule a float32 CPU chain runs (``exact_chain``, which
+    never calls ``_residual``: before issue 53 this control did not reach the chain path at all), through the real
+    op with its draw uniform split (tests/test_kernel_laws.py)."""
     exact = specdecode.verify._residual
 
     def mixed(target, draft, token):
@@ -109,6 +113,13 @@ def test_a_minimally_biased_residual_is_caught(name, small, large, head_dir, mon
         return (1 - MIXED) * residual / residual.sum() + MIXED * target / target.sum()
 
     monkeypatch.setattr(specdecode.verify, "_residual", mixed)
+    chain_kernels = specdecode.verify._chain_kernels
+
+    def mixed_chain_kernels(*rows):
+        ops = chain_kernels(*rows)
+        return None if ops is None else residual_mixed_with_p(ops, MIXED)
+
+    monkeypatch.setattr(specdecode.verify, "_chain_kernels", mixed_chain_kernels)
     report = run(name, small, large, head_dir)
     excess = max(t.tv - t.tv_null for t in report.tests)
     print(f"{name} control: measured TV excess {excess:.3f}")

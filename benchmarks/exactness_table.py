@@ -1,0 +1,185 @@
+"""docs/EXACTNESS.md's table "production path × promise → test, power, control", generated (not typed).
+
+Each row names its tests as ``module::function``; the script imports the test modules, fails if a named test is
+gone, and reads the bounds and false-alarm rates from the modules' own constants, so the table cannot drift from the
+code silently (tests/test_exactness_table.py checks that the doc holds this output). Run from the repository root:
+
+    PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py            # print the table
+    PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py --write    # replace it in docs/EXACTNESS.md
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "EXACTNESS.md"
+BEGIN = "<!-- exactness_table.py: begin -->"
+END = "<!-- exactness_table.py: end -->"
+
+
+def _module(name: str):
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    return importlib.import_module(name)
+
+
+def test(ref: str) -> str:
+    """``module::function`` as a cell, after checking that the test exists."""
+    module, function = ref.split("::")
+    if not callable(getattr(_module(module), function, None)):
+        raise SystemExit(f"exactness_table.py: {ref} is gone; update the table's rows")
+    return f"`{module}::{function}`"
+
+
+def constant(module: str, name: str):
+    return getattr(_module(module), name)
+
+
+def rows() -> list[tuple[str, str, str, str, str]]:
+    """(production path, promise, tests, power, controls)."""
+    kernel_tol = constant("test_kernel_laws", "TOLERANCE")
+    margin = constant("test_kernel_laws", "MARGIN")
+    bound = constant("test_enumeration", "BOUND")
+    engine_alpha = constant("test_engine", "ALPHA")
+    strong_tv, strong_alpha = constant("test_exactness_strong", "TV"), constant("test_exactness_strong", "ALPHA")
+    engine_family = 2 * len(constant("test_engine", "WARPS")) * 2 * 2 * engine_alpha  # kinds × warps × tests × backends
+    return [
+        (
+            "compiled chain rule (`exact_chain`, float32 CPU rows: every sampled chain round)",
+            "accept min(1, p/q); residual norm(max(0, p − q)); bonus p",
+            test("test_kernel_laws::test_exact_chain_draws_the_promised_law"),
+            f"exact: interval lengths by bisection, max deviation ≤ {kernel_tol:g} at V 8 / 49,152 / 262,144",
+            f"{test('test_kernel_laws::test_control_a_biased_chain_kernel_is_caught')}: p mixed 1% uniform, p 1% "
+            f"toward q, residual mixed 1% with p, index shift — each missed by > {margin}× the bound (≥ 5e-4)",
+        ),
+        (
+            "compiled inverse-CDF draw (`inverse_cdf_rows`: proposers, plain sampling, bonus)",
+            "a draw follows p",
+            test("test_kernel_laws::test_inverse_cdf_rows_draws_p"),
+            f"exact, ≤ {kernel_tol:g} at V 8 / 49,152 / 262,144",
+            f"{test('test_kernel_laws::test_control_a_biased_inverse_cdf_kernel_is_caught')}: p mixed 1% uniform, "
+            "index shift",
+        ),
+        (
+            "chain rule, torch path (float64 rows, any `Choices`)",
+            "first token ~ p; accept Σ min(p, q)",
+            test("test_enumeration::test_the_enumerator_gives_the_chain_rule_its_exact_law"),
+            "exact, 1e-15",
+            f"{test('test_verify::test_negative_control_the_first_token_test_detects_a_wrong_residual')} (sampled)",
+        ),
+        (
+            "engine, point-mass chains and trees (prompt lookup, suffix, deterministic trees), T1 / top-k / top-p",
+            "law of the first two tokens = the target's",
+            test("test_enumeration::test_point_mass_laws_are_the_targets_exactly"),
+            f"exact, TV < {bound:g} (torch verification path: the Enumerator is not a generator)",
+            f"{test('test_enumeration::test_a_residual_biased_by_one_percent_is_caught')}: residual mixed 1% "
+            "(TV 1.4–3.3e-3)",
+        ),
+        (
+            'engine, `gamma="auto"` in exact mode (fixed cost model)',
+            "law of a whole 4-token request = plain sampling's",
+            test("test_enumeration_paths::test_gamma_auto_in_exact_mode_gives_the_targets_law"),
+            f"exact, TV < {bound:g}",
+            "the same test's control: residual mixed 1% (TV 2.5e-3)",
+        ),
+        (
+            "engine, top-k with top-p; T = 1.5 (chain and tree)",
+            "law of the first two tokens",
+            test("test_enumeration_paths::test_warped_laws_are_the_targets_exactly"),
+            f"exact, TV < {bound:g}",
+            "the same test's controls: residual mixed 1% (TV 2.4–3.3e-3); top-p before top-k (TV 0.028–0.098)",
+        ),
+        (
+            "engine output: an EOS / a stop string inside an accepted run",
+            "output (ids, text) law = plain sampling's, cut there, bonus dropped",
+            test("test_enumeration_paths::test_an_eos_or_stop_string_inside_an_accepted_run_ends_the_output_exactly"),
+            f"exact, TV < {bound:g}",
+            "the same test's control: a sink keeping the round whole (TV 0.13)",
+        ),
+        (
+            "engine, draft model's sampled chain and sampled trees (CI sizes, both runners, compiled chain path)",
+            "law of the first two tokens",
+            f"{test('test_engine::test_first_two_tokens_follow_the_target_exactly')}, "
+            f"{test('test_enumeration::test_sampled_drafts_give_the_targets_law')} (slow)",
+            f"χ² at {engine_alpha:g} a test (family {engine_family:.1%}, the `backend` fixture doubling), detects "
+            "TV ≥ 0.11–0.14 at 90%; slow: exact, TV < 1e-6",
+            f"{test('test_engine::test_negative_control_a_wrong_verifier_is_caught')} (resample from p: gross); slow: "
+            "q misstated 3% (TV 0.017)",
+        ),
+        (
+            "engine, every sampled law at release strength (opt-in `SPECDECODE_STRONG=1`)",
+            "first token and joint of two",
+            test("test_exactness_strong::test_every_law_at_the_size_that_catches_tv_002"),
+            f"detects TV ≥ {strong_tv:g} at 90%, family false alarm {strong_alpha:.0%}",
+            f"{test('test_exactness_strong::test_a_minimally_biased_residual_is_caught')}: residual mixed 15%, now "
+            "also through the compiled chain op (issue 53)",
+        ),
+        (
+            "EAGLE chain and tree; Medusa chain and tree",
+            "law of the first two tokens",
+            f"{test('test_eagle::test_eagle_laws_enumerated_exactly')}, "
+            f"{test('test_medusa::test_medusa_laws_enumerated_exactly')}",
+            "exact, TV < 1e-5 (the transformers runner's rounding reached 1.05e-6: a56cf86)",
+            "a head misstating its law by 20% (TV 4.6e-4); tree residuals mixed 1%",
+        ),
+        (
+            "native runner, every weight format and dtype (and the server's 144-row batches)",
+            "row invariance: a k-row pass is bitwise k one-row steps",
+            f"{test('test_native_llama::test_k_token_pass_is_bitwise_k_single_steps')}, "
+            f"{test('test_row_invariance_sizes::test_a_144_row_batch_gives_each_request_its_own_steps_bitwise')}",
+            "bitwise",
+            f"{test('test_row_invariance_control::test_control_a_runner_that_rounds_differently_for_k_rows_fails_the_bitwise_check')}: "  # noqa: E501
+            "1 ulp on one logit; a reassociated sum",
+        ),
+        (
+            "GGUF load path (blocks from the file) and a Gemma 3 GGUF, its 262,144-token head included",
+            "row invariance",
+            test("test_row_invariance_control::test_the_gguf_load_path_is_row_invariant_at_every_chunk"),
+            "bitwise, k 1..16",
+            "the same test: the 1-ulp runner fails there",
+        ),
+        (
+            "greedy speculation (chains, trees, every weight format)",
+            "identity with plain greedy decoding",
+            f"{test('test_engine::test_greedy_output_is_identical_to_plain_decoding')}, "
+            f"{test('test_tree::test_greedy_tree_output_is_plain_decoding')}",
+            "token for token",
+            "none direct; rests on row invariance (its control above)",
+        ),
+        (
+            '`mode="reproducible"` (chains, trees, `gamma="auto"`)',
+            "identity with plain sampling, same seed",
+            f"{test('test_reproducible::test_reproducible_equals_plain_sampling_for_every_proposer')}, "
+            f"{test('test_tree::test_reproducible_tree_output_is_plain_sampling')}",
+            "token for token",
+            "none direct; rests on row invariance",
+        ),
+    ]
+
+
+def table() -> str:
+    lines = [
+        BEGIN,
+        "| production path | promise | test | power | control |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows()]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    text = table()
+    if "--write" not in sys.argv:
+        print(text)
+        return
+    doc = DOC.read_text()
+    start, end = doc.index(BEGIN), doc.index(END) + len(END)
+    DOC.write_text(doc[:start] + text + doc[end:])
+
+
+if __name__ == "__main__":
+    main()
