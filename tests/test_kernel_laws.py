@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.models import kernels  # the one import of the kernels: the package moves to specdecode.kernels
+from specdecode import kernels
 
 TOLERANCE = 1e-12
 MARGIN = 1000  # a control must miss the law by this many tolerances
@@ -369,3 +369,20 @@ def test_control_a_biased_inverse_cdf_kernel_is_caught(kernel_ops, name, vocab):
     for premise in (True, False):
         deviation = inverse_cdf_deviation(mutant(kernel_ops, name), probs, 0 if vocab <= 64 else 40, premise=premise)
         assert deviation > MARGIN * TOLERANCE, (name, premise, deviation)
+
+
+@pytest.mark.parametrize("variant", list(kernels.MUTANTS))
+def test_control_a_mutant_build_of_the_kernels_is_caught(variant):
+    """The same law checks on a mutant *build* (kernels.MUTANTS: the fault compiled into sampling.h, not a Python
+    wrapper): a rejected chain's residual draw and, for the index fault, the inverse CDF miss by ≥ 1000× the
+    tolerance."""
+    ops = kernels.ops(variant)
+    if ops is None:
+        pytest.skip(f"the {variant} build failed here")
+    target, draft, guesses = chain_case(8, 3, True, seed=8)
+    for premise in (True, False):
+        deviation = chain_deviation(ops, target, draft, guesses, [0], 0, premise=premise)
+        assert deviation > MARGIN * TOLERANCE, (variant, premise, deviation)
+    if variant == "mutant_index":
+        probs = softmax_rows(1, 8, torch.Generator().manual_seed(8))[0]
+        assert inverse_cdf_deviation(ops, probs, 0) > MARGIN * TOLERANCE

@@ -21,7 +21,7 @@ from test_gguf_load import LAYOUTS, write_gguf
 from test_native_llama import _assert_rows_equal_single_steps, _ids, _loaded, _wide
 
 import specdecode as sd
-from specdecode.models import kernels
+from specdecode import kernels
 
 CONTEXTS = (1, 9, 50)
 CHUNKS = range(1, 17)
