@@ -391,42 +391,13 @@ class KernelLinear:
             raise ValueError("two-level scales come in groups of at most 32")
         nibbles = bits <= 4
         quads = activation_bits == 8 and kernels.quad_layout()
-        tiles = -(-n // 16)
-        # zeroed: nibbles are or-ed into their bytes, and the last tile's missing outputs stay zero
-        packed = torch.zeros(tiles * 16 * k // (2 if nibbles else 1), dtype=torch.uint8)
-        dtype = {"f16": torch.float16, "f32": torch.float32}.get(scale_format, torch.int8)
-        scales = torch.zeros(tiles, k // group, 16, dtype=dtype)
-        offsets = None if symmetric else torch.zeros_like(scales)
-        supers = torch.zeros(tiles, k // group // per, 16, dtype=torch.float16) if two_level else None
-        super_offsets = None if symmetric or not two_level else torch.zeros_like(supers)
+        tiles = _Tiles.zeros(n, k, group, nibbles, scale_format, symmetric, per)
         files = _file_parts(blocks) if repeat == 1 else None
         if files is not None:  # the compiled repacker reads the file's blocks straight into the tiles
-            row0 = 0
-            for part in files:
-                for start, stop in row_chunks(part.shape[0], k):
-                    kernels.repack_rows(part.raw_rows(start, stop), part.kind, row0 + start, k, quads, packed, scales,
-                                        offsets, supers, super_offsets)  # fmt: skip
-                    part.done_rows(start, stop)
-                row0 += part.shape[0]
-        for start, stop in row_chunks(n, k) if files is None else ():
-            part = blocks.rows(start, stop)
-            tile = start // 16
-            p = _tile_layout(part.u, group, nibbles, quads)
-            packed[tile * 16 * k // (2 if nibbles else 1) :][: p.numel()] = p
-            if two_level:
-                fields = [part.factors.sc, part.factors.mn, part.factors.d, part.factors.m]
-                targets = [scales, offsets, supers, super_offsets]
-            else:
-                fields = [part.scale, part.offset]
-                targets = [scales, offsets]
-            for values, target in zip(fields, targets, strict=True):
-                if target is not None:
-                    if repeat > 1:
-                        values = values.repeat_interleave(repeat, dim=1)
-                    laid = _per_tile(values, target.dtype)
-                    target[tile : tile + laid.shape[0]] = laid
-        flat = [None if t is None else t.view(-1) for t in (scales, offsets, supers, super_offsets)]
-        scales, offsets, supers, super_offsets = flat
+            tiles.repack(kernels, files, k, quads)
+        else:
+            tiles.lay_out(blocks, group, repeat, nibbles, quads)
+        packed, scales, offsets, supers, super_offsets = tiles.flat()
         bias = _float(bias)
         matrix = kernels.register_matrix(packed, scales, offsets, bias, n, k, group, nibbles, sym, activation_bits,
                                          supers, super_offsets, per)  # fmt: skip
@@ -468,6 +439,67 @@ def kernel_parts(linear: Linear) -> list[int] | None:
     if isinstance(linear, ConcatLinear) and all(isinstance(p, KernelLinear) for p in linear.parts):
         return [p.handle.id for p in linear.parts]
     return None
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """One matrix's buffers in the kernels' layout (``KernelLinear``'s fields), zeroed: nibbles are or-ed into their
+    bytes, and the last tile's missing outputs stay zero."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    supers: torch.Tensor | None
+    super_offsets: torch.Tensor | None
+
+    @staticmethod
+    def zeros(n: int, k: int, group: int, nibbles: bool, scale_format: str, symmetric: bool, per: int) -> _Tiles:
+        tiles = -(-n // 16)
+        packed = torch.zeros(tiles * 16 * k // (2 if nibbles else 1), dtype=torch.uint8)
+        dtype = {"f16": torch.float16, "f32": torch.float32}.get(scale_format, torch.int8)
+        scales = torch.zeros(tiles, k // group, 16, dtype=dtype)
+        offsets = None if symmetric else torch.zeros_like(scales)
+        two_level = scale_format.startswith("super")
+        supers = torch.zeros(tiles, k // group // per, 16, dtype=torch.float16) if two_level else None
+        super_offsets = None if symmetric or not two_level else torch.zeros_like(supers)
+        return _Tiles(packed, scales, offsets, supers, super_offsets)
+
+    def repack(self, kernels, files: list, k: int, quads: bool) -> None:
+        """The GGUF files' blocks decoded and tiled by the kernels (``repack_rows``), ~16 MB of rows at a time, each
+        slice's pages let go once read."""
+        row0 = 0
+        for part in files:
+            for start, stop in row_chunks(part.shape[0], k):
+                kernels.repack_rows(part.raw_rows(start, stop), part.kind, row0 + start, k, quads, self.packed,
+                                    self.scales, self.offsets, self.supers, self.super_offsets)  # fmt: skip
+                part.done_rows(start, stop)
+            row0 += part.shape[0]
+
+    def lay_out(self, blocks: BlockSource, group: int, repeat: int, nibbles: bool, quads: bool) -> None:
+        """Decoded blocks (``IntBlocks`` a slice at a time) laid out by ``_tile_layout`` and ``_per_tile``; each
+        scale repeated over the ``repeat`` groups of ≤ 32 its group splits into."""
+        n, k = blocks.shape
+        for start, stop in row_chunks(n, k):
+            part = blocks.rows(start, stop)
+            tile = start // 16
+            p = _tile_layout(part.u, group, nibbles, quads)
+            self.packed[tile * 16 * k // (2 if nibbles else 1) :][: p.numel()] = p
+            if part.factors is not None:
+                fields = [part.factors.sc, part.factors.mn, part.factors.d, part.factors.m]
+            else:
+                fields = [part.scale, part.offset, None, None]
+            for values, target in zip(
+                fields, (self.scales, self.offsets, self.supers, self.super_offsets), strict=True
+            ):
+                if target is not None:
+                    values = values.repeat_interleave(repeat, dim=1) if repeat > 1 else values
+                    laid = _per_tile(values, target.dtype)
+                    target[tile : tile + laid.shape[0]] = laid
+
+    def flat(self) -> tuple[torch.Tensor | None, ...]:
+        """The buffers as the kernels' ``register_matrix`` takes them (one dimension each)."""
+        fields = (self.packed, self.scales, self.offsets, self.supers, self.super_offsets)
+        return tuple(None if t is None else t.view(-1) for t in fields)
 
 
 def _file_parts(blocks: BlockSource) -> list | None:
