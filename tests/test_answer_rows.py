@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama
+from helpers.tokenizers import word_tokenizer
 
 import specdecode as sd
 from specdecode.heads.answer_rows import AnswerMarkers, answer_markers, answer_positions, answer_rows

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer, write_chats
+from helpers.models import LARGE_VOCAB, tiny_llama
+from helpers.tokenizers import word_tokenizer, write_chats
 from typer.testing import CliRunner
 
 import specdecode as sd

@@ -17,7 +17,8 @@ runner = CliRunner()
 @pytest.fixture
 def tiny_target(monkeypatch):
     """Make every model name load a tiny random model with a word tokenizer (no files, no downloads)."""
-    from conftest import tiny_llama, word_tokenizer
+    from helpers.models import tiny_llama
+    from helpers.tokenizers import word_tokenizer
 
     import specdecode as sd
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, train_word_head, word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama, train_word_head
+from helpers.tokenizers import word_tokenizer
 
 import specdecode as sd
 from specdecode.proposers.eagle import EagleProposer

@@ -17,15 +17,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (
-    LARGE_VOCAB,
-    chisquare_pvalue,
-    perturbed,
-    quantizable_llama,
-    resample_from_target,
-    with_eos,
-    word_tokenizer,
-)
+from helpers.laws import chisquare_pvalue, resample_from_target
+from helpers.models import LARGE_VOCAB, perturbed, quantizable_llama, with_eos
+from helpers.tokenizers import word_tokenizer
 
 import specdecode as sd
 import specdecode.engine

@@ -20,7 +20,9 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import SMALL_VOCAB, TreeProposer, tiny_llama, with_eos, word_tokenizer
+from helpers.models import SMALL_VOCAB, tiny_llama, with_eos
+from helpers.tokenizers import word_tokenizer
+from helpers.trees import TreeProposer
 from test_enumeration import BOUND, LOOKUP_PROMPT, MIXED, guided_tables
 
 import specdecode as sd

@@ -14,7 +14,9 @@ import os
 import random
 
 import pytest
-from conftest import LARGE_VOCAB, SMALL_VOCAB, TreeProposer, perturbed, tiny_llama, word_tokenizer
+from helpers.models import LARGE_VOCAB, SMALL_VOCAB, perturbed, tiny_llama
+from helpers.tokenizers import word_tokenizer
+from helpers.trees import TreeProposer
 from test_eagle import WORDS
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
 from test_kernel_laws import residual_mixed_with_p

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import randomized, train_word_head, word_tokenizer
+from helpers.models import randomized, train_word_head
+from helpers.tokenizers import word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd

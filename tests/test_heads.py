@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama
+from helpers.tokenizers import word_tokenizer
 from safetensors.torch import load_file
 
 import specdecode as sd

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed, randomized
+from helpers.models import perturbed, randomized
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,

@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama
+from helpers.tokenizers import word_tokenizer
 from test_eagle import WORDS
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
 

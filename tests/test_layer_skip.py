@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama
+from helpers.tokenizers import word_tokenizer
 from typer.testing import CliRunner
 
 import specdecode as sd

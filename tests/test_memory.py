@@ -12,7 +12,8 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama
+from helpers.tokenizers import word_tokenizer
 from test_gguf_load import LAYOUTS, write_gguf
 from typer.testing import CliRunner
 

@@ -7,7 +7,9 @@ import json
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, chisquare_pvalue, tiny_llama, word_tokenizer, write_chats
+from helpers.laws import chisquare_pvalue
+from helpers.models import LARGE_VOCAB, tiny_llama
+from helpers.tokenizers import word_tokenizer, write_chats
 from typer.testing import CliRunner
 
 import specdecode as sd

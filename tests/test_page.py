@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama
+from helpers.tokenizers import word_tokenizer
 
 import specdecode as sd
 from specdecode.serving import ServerConfig, create_app

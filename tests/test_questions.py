@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama
+from helpers.tokenizers import word_tokenizer
 from typer.testing import CliRunner
 
 import specdecode as sd

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama
+from helpers.tokenizers import word_tokenizer
 
 import specdecode as sd
 from specdecode.bench.serve_load import run_load, scrape

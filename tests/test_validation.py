@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama
+from helpers.tokenizers import word_tokenizer
 
 import specdecode as sd
 
