@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.models import LARGE_VOCAB, tiny_llama, train_word_head
-from helpers.tokenizers import word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama, train_word_head, word_target
+from helpers.tokenizers import WORDS
 
 import specdecode as sd
 from specdecode.proposers.eagle import EagleProposer
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[3, 17, 5, 9], [1], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
 
@@ -20,8 +19,7 @@ PROMPTS = [[3, 17, 5, 9], [1], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory) -> Path:
     """A head trained briefly for ``large_target`` (same weights: tiny_llama(64, seed=10)) on its own samples."""
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
-    return train_word_head(target, WORDS, tmp_path_factory, "eagle-head")
+    return train_word_head(word_target(), WORDS, tmp_path_factory, "eagle-head")
 
 
 @pytest.mark.parametrize("tree_nodes", [None, 1, 4, 9])
@@ -171,7 +169,7 @@ def test_cli_generate_with_eagle_prints_plain_decoding(head_dir, monkeypatch):
     import specdecode.cli as cli
     from specdecode import commands
 
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
+    target = word_target()
     monkeypatch.setattr(commands, "load", lambda name, *settings: target)
     common = ["generate", "w1 w2 w3 w4", "--raw", "--json", "--max-new-tokens", "16"]
     plain = CliRunner().invoke(cli.app, [*common, "--proposer", "none"])

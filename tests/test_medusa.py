@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.models import LARGE_VOCAB, tiny_llama
-from helpers.tokenizers import word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama, word_target
+from helpers.tokenizers import WORDS
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -17,15 +17,9 @@ import specdecode as sd
 from specdecode.heads.medusa import MedusaSettings, load_heads, train_medusa
 from specdecode.proposers.medusa import MedusaProposer, best_paths, chain
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[3, 17, 5, 9], [1, 4], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
-
-
-def word_target() -> sd.LoadedModel:
-    """``large_target``'s weights (tiny_llama(64, seed=10)) with a word tokenizer, to train on text."""
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +100,10 @@ def test_resume_refuses_another_kind_of_checkpoint_before_comparing_settings(tmp
 
 
 def test_heads_for_another_target_are_refused(heads_dir):
-    deeper = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10, num_layers=3), tokenizer=word_tokenizer(WORDS))
+    deeper = word_target(num_layers=3)
     with pytest.raises(ValueError, match="train-medusa"):
         MedusaProposer(deeper, heads=heads_dir)
-    renamed = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(list(reversed(WORDS))))
+    renamed = word_target(words=list(reversed(WORDS)))
     with pytest.raises(ValueError, match="vocabulary"):
         load_heads(heads_dir, renamed)
     with pytest.raises(FileNotFoundError, match="no Medusa heads"):

@@ -18,6 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
+from helpers.tokenizers import WORDS, word_tokenizer
 
 SMALL_VOCAB = 16
 LARGE_VOCAB = 64
@@ -42,6 +43,22 @@ def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers:
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     return model
+
+
+def word_target(
+    seed: int = 10,
+    num_layers: int = 2,
+    words: list[str] = WORDS,
+    eos: str | None = None,
+    chat_template: str | None = None,
+    **load,
+) -> sd.LoadedModel:
+    """``tiny_llama(len(words), seed)`` with a word tokenizer (id i is ``words[i]``), to run on text; seed 10 is
+    ``large_target``'s weights. ``load`` goes to ``sd.load_model`` (backend, max_context)."""
+    tokenizer = word_tokenizer(words, eos=eos)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return sd.load_model(tiny_llama(len(words), seed, num_layers=num_layers), tokenizer=tokenizer, **load)
 
 
 def randomized(model: LlamaForCausalLM, seed: int, weight_std: float) -> LlamaForCausalLM:

@@ -7,6 +7,14 @@ import json
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+WORDS = [f"w{i}" for i in range(64)]  # id i is "wi": the words of the LARGE_VOCAB models
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # each message's words, no markers
+
+
+def fixed_width_words(n: int) -> list[str]:
+    """``n`` words "w00", "w01", ...: none is a prefix of another (so a stop string matches one word only)."""
+    return [f"w{i:02d}" for i in range(n)]
+
 
 def word_tokenizer(words: list[str], eos: str | None = None) -> PreTrainedTokenizerFast:
     """A whitespace word-level tokenizer whose id i is ``words[i]`` (decode joins tokens with spaces)."""
