@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.bench import check_bench_runs_chains_and_trees
 from helpers.models import LARGE_VOCAB, tiny_llama, train_word_head, word_target
 from helpers.tokenizers import WORDS
 
@@ -207,17 +208,9 @@ def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nod
 
 
 def test_bench_runs_eagle_chains_and_trees_with_plain_output(large_target, head_dir):
-    from specdecode.bench.methods import build_methods
-    from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.bench.workloads import WorkItem
-
-    methods = build_methods(large_target, ["eagle"], [3], transformers=False, head=str(head_dir), tree_nodes=[0, 4])
-    assert [m.name for m in methods] == ["ours:plain", "ours:eagle-chain:g3", "ours:eagle-t4:g3"]
-    items = [WorkItem(1, "writing", (PROMPTS[0], PROMPTS[2]))]
-    result = run_bench(large_target, items, methods, BenchConfig(max_new_tokens=12))
-    assert len(result.records) == 2 * 3 and all(r.identical for r in result.records)
-    with pytest.raises(ValueError, match="no EAGLE head is shipped"):
-        build_methods(large_target, ["eagle"], [3], transformers=False)
+    folder = {"head": str(head_dir)}
+    prompts = (PROMPTS[0], PROMPTS[2])
+    check_bench_runs_chains_and_trees(large_target, "eagle", folder, prompts, missing="no EAGLE head is shipped")
 
 
 def _drafts_from_scratch(proposer: EagleProposer, target: sd.LoadedModel, context: list[int], depth: int, shift=0):

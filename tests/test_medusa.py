@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.bench import check_bench_runs_chains_and_trees
 from helpers.models import LARGE_VOCAB, tiny_llama, word_target
 from helpers.tokenizers import WORDS
 from safetensors.torch import load_file
@@ -245,17 +246,9 @@ def test_medusa_laws_enumerated_exactly(large_target, heads_dir, case, shape, ga
 
 
 def test_bench_runs_medusa_chains_and_trees_with_plain_output(large_target, heads_dir):
-    from specdecode.bench.methods import build_methods
-    from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.bench.workloads import WorkItem
-
-    methods = build_methods(large_target, ["medusa"], [3], transformers=False, heads=str(heads_dir), tree_nodes=[0, 4])
-    assert [m.name for m in methods] == ["ours:plain", "ours:medusa-chain:g3", "ours:medusa-t4:g3"]
-    items = [WorkItem(1, "writing", (PROMPTS[0], PROMPTS[2]))]
-    result = run_bench(large_target, items, methods, BenchConfig(max_new_tokens=12))
-    assert len(result.records) == 2 * 3 and all(r.identical for r in result.records)
-    with pytest.raises(ValueError, match="no Medusa heads are shipped"):
-        build_methods(large_target, ["medusa"], [3], transformers=False)
+    folder = {"heads": str(heads_dir)}
+    prompts = (PROMPTS[0], PROMPTS[2])
+    check_bench_runs_chains_and_trees(large_target, "medusa", folder, prompts, missing="no Medusa heads are shipped")
 
 
 def test_cli_trains_resumes_and_generates_with_medusa(tmp_path, monkeypatch, corpus):
