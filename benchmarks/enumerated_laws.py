@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from conftest import SMALL_VOCAB, tiny_llama  # noqa: E402
+from helpers.models import SMALL_VOCAB, tiny_llama  # noqa: E402
 from test_enumeration import MIXED, POINT_MASS, T1, WARPED, case  # noqa: E402
 
 import specdecode as sd  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from conftest import LARGE_VOCAB, SMALL_VOCAB, tiny_llama  # noqa: E402
+from helpers.models import LARGE_VOCAB, SMALL_VOCAB, tiny_llama  # noqa: E402
 from test_engine import LOOKUP_PROMPT, WARPS, exact_two_token_law  # noqa: E402
 
 import specdecode as sd  # noqa: E402

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-from conftest import LARGE_VOCAB, tiny_llama
+from helpers.models import LARGE_VOCAB, tiny_llama
 
 import specdecode as sd
 from specdecode.adaptive import AcceptanceMemory, AdaptiveGamma, CostModel

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama
+from helpers.tokenizers import CHAT_TEMPLATE, word_tokenizer
 
 import specdecode as sd
 from specdecode.heads.answer_rows import AnswerMarkers, answer_markers, answer_positions, answer_rows
@@ -39,7 +40,7 @@ def test_markers_are_read_off_the_chat_template(chat_target):
     plain = word_tokenizer(WORDS, eos="<end>")
     assert answer_markers(plain) is None  # no template: every row counts
     odd = word_tokenizer(WORDS, eos="<end>")
-    odd.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # no generation prompt
+    odd.chat_template = CHAT_TEMPLATE  # no generation prompt
     assert answer_markers(odd) is None
 
 

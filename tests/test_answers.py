@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer, write_chats
+from helpers.models import LARGE_VOCAB, word_target
+from helpers.tokenizers import CHAT_TEMPLATE, write_chats
 from typer.testing import CliRunner
 
 import specdecode as sd
@@ -16,15 +17,12 @@ from specdecode.heads import answers
 from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
 from specdecode.heads.train import TrainSettings, read_samples
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 QUESTIONS = [" ".join(f"w{(5 * i + j * j) % LARGE_VOCAB}" for j in range(3 + i % 4)) * 2 for i in range(10)]
 
 
 @pytest.fixture(scope="module")
 def target() -> sd.LoadedModel:
-    tokenizer = word_tokenizer(WORDS)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=tokenizer, backend="native")
+    return word_target(chat_template=CHAT_TEMPLATE, backend="native")
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import specdecode as sd

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import typer
-from conftest import quantizable_llama
+from helpers.models import quantizable_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 

@@ -17,12 +17,9 @@ runner = CliRunner()
 @pytest.fixture
 def tiny_target(monkeypatch):
     """Make every model name load a tiny random model with a word tokenizer (no files, no downloads)."""
-    from conftest import tiny_llama, word_tokenizer
+    from helpers.models import word_target
 
-    import specdecode as sd
-
-    words = [f"w{i}" for i in range(64)]
-    loaded = sd.load_model(tiny_llama(64, seed=5), tokenizer=word_tokenizer(words))
+    loaded = word_target(seed=5)
     monkeypatch.setattr(commands, "load", lambda name, *settings: loaded)
     return loaded
 

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, train_word_head, word_tokenizer
+from helpers.bench import check_bench_runs_chains_and_trees
+from helpers.models import LARGE_VOCAB, tiny_llama, train_word_head, word_target
+from helpers.tokenizers import WORDS
 
 import specdecode as sd
 from specdecode.proposers.eagle import EagleProposer
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[3, 17, 5, 9], [1], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
 
@@ -19,8 +20,7 @@ PROMPTS = [[3, 17, 5, 9], [1], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory) -> Path:
     """A head trained briefly for ``large_target`` (same weights: tiny_llama(64, seed=10)) on its own samples."""
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
-    return train_word_head(target, WORDS, tmp_path_factory, "eagle-head")
+    return train_word_head(word_target(), WORDS, tmp_path_factory, "eagle-head")
 
 
 @pytest.mark.parametrize("tree_nodes", [None, 1, 4, 9])
@@ -170,7 +170,7 @@ def test_cli_generate_with_eagle_prints_plain_decoding(head_dir, monkeypatch):
     import specdecode.cli as cli
     from specdecode import commands
 
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
+    target = word_target()
     monkeypatch.setattr(commands, "load", lambda name, *settings: target)
     common = ["generate", "w1 w2 w3 w4", "--raw", "--json", "--max-new-tokens", "16"]
     plain = CliRunner().invoke(cli.app, [*common, "--proposer", "none"])
@@ -208,17 +208,9 @@ def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nod
 
 
 def test_bench_runs_eagle_chains_and_trees_with_plain_output(large_target, head_dir):
-    from specdecode.bench.methods import build_methods
-    from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.bench.workloads import WorkItem
-
-    methods = build_methods(large_target, ["eagle"], [3], transformers=False, head=str(head_dir), tree_nodes=[0, 4])
-    assert [m.name for m in methods] == ["ours:plain", "ours:eagle-chain:g3", "ours:eagle-t4:g3"]
-    items = [WorkItem(1, "writing", (PROMPTS[0], PROMPTS[2]))]
-    result = run_bench(large_target, items, methods, BenchConfig(max_new_tokens=12))
-    assert len(result.records) == 2 * 3 and all(r.identical for r in result.records)
-    with pytest.raises(ValueError, match="no EAGLE head is shipped"):
-        build_methods(large_target, ["eagle"], [3], transformers=False)
+    folder = {"head": str(head_dir)}
+    prompts = (PROMPTS[0], PROMPTS[2])
+    check_bench_runs_chains_and_trees(large_target, "eagle", folder, prompts, missing="no EAGLE head is shipped")
 
 
 def _drafts_from_scratch(proposer: EagleProposer, target: sd.LoadedModel, context: list[int], depth: int, shift=0):

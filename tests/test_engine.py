@@ -17,15 +17,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import (
-    LARGE_VOCAB,
-    chisquare_pvalue,
-    perturbed,
-    quantizable_llama,
-    resample_from_target,
-    with_eos,
-    word_tokenizer,
-)
+from helpers.laws import chisquare_pvalue, resample_from_target
+from helpers.models import LARGE_VOCAB, perturbed, quantizable_llama, with_eos
+from helpers.tokenizers import fixed_width_words, word_tokenizer
 
 import specdecode as sd
 import specdecode.engine
@@ -286,8 +280,7 @@ def test_max_new_tokens_gives_exactly_that_many_tokens(large_target, large_draft
 @pytest.fixture(scope="module")
 def worded_target(large_target):
     """The large target with a word-level tokenizer: id i is the word 'wNN' (fixed width, no false matches)."""
-    words = [f"w{i:02d}" for i in range(large_target.vocab_size)]
-    return sd.load_model(large_target.model, tokenizer=word_tokenizer(words))
+    return sd.load_model(large_target.model, tokenizer=word_tokenizer(fixed_width_words(large_target.vocab_size)))
 
 
 def test_stop_string_spanning_tokens_inside_an_accepted_run(worded_target):
@@ -327,7 +320,7 @@ def test_streamed_text_equals_the_final_text(worded_target):
 def test_padded_vocabulary_ids_are_never_emitted(small_target):
     """Config vocab 16, tokenizer 12: logit columns 12..15 exist but must never be sampled."""
     model = small_target.model
-    padded = sd.load_model(model, tokenizer=word_tokenizer([f"w{i:02d}" for i in range(12)]))
+    padded = sd.load_model(model, tokenizer=word_tokenizer(fixed_width_words(12)))
     assert padded.vocab_size == 12 and model.config.vocab_size == 16
     with torch.no_grad():
         raw = model(torch.tensor([LOOKUP_PROMPT])).logits[0]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SMALL_VOCAB, TreeProposer, perturbed, random_tables, tiny_llama
+from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
+from helpers.trees import TreeProposer, random_tables
 
 import specdecode as sd
 import specdecode.verify

@@ -20,7 +20,9 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import SMALL_VOCAB, TreeProposer, tiny_llama, with_eos, word_tokenizer
+from helpers.models import SMALL_VOCAB, tiny_llama, with_eos
+from helpers.tokenizers import fixed_width_words, word_tokenizer
+from helpers.trees import TreeProposer
 from test_enumeration import BOUND, LOOKUP_PROMPT, MIXED, guided_tables
 
 import specdecode as sd
@@ -30,7 +32,6 @@ import specdecode.verify
 from specdecode.adaptive import AcceptanceMemory, CostModel
 from specdecode.enumeration import Enumerator, engine_law, prefix_law, total_variation
 
-WORDS = [f"w{i:02d}" for i in range(SMALL_VOCAB)]
 WARPS = {
     "T1.5": sd.SamplingParams(temperature=1.5, max_new_tokens=4),
     "T0.9-topk4-topp0.8": sd.SamplingParams(temperature=0.9, top_k=4, top_p=0.8, max_new_tokens=4),
@@ -41,7 +42,7 @@ WHOLE = sd.SamplingParams(temperature=1.5, top_k=4, max_new_tokens=4)
 
 @pytest.fixture(scope="module")
 def target() -> sd.LoadedModel:
-    return sd.load_model(tiny_llama(SMALL_VOCAB, seed=0), tokenizer=word_tokenizer(WORDS))
+    return sd.load_model(tiny_llama(SMALL_VOCAB, seed=0), tokenizer=word_tokenizer(fixed_width_words(SMALL_VOCAB)))
 
 
 def output_law(decoder: sd.SpeculativeDecoder, prompt: list[int], params: sd.SamplingParams, max_runs: int = 20_000):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import resample_from_target
+from helpers.laws import resample_from_target
 from typer.testing import CliRunner
 
 import specdecode as sd

@@ -14,8 +14,8 @@ import os
 import random
 
 import pytest
-from conftest import LARGE_VOCAB, SMALL_VOCAB, TreeProposer, perturbed, tiny_llama, word_tokenizer
-from test_eagle import WORDS
+from helpers.models import SMALL_VOCAB, perturbed, tiny_llama, word_target
+from helpers.trees import TreeProposer
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
 from test_kernel_laws import residual_mixed_with_p
 from test_tree import informed_table
@@ -48,7 +48,7 @@ def small() -> sd.LoadedModel:
 
 @pytest.fixture(scope="module")
 def large() -> sd.LoadedModel:
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
+    return word_target()
 
 
 def strong_samples(target: sd.LoadedModel, prompt: list[int]) -> int:

@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers.reference import no_cache_logits
 from test_gguf_load import LAYOUTS, MATRICES, _blocks
 from transformers import (
     AutoModelForCausalLM,
@@ -180,11 +181,6 @@ def reference(config, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model
 
 
-def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids[None], use_cache=False).logits[0].float()
-
-
 def runner_logits(loaded: sd.LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     """A prefill, one step, then a chain: every shape of pass the decoder makes."""
     runner = loaded.new_runner()
@@ -219,7 +215,7 @@ def test_each_architecture_runs_natively_from_its_blocks_with_transformers_logit
     assert loaded.model.config.rope_parameters == config.rope_parameters
     weights = transformers_weights(path, config)
     model = reference(config, weights)
-    expected = forward(model, IDS)
+    expected = no_cache_logits(model, IDS)
     for name, buffer in model.model.rotary_emb.named_buffers():  # the RoPE the native runner's tables come from
         assert torch.equal(dict(loaded.model.model.rotary_emb.named_buffers())[name], buffer), name
     assert architecture_of(loaded.model).scaling == model.model.layers[0].self_attn.scaling
@@ -230,7 +226,7 @@ def test_each_architecture_runs_natively_from_its_blocks_with_transformers_logit
     assert relative(runner_logits(loaded, IDS), expected) < 2e-3
     if key in ("llama3", "gemma3"):
         as_transformers_reads_it = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).config
-        missed = forward(reference(as_transformers_reads_it, weights), IDS)
+        missed = no_cache_logits(reference(as_transformers_reads_it, weights), IDS)
         assert (missed - expected).abs().max() > 10 * tolerance
 
 
@@ -296,7 +292,7 @@ def test_a_stated_mistral_window_runs_on_transformers_and_says_why(tmp_path, cac
     assert "\n" not in line and "not native: Mistral's sliding window" in line, line
     config = MistralConfig(**SIZES, num_hidden_layers=2, sliding_window=WINDOW, rope_parameters={
         "rope_type": "default", "rope_theta": 1e6})  # fmt: skip
-    expected = forward(reference(config, transformers_weights(path, config)), IDS)
+    expected = no_cache_logits(reference(config, transformers_weights(path, config)), IDS)
     torch.testing.assert_close(runner_logits(loaded, IDS), expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import randomized, train_word_head, word_tokenizer
+from helpers.models import randomized, train_word_head
+from helpers.tokenizers import WORDS, word_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
@@ -24,7 +25,6 @@ VOCAB = 64
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 TOLERANCE = 0.08  # relative error of the kernels' rounding (measured 1.8-5.3%)
 PROMPTS = [[3, 17, 5, 9], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
-WORDS = [f"w{i}" for i in range(VOCAB)]
 
 
 @pytest.fixture(scope="module")

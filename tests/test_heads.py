@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import word_target
+from helpers.tokenizers import WORDS, word_tokenizer
 from safetensors.torch import load_file
 
 import specdecode as sd
@@ -22,8 +23,6 @@ from specdecode.heads.train import (
     train_head,
     training_device,
 )
-
-WORDS = [f"w{i}" for i in range(64)]
 
 
 def chat(question: str, answer: str = "fine") -> dict:
@@ -130,9 +129,9 @@ def test_sharegpt_package_has_17671_complete_conversations():
 # ---- training ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def word_target() -> sd.LoadedModel:
-    return sd.load_model(tiny_llama(64, seed=10), tokenizer=word_tokenizer(WORDS))
+@pytest.fixture(scope="module", name="word_target")
+def word_target_fixture() -> sd.LoadedModel:
+    return word_target()
 
 
 @pytest.fixture(scope="module")
@@ -378,10 +377,10 @@ def test_a_head_fine_tuned_from_a_saved_head_starts_from_it_and_keeps_its_vocabu
 
 
 def test_a_head_for_another_target_is_refused(trained_head):
-    other = sd.load_model(tiny_llama(64, seed=10, num_layers=3), tokenizer=word_tokenizer(WORDS))
+    other = word_target(num_layers=3)
     with pytest.raises(ValueError, match="trained for"):
         load_head(trained_head, other)
-    renamed = sd.load_model(tiny_llama(64, seed=10), tokenizer=word_tokenizer(list(reversed(WORDS))))
+    renamed = word_target(words=list(reversed(WORDS)))
     with pytest.raises(ValueError, match="vocabulary"):
         load_head(trained_head, renamed)
     with pytest.raises(FileNotFoundError, match="not a saved head"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed, randomized
+from helpers.models import perturbed, randomized
+from helpers.reference import no_cache_logits
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -82,12 +83,6 @@ MODELS = {
 }
 
 
-def reference(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    """Logits of a full-sequence forward without a cache: the model's own windowed attention."""
-    with torch.no_grad():
-        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
-
-
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
@@ -115,7 +110,7 @@ def test_prefill_rollback_and_reforward_match_a_full_forward(gemma):
     runner.forward(torch.tensor(ids[30:]))
     runner.rollback_to(25)
     assert runner.length == 25
-    close(runner.forward(torch.tensor(ids[25:])), reference(gemma, ids)[25:])
+    close(runner.forward(torch.tensor(ids[25:])), no_cache_logits(gemma, ids)[25:])
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -130,7 +125,7 @@ def test_rounds_of_forward_and_rollback_match_a_fresh_full_forward(name):
         new = torch.randint(0, VOCAB, (k,), generator=generator).tolist()
         logits = runner.forward(torch.tensor(new))
         ids += new
-        close(logits, reference(model, ids)[-k:])
+        close(logits, no_cache_logits(model, ids)[-k:])
         keep = len(ids) - int(torch.randint(0, k + 1, (), generator=generator))  # reject up to all k
         runner.rollback_to(keep)
         ids = ids[:keep]
@@ -188,7 +183,7 @@ def target(gemma) -> sd.LoadedModel:
 def greedy_reference(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(reference(model, ids)[-1].argmax()))
+        ids.append(int(no_cache_logits(model, ids)[-1].argmax()))
     return ids[len(prompt) :]
 
 

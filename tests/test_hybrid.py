@@ -8,8 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
-from test_eagle import WORDS
+from helpers.models import LARGE_VOCAB, word_target
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
 
 import specdecode as sd
@@ -340,7 +339,7 @@ def _served_books(target, name: str, hybrid, prompts: list[str], mode: str = "re
 
 
 def test_the_server_serves_eagle_lookup_as_plain_decoding(head_dir):
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS), backend="native")
+    target = word_target(backend="native")
     books = _served_books(target, "eagle+lookup", lookup_hybrid(EagleProposer(target, head=head_dir)), LOOKUP_PROMPTS)
     assert {"eagle+lookup:copy", "eagle+lookup:model"} <= set(books)
 
@@ -349,7 +348,7 @@ def test_the_server_serves_eagle_lookup_as_plain_decoding(head_dir):
 def test_the_server_serves_the_hybrid_as_plain_decoding_and_keeps_each_sides_books(head_dir, mode):
     """Greedy requests through the scheduler: the first answer goes to the copier's history (global scope), so
     the repeat is mostly copied; the texts are plain decoding's, and the policy learns each side apart."""
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS), backend="native")
+    target = word_target(backend="native")
     hybrid = HybridProposer(EagleProposer(target, head=head_dir), SuffixProposer())
     books = _served_books(target, "eagle+suffix", hybrid, [PROMPTS[0], PROMPTS[2], PROMPTS[0]], mode)
     assert {"eagle+suffix:copy", "eagle+suffix:model"} <= set(books)

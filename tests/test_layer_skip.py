@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama, word_target
+from helpers.tokenizers import WORDS
 from typer.testing import CliRunner
 
 import specdecode as sd
@@ -17,7 +18,6 @@ from specdecode.params import SamplingParams
 from specdecode.proposers.layer_skip import SkipSet, parse_layer_list, self_draft_model, skipping_model
 
 runner = CliRunner()
-WORDS = [f"w{i}" for i in range(64)]
 
 
 def _without(model: torch.nn.Module, skip: set[int]) -> torch.nn.Module:
@@ -161,7 +161,7 @@ def test_a_skip_set_round_trips_and_refuses_what_does_not_fit(tmp_path):
 
 @pytest.fixture
 def four_layer_target(monkeypatch):
-    loaded = sd.load_model(tiny_llama(64, seed=5, num_layers=4), tokenizer=word_tokenizer(WORDS))
+    loaded = word_target(seed=5, num_layers=4)
     monkeypatch.setattr(commands, "load", lambda name, *settings: loaded)
     return loaded
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.bench import check_bench_runs_chains_and_trees
+from helpers.models import LARGE_VOCAB, tiny_llama, word_target
+from helpers.tokenizers import WORDS
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -16,15 +18,9 @@ import specdecode as sd
 from specdecode.heads.medusa import MedusaSettings, load_heads, train_medusa
 from specdecode.proposers.medusa import MedusaProposer, best_paths, chain
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[3, 17, 5, 9], [1, 4], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
-
-
-def word_target() -> sd.LoadedModel:
-    """``large_target``'s weights (tiny_llama(64, seed=10)) with a word tokenizer, to train on text."""
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(WORDS))
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +101,10 @@ def test_resume_refuses_another_kind_of_checkpoint_before_comparing_settings(tmp
 
 
 def test_heads_for_another_target_are_refused(heads_dir):
-    deeper = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10, num_layers=3), tokenizer=word_tokenizer(WORDS))
+    deeper = word_target(num_layers=3)
     with pytest.raises(ValueError, match="train-medusa"):
         MedusaProposer(deeper, heads=heads_dir)
-    renamed = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=word_tokenizer(list(reversed(WORDS))))
+    renamed = word_target(words=list(reversed(WORDS)))
     with pytest.raises(ValueError, match="vocabulary"):
         load_heads(heads_dir, renamed)
     with pytest.raises(FileNotFoundError, match="no Medusa heads"):
@@ -250,17 +246,9 @@ def test_medusa_laws_enumerated_exactly(large_target, heads_dir, case, shape, ga
 
 
 def test_bench_runs_medusa_chains_and_trees_with_plain_output(large_target, heads_dir):
-    from specdecode.bench.methods import build_methods
-    from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.bench.workloads import WorkItem
-
-    methods = build_methods(large_target, ["medusa"], [3], transformers=False, heads=str(heads_dir), tree_nodes=[0, 4])
-    assert [m.name for m in methods] == ["ours:plain", "ours:medusa-chain:g3", "ours:medusa-t4:g3"]
-    items = [WorkItem(1, "writing", (PROMPTS[0], PROMPTS[2]))]
-    result = run_bench(large_target, items, methods, BenchConfig(max_new_tokens=12))
-    assert len(result.records) == 2 * 3 and all(r.identical for r in result.records)
-    with pytest.raises(ValueError, match="no Medusa heads are shipped"):
-        build_methods(large_target, ["medusa"], [3], transformers=False)
+    folder = {"heads": str(heads_dir)}
+    prompts = (PROMPTS[0], PROMPTS[2])
+    check_bench_runs_chains_and_trees(large_target, "medusa", folder, prompts, missing="no Medusa heads are shipped")
 
 
 def test_cli_trains_resumes_and_generates_with_medusa(tmp_path, monkeypatch, corpus):

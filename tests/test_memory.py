@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import word_target
 from test_gguf_load import LAYOUTS, write_gguf
 from typer.testing import CliRunner
 
@@ -85,8 +85,7 @@ def test_the_accounting_of_the_bundled_model_is_its_tensors_bytes():
 
 
 def _tiny(max_context: int | None = None) -> sd.LoadedModel:
-    words = [f"w{i}" for i in range(64)]
-    return sd.load_model(tiny_llama(64, seed=5), tokenizer=word_tokenizer(words), max_context=max_context)
+    return word_target(seed=5, max_context=max_context)
 
 
 def test_the_kv_cache_stops_at_max_context_and_a_longer_request_is_refused():

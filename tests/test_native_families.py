@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.reference import no_cache_logits
 from test_native_llama import SETTING_NAMES, SETTINGS, _assert_rows_equal_single_steps, _build, _ids, _loaded
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -39,12 +40,6 @@ def qwen3(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
 FAMILIES = {"gemma3": gemma, "qwen3": qwen3}
 
 
-def _reference(model, ids: list[int]) -> torch.Tensor:
-    """transformers' logits for the whole sequence in one call (no cache)."""
-    with torch.no_grad():
-        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
-
-
 def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-4) -> None:
     torch.testing.assert_close(actual, expected, atol=tol * expected.abs().max().item(), rtol=0)
 
@@ -54,7 +49,7 @@ def test_logits_equal_transformers_past_the_window(family):
     model = FAMILIES[family]()
     assert unsupported_reason(model) is None
     ids = _ids(40, seed=3)
-    reference = _reference(model, ids)
+    reference = no_cache_logits(model, ids)
     runner = NativeLlamaRunner(model, vocab_size=VOCAB)
     _close(runner.forward(torch.tensor(ids)), reference)
     runner.reset()  # a prefill (one masked attention call), then chains of several sizes
@@ -72,14 +67,14 @@ def test_gemma_window_and_rope_bases_matter():
     ids = _ids(40, seed=3)
     model = gemma()
     wide = gemma(window=64)
-    assert not torch.allclose(_reference(model, ids)[WINDOW:], _reference(wide, ids)[WINDOW:], atol=1e-3)
-    _close(NativeLlamaRunner(wide, vocab_size=VOCAB).forward(torch.tensor(ids)), _reference(wide, ids))
+    assert not torch.allclose(no_cache_logits(model, ids)[WINDOW:], no_cache_logits(wide, ids)[WINDOW:], atol=1e-3)
+    _close(NativeLlamaRunner(wide, vocab_size=VOCAB).forward(torch.tensor(ids)), no_cache_logits(wide, ids))
     swapped = gemma()
     swapped.config.rope_parameters["sliding_attention"]["rope_theta"] = 1e6
     other = type(swapped.model.rotary_emb)(swapped.config)
     swapped.model.rotary_emb = other
-    assert not torch.allclose(_reference(swapped, ids), _reference(model, ids), atol=1e-3)
-    _close(NativeLlamaRunner(swapped, vocab_size=VOCAB).forward(torch.tensor(ids)), _reference(swapped, ids))
+    assert not torch.allclose(no_cache_logits(swapped, ids), no_cache_logits(model, ids), atol=1e-3)
+    _close(NativeLlamaRunner(swapped, vocab_size=VOCAB).forward(torch.tensor(ids)), no_cache_logits(swapped, ids))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -87,7 +82,7 @@ def test_bfloat16_close_to_transformers(family):
     model = FAMILIES[family]().to(torch.bfloat16)
     ids = _ids(30, seed=4)
     logits = NativeLlamaRunner(model, vocab_size=VOCAB).forward(torch.tensor(ids))
-    reference = _reference(model, ids)
+    reference = no_cache_logits(model, ids)
     assert (logits - reference).norm() / reference.norm() < 0.03
 
 

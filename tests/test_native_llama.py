@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from helpers.reference import no_cache_logits
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -58,11 +59,6 @@ def _llama(**overrides):
     return _build(LlamaForCausalLM, _small(LlamaConfig, **overrides))
 
 
-def _reference(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
 def _ids(n: int, seed: int = 1) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -85,7 +81,7 @@ def test_prefill_matches_transformers(tied):
     logits = runner.forward(torch.tensor(ids))
     assert logits.dtype == torch.float32 and logits.shape == (20, VOCAB)
     assert runner.length == 20
-    torch.testing.assert_close(logits, _reference(model, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, no_cache_logits(model, ids), atol=ATOL, rtol=0)
 
 
 def test_chunked_forwards_match_full_sequence():
@@ -93,7 +89,7 @@ def test_chunked_forwards_match_full_sequence():
     runner = NativeLlamaRunner(model, vocab_size=VOCAB)
     ids = _ids(30)
     logits = _feed(runner, ids, [1, 4, 1, 8, 2, 1, 13])
-    torch.testing.assert_close(logits, _reference(model, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, no_cache_logits(model, ids), atol=ATOL, rtol=0)
 
 
 def test_rollback_then_different_tokens():
@@ -105,10 +101,10 @@ def test_rollback_then_different_tokens():
     assert runner.length == 10
     other = _ids(7, seed=2)
     logits = runner.forward(torch.tensor(other))
-    torch.testing.assert_close(logits, _reference(model, ids[:10] + other)[10:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, no_cache_logits(model, ids[:10] + other)[10:], atol=ATOL, rtol=0)
     runner.reset()
     assert runner.length == 0
-    torch.testing.assert_close(runner.forward(torch.tensor(other)), _reference(model, other), atol=ATOL, rtol=0)
+    torch.testing.assert_close(runner.forward(torch.tensor(other)), no_cache_logits(model, other), atol=ATOL, rtol=0)
     with pytest.raises(ValueError):
         runner.rollback_to(runner.length + 1)
 
@@ -118,7 +114,7 @@ def test_cache_grows_past_max_length():
     runner = NativeLlamaRunner(model, vocab_size=VOCAB, max_length=5)
     ids = _ids(40)
     logits = _feed(runner, ids, [3, 1, 1, 6, 1, 20, 8])
-    torch.testing.assert_close(logits, _reference(model, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, no_cache_logits(model, ids), atol=ATOL, rtol=0)
 
 
 def test_num_layers_matches_truncated_model_and_shares_weights():
@@ -131,7 +127,7 @@ def test_num_layers_matches_truncated_model_and_shares_weights():
     ids = _ids(12)
     target.forward(torch.tensor(ids[:5]))
     logits = _feed(draft, ids, [4, 1, 7])
-    torch.testing.assert_close(logits, _reference(truncated, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, no_cache_logits(truncated, ids), atol=ATOL, rtol=0)
     assert draft._layers[0].qkv.weight.data_ptr() == target._layers[0].qkv.weight.data_ptr()
     assert (target.length, draft.length) == (5, 12)
     with pytest.raises(ValueError):
@@ -144,7 +140,7 @@ def test_padded_vocabulary_is_sliced():
     ids = _ids(6)
     logits = runner.forward(torch.tensor(ids))
     assert logits.shape == (6, 40)
-    torch.testing.assert_close(logits, _reference(model, ids)[:, :40], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, no_cache_logits(model, ids)[:, :40], atol=ATOL, rtol=0)
 
 
 def test_token_tree_matches_separate_branches():
@@ -160,12 +156,12 @@ def test_token_tree_matches_separate_branches():
     for row, ancestors in enumerate([[0], [0, 1], [2], [2, 3], [2, 3, 4]]):
         mask[row, [n + a for a in ancestors]] = True
     logits = runner.forward(torch.tensor(tree), positions=positions, attn_mask=mask)
-    torch.testing.assert_close(logits[:2], _reference(model, prefix + branch_a)[n:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[2:], _reference(model, prefix + branch_b)[n:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[:2], no_cache_logits(model, prefix + branch_a)[n:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[2:], no_cache_logits(model, prefix + branch_b)[n:], atol=ATOL, rtol=0)
     # Keeping branch b's first token means dropping the tree and re-feeding it on the default path.
     runner.rollback_to(n)
     torch.testing.assert_close(
-        runner.forward(torch.tensor(branch_b)), _reference(model, prefix + branch_b)[n:], atol=ATOL, rtol=0
+        runner.forward(torch.tensor(branch_b)), no_cache_logits(model, prefix + branch_b)[n:], atol=ATOL, rtol=0
     )
 
 
@@ -184,7 +180,7 @@ def test_llama3_and_linear_rope_scaling():
         model = _llama(rope_parameters=rope)
         assert supports_native(model)
         runner = NativeLlamaRunner(model, vocab_size=VOCAB)
-        torch.testing.assert_close(_feed(runner, ids, [40, 1, 19]), _reference(model, ids), atol=ATOL, rtol=0)
+        torch.testing.assert_close(_feed(runner, ids, [40, 1, 19]), no_cache_logits(model, ids), atol=ATOL, rtol=0)
 
 
 def test_qwen2_biases_and_mistral():
@@ -194,7 +190,7 @@ def test_qwen2_biases_and_mistral():
     for model in (qwen, mistral):
         assert supports_native(model)
         runner = NativeLlamaRunner(model, vocab_size=VOCAB)
-        torch.testing.assert_close(_feed(runner, ids, [10, 1, 14]), _reference(model, ids), atol=ATOL, rtol=0)
+        torch.testing.assert_close(_feed(runner, ids, [10, 1, 14]), no_cache_logits(model, ids), atol=ATOL, rtol=0)
 
 
 def test_supports_native_refuses_what_it_cannot_reproduce():
@@ -214,7 +210,7 @@ def test_bfloat16_close_to_transformers():
     runner = NativeLlamaRunner(model, vocab_size=VOCAB)
     ids = _ids(20)
     logits = _feed(runner, ids, [12, 1, 7])
-    reference = _reference(model, ids)
+    reference = no_cache_logits(model, ids)
     assert (logits - reference).abs().max() < 0.1 * reference.abs().max()
 
 
@@ -238,7 +234,7 @@ def test_smollm2_matches_transformers():
     ids = torch.randint(0, 49152, (100,), generator=torch.Generator().manual_seed(0)).tolist()
     runner = NativeLlamaRunner(model, vocab_size=model.config.vocab_size, max_length=64)
     logits = _feed(runner, ids, [60, 1, 8, 31])
-    torch.testing.assert_close(logits, _reference(model, ids), atol=1e-3, rtol=0)
+    torch.testing.assert_close(logits, no_cache_logits(model, ids), atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -390,11 +386,11 @@ def test_quantized_runner_computes_the_dequantized_model(quantization, group_siz
     runner computes the dense model made of the dequantized weights."""
     model = _wide()
     ids = _ids(40, seed=7)
-    reference = _reference(_dequantized_copy(model, quantization, group_size), ids)
+    reference = no_cache_logits(_dequantized_copy(model, quantization, group_size), ids)
     logits = _loaded(model, "float32", quantization, group_size).new_runner().forward(torch.tensor(ids))
     assert (logits - reference).norm() / reference.norm() < 0.1
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
-    original = _reference(model, ids)
+    original = no_cache_logits(model, ids)
     if quantization == "int4":  # the control: 4-bit rounding itself moves this model far more than that
         assert (logits - original).norm() / original.norm() > 0.2
 

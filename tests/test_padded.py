@@ -7,7 +7,9 @@ import json
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, chisquare_pvalue, tiny_llama, word_tokenizer, write_chats
+from helpers.laws import chisquare_pvalue
+from helpers.models import LARGE_VOCAB, word_target
+from helpers.tokenizers import CHAT_TEMPLATE, write_chats
 from typer.testing import CliRunner
 
 import specdecode as sd
@@ -18,16 +20,13 @@ from specdecode.heads.padded import answer_padded, left_pad
 from specdecode.params import SamplingParams
 from specdecode.sampling import probs_from_logits
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 QUESTIONS = [" ".join(f"w{(7 * i + j * j) % LARGE_VOCAB}" for j in range(2 + i % 5)) for i in range(9)]
 FALSE_ALARM = 1e-3
 
 
 @pytest.fixture(scope="module")
 def target() -> sd.LoadedModel:
-    tokenizer = word_tokenizer(WORDS, eos="w3")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=11), tokenizer=tokenizer, backend="transformers")
+    return word_target(seed=11, eos="w3", chat_template=CHAT_TEMPLATE, backend="transformers")
 
 
 @pytest.fixture

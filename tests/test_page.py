@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import word_target
+from helpers.tokenizers import CHAT_TEMPLATE
 
 import specdecode as sd
 from specdecode.serving import ServerConfig, create_app
@@ -32,9 +33,7 @@ STREAM_TIMEOUT_MS = 180_000
 
 @pytest.fixture(scope="module")
 def keyed_tiny_server():
-    tokenizer = word_tokenizer([f"w{i}" for i in range(LARGE_VOCAB)])
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=tokenizer, backend="native")
+    target = word_target(chat_template=CHAT_TEMPLATE, backend="native")
     with LocalServer(create_app(ServerConfig(target=target, served_model_name="tiny", api_key=API_KEY))) as server:
         yield server
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama
+from helpers.models import LARGE_VOCAB, tiny_llama
 
 import specdecode as sd
 from specdecode.bench.measure import measure, per_position_speedup

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LARGE_VOCAB, perturbed, quantizable_llama, tiny_llama, with_eos
+from helpers.models import LARGE_VOCAB, perturbed, quantizable_llama, tiny_llama, with_eos
 from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import typer
-from conftest import quantizable_llama, word_tokenizer
+from helpers.models import quantizable_llama
+from helpers.tokenizers import word_tokenizer
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 

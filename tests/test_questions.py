@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import word_target
+from helpers.tokenizers import WORDS
 from typer.testing import CliRunner
 
 import specdecode as sd
@@ -17,15 +18,12 @@ from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
 from specdecode.heads.data import normalise
 from specdecode.heads.questions import QUESTIONS_FILE, QuestionSettings, pre_query_ids, write_questions
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 EOS = 3
 TEMPLATE = "{% for m in messages %}w1 w2 {{ m['content'] }} w3 {% endfor %}"
 
 
 def _target(template: str | None = TEMPLATE) -> sd.LoadedModel:
-    tokenizer = word_tokenizer(WORDS, eos=WORDS[EOS])
-    tokenizer.chat_template = template
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=12), tokenizer=tokenizer, backend="native")
+    return word_target(seed=12, eos=WORDS[EOS], chat_template=template, backend="native")
 
 
 @pytest.fixture(scope="module")

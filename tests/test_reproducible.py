@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from conftest import with_eos
+from helpers.models import with_eos
 from scipy.stats import chi2
 
 import specdecode as sd

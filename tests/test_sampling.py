@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import chisquare_pvalue
+from helpers.laws import chisquare_pvalue
 
 from specdecode import SamplingParams, kernels
 from specdecode.choices import GeneratorChoices, inverse_cdf, inverse_cdf_torch

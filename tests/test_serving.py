@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import LARGE_VOCAB, word_target
+from helpers.tokenizers import CHAT_TEMPLATE
 
 import specdecode as sd
 from specdecode.bench.serve_load import run_load, scrape
@@ -25,8 +26,6 @@ from specdecode.proposers.base import EMPTY_DRAFT, Draft
 from specdecode.serving import ServerConfig, create_app
 from specdecode.serving.local import LocalServer
 
-WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 REPEATING = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
 PROMPTS = [" ".join(f"w{(3 * i + j * j) % LARGE_VOCAB}" for j in range(4 + i % 5)) * 2 for i in range(16)]
 API_KEY = "sekrit"
@@ -94,9 +93,7 @@ class Slow:
 
 @pytest.fixture(scope="module")
 def target() -> sd.LoadedModel:
-    tokenizer = word_tokenizer(WORDS)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return sd.load_model(tiny_llama(LARGE_VOCAB, seed=10), tokenizer=tokenizer, backend="native")
+    return word_target(chat_template=CHAT_TEMPLATE, backend="native")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import LARGE_VOCAB, tiny_llama, word_tokenizer
+from helpers.models import LARGE_VOCAB, tiny_llama
+from helpers.tokenizers import WORDS, word_tokenizer
 
 import specdecode as sd
 from specdecode.bench.serve_load import run_load, scrape
@@ -109,7 +110,7 @@ def test_ray_serve_two_replicas_answer_the_openai_routes(tmp_path, monkeypatch):
     for name, value in ONE_MACHINE.items():  # init_ray sets it; monkeypatch puts the environment back afterwards
         monkeypatch.setenv(name, value)
 
-    tokenizer = word_tokenizer([f"w{i}" for i in range(LARGE_VOCAB)])
+    tokenizer = word_tokenizer(WORDS)
     model = tiny_llama(LARGE_VOCAB, seed=10)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

@@ -16,7 +16,8 @@ import threading
 
 import pytest
 import torch
-from conftest import SMALL_VOCAB, biased_tree_sample
+from helpers.laws import biased_tree_sample
+from helpers.models import SMALL_VOCAB
 
 import specdecode as sd
 import specdecode.engine

@@ -16,7 +16,9 @@ import random
 
 import pytest
 import torch
-from conftest import SMALL_VOCAB, TreeProposer, biased_tree_sample, draw_tree, random_tables, with_eos
+from helpers.laws import biased_tree_sample
+from helpers.models import SMALL_VOCAB, with_eos
+from helpers.trees import TreeProposer, draw_tree, random_tables
 
 import specdecode as sd
 import specdecode.engine

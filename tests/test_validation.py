@@ -5,16 +5,17 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import tiny_llama, word_tokenizer
+from helpers.models import tiny_llama
+from helpers.tokenizers import fixed_width_words, word_tokenizer
 
 import specdecode as sd
 
-WORDS = [f"w{i:02d}" for i in range(12)]
+WORDS = fixed_width_words(12)  # "w07" in the mismatch message; 12 real ids under 16 rows
 
 
 @pytest.mark.parametrize("prompt", [[], ""])
 def test_empty_prompt(small_target, prompt):
-    target = sd.load_model(small_target.model, tokenizer=word_tokenizer([f"w{i:02d}" for i in range(16)]))
+    target = sd.load_model(small_target.model, tokenizer=word_tokenizer(fixed_width_words(16)))
     with pytest.raises(ValueError, match="prompt is empty"):
         sd.SpeculativeDecoder(target, sd.PromptLookupProposer()).generate(prompt, sd.SamplingParams())
     with pytest.raises(ValueError, match="prompt is empty"):

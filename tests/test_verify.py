@@ -16,7 +16,8 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import biased_tree_sample, chisquare_pvalue, draw_tree, random_tables, resample_from_target
+from helpers.laws import biased_tree_sample, chisquare_pvalue, resample_from_target
+from helpers.trees import draw_tree, random_tables
 
 import specdecode.choices
 import specdecode.verify
