@@ -73,7 +73,7 @@ def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers:
 def train_word_head(target: sd.LoadedModel, words: list[str], tmp_path_factory, name: str):
     """An EAGLE head trained briefly for ``target`` (a word-tokenizer model) on 16 of its own sampled
     continuations, drafting over the 56 ids it predicted most; returns the head's folder."""
-    from specdecode.heads.train import TrainSettings, train_head
+    from specdecode.training.train import TrainSettings, train_head
 
     corpus = tmp_path_factory.mktemp(f"{name}-corpus")
     generator = torch.Generator().manual_seed(3)

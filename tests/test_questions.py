@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 import specdecode as sd
 import specdecode.cli as cli
 from specdecode import commands
-from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
-from specdecode.heads.data import normalise
-from specdecode.heads.questions import QUESTIONS_FILE, QuestionSettings, pre_query_ids, write_questions
+from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers
+from specdecode.training.data import normalise
+from specdecode.training.questions import QUESTIONS_FILE, QuestionSettings, pre_query_ids, write_questions
 
 WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 EOS = 3

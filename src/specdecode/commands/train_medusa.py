@@ -16,7 +16,7 @@ from specdecode.commands import (
     set_threads,
     training_reporter,
 )
-from specdecode.heads.data import HELD_OUT
+from specdecode.training.data import HELD_OUT
 
 
 def train_medusa(

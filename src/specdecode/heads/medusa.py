@@ -16,7 +16,7 @@ each head starts as the target's own next-token read-out. Only W and b are train
 Training (self-distillation, teacher forcing over the data's text): at row t head i learns the target's own law
 at row t+i+1 (its read-out of f_{t+i+1}, from the same frozen forward), loss Σ_i decay^i · CE(p_target, q_i)
 over the drafting vocabulary. The data pipeline, feature cache, batching, schedule and training loop (checkpoints,
-resume) are ``heads.train``'s.
+resume) are ``training.train``'s.
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..models.loader import LoadedModel, resolve_dtype
-from .data import HELD_OUT, DataStats
-from .model import TargetParts, lm_head_rows, text_config
-from .saved import SHIPPED, check_target, target_identity
-from .train import (
+from ..training.data import HELD_OUT, DataStats
+from ..training.train import (
     FeatureCache,
     Progress,
     batch_tensors,
@@ -47,6 +45,8 @@ from .train import (
     read_samples,
     training_loop,
 )
+from .model import TargetParts, lm_head_rows, text_config
+from .saved import SHIPPED, check_target, target_identity
 
 FORMAT = "specdecode-medusa-heads"
 VERSION = 1
@@ -159,7 +159,7 @@ def shipped_heads(target: LoadedModel) -> Path:
 @dataclass(frozen=True)
 class MedusaSettings:
     """What a Medusa training run does; recorded in the checkpoint and the saved heads' config. The data fields
-    mean what they mean for ``heads.train.TrainSettings`` (the same reader, held-out split and batching)."""
+    mean what they mean for ``training.train.TrainSettings`` (the same reader, held-out split and batching)."""
 
     data: str = "sharegpt"
     limit: int | None = None  # training sequences (after the held-out ones); None = all

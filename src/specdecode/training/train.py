@@ -32,16 +32,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..heads.calibrate import calibration_record, temperature_overlaps
+from ..heads.model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
+from ..heads.saved import save_head
 from ..models.loader import LoadedModel, resolve_dtype
 from . import windows
 from .answer_rows import AnswerMarkers, answer_markers, answer_rows
-from .calibrate import calibration_record, temperature_overlaps
 from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
-from .model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
-from .saved import save_head
 
 if TYPE_CHECKING:
-    from .medusa import MedusaSettings
+    from ..heads.medusa import MedusaSettings
 
 EVAL_DEPTHS = 5
 LOSS_ROWS = ("all", "answers")  # every row of a sequence, or only those that guess an answer token
@@ -655,7 +655,7 @@ def training_loop(
 def initial_head(target: LoadedModel, source: str) -> tuple[EagleHead, torch.Tensor, float]:
     """(head to train, its drafting vocabulary, its feature scale) from a saved head (``shipped``: the one
     shipped for ``target``), checked against ``target``."""
-    from .saved import load_head, shipped_head
+    from ..heads.saved import load_head, shipped_head
 
     folder = shipped_head(target) if source == "shipped" else Path(source)
     head, draft_vocab, config = load_head(folder, target)
