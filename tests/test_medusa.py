@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import specdecode as sd
-from specdecode.heads.medusa import MedusaSettings, load_heads, train_medusa
+from specdecode.heads.medusa import load_heads
 from specdecode.proposers.medusa import MedusaProposer, best_paths, chain
+from specdecode.training.medusa import MedusaSettings, train_medusa
 
 WORDS = [f"w{i}" for i in range(LARGE_VOCAB)]
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)

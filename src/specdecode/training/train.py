@@ -41,7 +41,7 @@ from .answer_rows import AnswerMarkers, answer_markers, answer_rows
 from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
 
 if TYPE_CHECKING:
-    from ..heads.medusa import MedusaSettings
+    from .medusa import MedusaSettings
 
 EVAL_DEPTHS = 5
 LOSS_ROWS = ("all", "answers")  # every row of a sequence, or only those that guess an answer token
@@ -483,7 +483,7 @@ def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
     return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-# --- the training loop (train_head's and heads.medusa.train_medusa's) -------------------------------------------
+# --- the training loop (train_head's and training.medusa.train_medusa's) -----------------------------------------
 
 
 def training_device(name: str) -> torch.device:
