@@ -18,7 +18,6 @@ from specdecode.commands import (
     set_threads,
     training_reporter,
 )
-from specdecode.heads.calibrate import calibration_summary
 from specdecode.training.data import HELD_OUT
 
 
@@ -85,6 +84,7 @@ def train_head(
 ) -> None:
     """Train a draft head on a frozen target (teacher forcing, distilling the target's own outputs)."""
     from specdecode.commands import load
+    from specdecode.training.calibrate import calibration_summary
     from specdecode.training.train import TrainSettings, training_device
     from specdecode.training.train import train_head as run
 

@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..heads.calibrate import calibration_record, temperature_overlaps
 from ..heads.model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
 from ..heads.saved import save_head
 from ..models.loader import LoadedModel, resolve_dtype
 from . import windows
 from .answer_rows import AnswerMarkers, answer_markers, answer_rows
+from .calibrate import calibration_record, temperature_overlaps
 from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
 
 if TYPE_CHECKING:
