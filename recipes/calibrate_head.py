@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 import specdecode as sd
-from specdecode.heads.calibrate import FACTORS, calibration_record, temperature_overlaps
 from specdecode.heads.model import TargetParts, lm_head_rows
 from specdecode.heads.saved import load_head, shipped_head
-from specdecode.heads.train import FeatureCache, TrainSettings, batch_tensors, read_samples
+from specdecode.training.calibrate import FACTORS, calibration_record, temperature_overlaps
+from specdecode.training.train import FeatureCache, TrainSettings, batch_tensors, read_samples
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Held-out top-1 agreement with the target, depths 1..5, of several heads on the same held-out chats: the first
 32 of a make-data answers file (sorted by prompt index, as train-head reads them) and the first 32 ShareGPT
 conversations (the stage-1 held-out set), over every row and over the answer rows alone (``SET answers``: the rows
-whose guess is an assistant's token, ``heads/answer_rows.py``). Features are computed once and shared by the heads.
+whose guess is an assistant's token, ``training/answer_rows.py``). Features are computed once and shared by the heads.
 
     .venv/bin/python recipes/score_heads.py --answers DIR/answers.jsonl --out DIR --head NAME=DIR [--head ...]
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 import specdecode as sd
-from specdecode.heads.answer_rows import answer_markers
 from specdecode.heads.model import TargetParts, lm_head_rows
 from specdecode.heads.saved import load_head, shipped_head
-from specdecode.heads.train import FeatureCache, TrainSettings, held_out_accuracy, read_samples
+from specdecode.training.answer_rows import answer_markers
+from specdecode.training.train import FeatureCache, TrainSettings, held_out_accuracy, read_samples
 
 
 def scores(target: sd.LoadedModel, head_dir: Path, held_out: dict[str, list[list[int]]], cache_root: Path) -> dict:

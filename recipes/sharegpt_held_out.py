@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdecode.heads.answers import AnswerSettings, AnswerStats, training_prompts
-from specdecode.heads.data import HELD_OUT
+from specdecode.training.answers import AnswerSettings, AnswerStats, training_prompts
+from specdecode.training.data import HELD_OUT
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 import specdecode as sd
 import specdecode.cli as cli
 from specdecode import commands
-from specdecode.heads import answers
-from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
-from specdecode.heads.train import TrainSettings, read_samples
+from specdecode.training import answers
+from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers
+from specdecode.training.train import TrainSettings, read_samples
 
 QUESTIONS = [" ".join(f"w{(5 * i + j * j) % LARGE_VOCAB}" for j in range(3 + i % 4)) * 2 for i in range(10)]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.heads.calibrate import TemperatureCalibration, calibrate, calibration_summary, overlap
+from specdecode.heads.calibrate import TemperatureCalibration
+from specdecode.training.calibrate import calibrate, calibration_summary, overlap
 
 
 def test_overlap_is_one_minus_total_variation_and_the_acceptance_rate():

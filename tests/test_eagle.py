@@ -334,8 +334,8 @@ def test_the_calibration_measures_the_proposers_first_guess_acceptance(large_tar
     """``temperature_overlaps`` at depth 1, factor f, equals the mean over a text's positions of sum min(p, q),
     q the law the proposer drafts its first guess from with ``temperature_factor=f`` and p the target's: the
     calibration measures what drafting does (float32 features both ways)."""
-    from specdecode.heads.calibrate import overlap, temperature_overlaps
     from specdecode.heads.model import lm_head_rows
+    from specdecode.training.calibrate import overlap, temperature_overlaps
 
     text = PROMPTS[2] + PROMPTS[0]
     runner = large_target.new_runner()

@@ -13,9 +13,9 @@ from helpers.tokenizers import WORDS, word_tokenizer
 from safetensors.torch import load_file
 
 import specdecode as sd
-from specdecode.heads import data
 from specdecode.heads.saved import load_head
-from specdecode.heads.train import (
+from specdecode.training import data
+from specdecode.training.train import (
     FeatureCache,
     TrainSettings,
     extract_batch_tokens,
@@ -420,7 +420,7 @@ def test_one_long_text_file_trains_as_windows_of_max_length(tmp_path, monkeypatc
 
     import specdecode.cli as cli
     from specdecode import commands
-    from specdecode.heads.train import read_samples
+    from specdecode.training.train import read_samples
 
     generator = torch.Generator().manual_seed(4)
     text = " ".join(WORDS[t] for t in torch.randint(0, 64, (8000,), generator=generator).tolist())[:30_000]

@@ -183,6 +183,7 @@ import torch
 torch.set_num_threads(1)
 import specdecode as sd
 from specdecode.kernels import ops
+from transformers import PreTrainedModel  # the modeling stack every load imports, loaded before `before`
 
 def high_water():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))

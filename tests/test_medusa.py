@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import specdecode as sd
-from specdecode.heads.medusa import MedusaSettings, load_heads, train_medusa
+from specdecode.heads.medusa import load_heads
 from specdecode.proposers.medusa import MedusaProposer, best_paths, chain
+from specdecode.training.medusa import MedusaSettings, train_medusa
 
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[3, 17, 5, 9], [1, 4], [60, 2, 2, 2, 7, 33, 12, 40, 8]]

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode.heads import answers
-from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers, padded_batches
-from specdecode.heads.padded import answer_padded, left_pad
 from specdecode.params import SamplingParams
 from specdecode.sampling import probs_from_logits
+from specdecode.training import answers
+from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers, padded_batches
+from specdecode.training.padded import answer_padded, left_pad
 
 QUESTIONS = [" ".join(f"w{(7 * i + j * j) % LARGE_VOCAB}" for j in range(2 + i % 5)) for i in range(9)]
 FALSE_ALARM = 1e-3

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import specdecode as sd
 import specdecode.cli as cli
 from specdecode import commands
-from specdecode.heads.answers import ANSWERS_FILE, AnswerSettings, make_answers
-from specdecode.heads.data import normalise
-from specdecode.heads.questions import QUESTIONS_FILE, QuestionSettings, pre_query_ids, write_questions
+from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers
+from specdecode.training.data import normalise
+from specdecode.training.questions import QUESTIONS_FILE, QuestionSettings, pre_query_ids, write_questions
 
 EOS = 3
 TEMPLATE = "{% for m in messages %}w1 w2 {{ m['content'] }} w3 {% endfor %}"

@@ -17,7 +17,6 @@ from operator import mul
 from typing import Any
 
 import numpy as np
-from scipy.optimize import brentq
 
 MAX_GAMMA = 16
 TABLE_GAMMAS = range(1, 11)
@@ -191,6 +190,8 @@ def best_gamma(
 
 def break_even_alpha(gamma: int, cost: float, verify_cost: VerifyCost | None = None) -> float | None:
     """The α in [0, 1) where E(α, γ) = round cost (speedup 1); None if even α → 1 does not pay."""
+    from scipy.optimize import brentq  # here: scipy costs ~0.3 s at `import specdecode`, and only this needs it
+
     target = round_cost(gamma, cost, verify_cost)
     if target <= 1.0:
         return 0.0

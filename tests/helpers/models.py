@@ -114,7 +114,7 @@ def with_eos(model: sd.LoadedModel, *eos_ids: int) -> sd.LoadedModel:
 def train_word_head(target: sd.LoadedModel, words: list[str], tmp_path_factory, name: str):
     """An EAGLE head trained briefly for ``target`` (a word-tokenizer model) on 16 of its own sampled
     continuations, drafting over the 56 ids it predicted most; returns the head's folder."""
-    from specdecode.heads.train import TrainSettings, train_head
+    from specdecode.training.train import TrainSettings, train_head
 
     corpus = tmp_path_factory.mktemp(f"{name}-corpus")
     generator = torch.Generator().manual_seed(3)

@@ -196,7 +196,7 @@ def progress_bar(label: str, info: str = ""):
 
 
 def training_reporter(max_length: int, accuracy_label: str = "acc"):
-    """(bar, on_start, on_step) for a head trainer (``heads.train`` / ``heads.medusa`` callbacks): the data read,
+    """(bar, on_start, on_step) for a head trainer (``training.train`` / ``training.medusa`` callbacks): the data read,
     then loss and accuracy per step on the bar, or a log line a minute (and at checkpoints) off a terminal."""
     import time
 

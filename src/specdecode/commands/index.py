@@ -32,8 +32,8 @@ def index(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from specdecode.commands import load
-    from specdecode.heads.train import tokenize
     from specdecode.proposers import SuffixHistory
+    from specdecode.training.train import tokenize
     from specdecode.vocab import vocabulary_fingerprint
 
     if max_tokens < 1:
@@ -94,7 +94,7 @@ def _files(source: str) -> list[Path | str]:
 
 def _samples(files: list[Path | str], on_binary) -> Iterator[str | list]:
     """Documents: each chat (or text record) of a .json / .jsonl file, each other file's text."""
-    from specdecode.heads.data import iter_samples
+    from specdecode.training.data import iter_samples
 
     for file in files:
         if file == "sharegpt" or Path(file).suffix in CHAT_SUFFIXES:

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import typer
 
 from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers, set_threads
-from specdecode.heads.data import HELD_OUT
+from specdecode.training.data import HELD_OUT
 
 if TYPE_CHECKING:
-    from specdecode.heads.answers import AnswerSettings
     from specdecode.models.loader import LoadedModel
+    from specdecode.training.answers import AnswerSettings
 
 DTYPES = ("float32", "bfloat16")
 
@@ -76,9 +76,9 @@ def make_data(
 ) -> None:
     """Write the target's own answers to training prompts (JSONL chats), for train-head --data."""
     from specdecode.commands import load
-    from specdecode.heads.answers import ANSWERS_FILE, SELF, AnswerSettings, make_answers
-    from specdecode.heads.train import training_device
     from specdecode.models.loader import load_model
+    from specdecode.training.answers import ANSWERS_FILE, SELF, AnswerSettings, make_answers
+    from specdecode.training.train import training_device
 
     set_threads(threads)
     on_gpu = training_device(device).type != "cpu"
@@ -148,7 +148,7 @@ def make_data(
 
 def _write_questions(model: LoadedModel, settings: AnswerSettings, out: Path) -> Path:
     """--prompts self: the target writes its questions into OUT/questions.jsonl (resumed); the file's path."""
-    from specdecode.heads.questions import QUESTIONS_FILE, write_questions
+    from specdecode.training.questions import QUESTIONS_FILE, write_questions
 
     wanted = settings.questions()
     path = out.expanduser() / QUESTIONS_FILE

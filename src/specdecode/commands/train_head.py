@@ -18,8 +18,7 @@ from specdecode.commands import (
     set_threads,
     training_reporter,
 )
-from specdecode.heads.calibrate import calibration_summary
-from specdecode.heads.data import HELD_OUT
+from specdecode.training.data import HELD_OUT
 
 
 class LossRows(str, Enum):
@@ -85,8 +84,9 @@ def train_head(
 ) -> None:
     """Train a draft head on a frozen target (teacher forcing, distilling the target's own outputs)."""
     from specdecode.commands import load
-    from specdecode.heads.train import TrainSettings, training_device
-    from specdecode.heads.train import train_head as run
+    from specdecode.training.calibrate import calibration_summary
+    from specdecode.training.train import TrainSettings, training_device
+    from specdecode.training.train import train_head as run
 
     set_threads(threads)
     max_cache = cache_bytes(cache_gb)

@@ -16,7 +16,7 @@ from specdecode.commands import (
     set_threads,
     training_reporter,
 )
-from specdecode.heads.data import HELD_OUT
+from specdecode.training.data import HELD_OUT
 
 
 def train_medusa(
@@ -53,8 +53,8 @@ def train_medusa(
 ) -> None:
     """Train Medusa heads on a frozen target: each head learns the target's own law a few positions ahead."""
     from specdecode.commands import load
-    from specdecode.heads.medusa import MedusaSettings
-    from specdecode.heads.medusa import train_medusa as run
+    from specdecode.training.medusa import MedusaSettings
+    from specdecode.training.medusa import train_medusa as run
 
     set_threads(threads)
     max_cache = cache_bytes(cache_gb)

@@ -1,2 +1,3 @@
-"""Draft heads trained on a frozen target: the EAGLE head (``model``), its saved format (``saved``), the data
-readers (``data``) and the training loop (``train``); Medusa heads, their format and training (``medusa``)."""
+"""Draft heads on a frozen target, for inference: the EAGLE head (``model``), its saved format (``saved``), its
+drafting paths (``drafting``) and sampling temperature (``calibrate``); Medusa heads and their format
+(``medusa``). Their training is ``specdecode.training``'s."""

@@ -5,12 +5,16 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel, cache_utils
+from transformers import DynamicCache, PreTrainedConfig, cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .base import check_retained_slots
+
+if TYPE_CHECKING:  # transformers.modeling_utils costs ~2 s at `import specdecode`; loading a model imports it
+    from transformers import PreTrainedModel
 
 
 def _layer_classes(*names: str) -> tuple[type, ...]:

@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..cache import cache_root, exclusive
 from ..errors import ModelNotAvailable
@@ -43,6 +43,9 @@ from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner, supports_native
 from .native_llama import uses_kernels as native_uses_kernels
 from .quantize import QUANTIZATIONS, Quantization, fill_from_file, quantize_model, tied_head
 from .weights import FloatRows, return_freed_memory
+
+if TYPE_CHECKING:  # transformers.modeling_utils costs ~2 s at `import specdecode`; loading a model imports it
+    from transformers import PreTrainedModel
 
 BACKENDS = ("auto", "native", "transformers")
 _FAMILY_NAMES = {"llama": "Llama", "qwen3": "Qwen 3", "gemma3": "Gemma 3"}

@@ -2,12 +2,12 @@
 regenerates ShareGPT's answers with the target for the same reason).
 
 Each prompt is a chat's first user turn (ShareGPT, a JSONL/JSON file of chats, or a folder; Spec-Bench questions
-are never used), or, with ``prompts="self"``, a question the target wrote itself (``heads.questions``: written
+are never used), or, with ``prompts="self"``, a question the target wrote itself (``training.questions``: written
 first to ``out/questions.jsonl``, ``limit + skip`` of them, then answered like a file of questions). Answers come
 from our own serving engine (``serving.scheduler``): up to ``batch`` requests decoded together, speculating with
 prompt lookup where it pays, in reproducible mode — answer i is what plain decoding gives with seed ``seed + i``
 (greedy at temperature 0), whatever the batch. ``batching="padded"`` answers up to ``batch`` prompts in one
-left-padded tensor instead (``heads.padded``: what keeps a GPU busy; greedy without a bitwise promise, sampled rows
+left-padded tensor instead (``training.padded``: what keeps a GPU busy; greedy without a bitwise promise, sampled rows
 drawing from one generator per batch). Each finished answer is one JSON line, written as it ends:
 ``{"messages": [user, assistant], "index", "finish_reason", "tokens", "seed"}``, which ``train-head --data`` reads
 as a chat. A run that stops is resumed by running it again: the prompts already answered are skipped (a line cut
@@ -40,7 +40,7 @@ from .questions import QUESTIONS_FILE, QuestionSettings, QuestionStats, write_qu
 ANSWERS_FILE = "answers.jsonl"
 PROPOSERS = ("lookup", "none")
 BATCHINGS = ("engine", "padded")
-SELF = "self"  # prompts the target writes itself (heads.questions)
+SELF = "self"  # prompts the target writes itself (training.questions)
 PADDED_TOKENS = 1 << 18  # most (prompt + answer) tokens in one padded batch: ~12 GB of float32 KV for smollm2
 
 
@@ -58,7 +58,7 @@ class AnswerSettings:
     batch: int = 8  # requests decoded together
     proposer: str = "lookup"  # speculation for speed ("none": plain decoding); never changes an answer
     spec_bench: str | None = None  # Spec-Bench question.jsonl to exclude (default: the project's copy if present)
-    batching: str = "engine"  # "padded": up to `batch` prompts in one left-padded tensor (heads.padded; GPUs)
+    batching: str = "engine"  # "padded": up to `batch` prompts in one left-padded tensor (training.padded; GPUs)
     max_prompt_tokens: int | None = None  # longer prompts (chat template applied) are skipped as too long
     question_temperature: float = 1.0  # prompts="self": the temperature the target writes its questions at
 
@@ -261,7 +261,7 @@ def padded_batches(lengths: list[int], batch: int, max_new_tokens: int) -> list[
 
 
 def _answer_padded(target: LoadedModel, todo, settings: AnswerSettings, stats: AnswerStats, file, on_answer) -> None:
-    """Answer ``todo`` in left-padded batches (``heads.padded``); answer i's record carries the batch's seed."""
+    """Answer ``todo`` in left-padded batches (``training.padded``); answer i's record carries the batch's seed."""
     from .padded import answer_padded
 
     fitting = []

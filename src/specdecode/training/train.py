@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..heads.model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
+from ..heads.saved import save_head
 from ..models.loader import LoadedModel, resolve_dtype
 from . import windows
 from .answer_rows import AnswerMarkers, answer_markers, answer_rows
 from .calibrate import calibration_record, temperature_overlaps
 from .data import HELD_OUT, DataStats, Sample, iter_samples, spec_bench_questions
-from .model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
-from .saved import save_head
 
 if TYPE_CHECKING:
     from .medusa import MedusaSettings
@@ -483,7 +483,7 @@ def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
     return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-# --- the training loop (train_head's and heads.medusa.train_medusa's) -------------------------------------------
+# --- the training loop (train_head's and training.medusa.train_medusa's) -----------------------------------------
 
 
 def training_device(name: str) -> torch.device:
@@ -655,7 +655,7 @@ def training_loop(
 def initial_head(target: LoadedModel, source: str) -> tuple[EagleHead, torch.Tensor, float]:
     """(head to train, its drafting vocabulary, its feature scale) from a saved head (``shipped``: the one
     shipped for ``target``), checked against ``target``."""
-    from .saved import load_head, shipped_head
+    from ..heads.saved import load_head, shipped_head
 
     folder = shipped_head(target) if source == "shipped" else Path(source)
     head, draft_vocab, config = load_head(folder, target)

@@ -4,7 +4,7 @@ model then writes the kind of request it was tuned to answer: chat-shaped prompt
 
 Sample i is drawn with seed + i (``batching="engine"``: plain decoding, the same questions on every run) or in
 left-padded batches of ``batch`` rows, a batch's rows drawing from one generator seeded by its first sample's
-seed (``heads.padded``: what keeps a GPU busy). Kept: questions that ended (an end-of-turn id, not the token
+seed (``training.padded``: what keeps a GPU busy). Kept: questions that ended (an end-of-turn id, not the token
 budget) with ``min_words``..``max_words`` words, not a repeat of a kept one and not a Spec-Bench question (both
 compared normalised). Each kept question is one JSON line, a chat of a user turn alone,
 ``{"messages": [user], "sample", "seed"}``; a stopped run resumes after the last sample in the file (a line cut off
