@@ -22,13 +22,16 @@ constexpr int64_t kAttChunk = 128;  // keys per attention partial (part of the n
 // Attention asks for its keys and values ahead from kPrefetchKeysFrom cached keys, in AVX-512 builds only. On a
 // 2-core Zen 4 (AVX-512) the requests took a 4,096-key row from 5.18 to 3.85 ms; on a 2-core Zen 3 the AVX2 build
 // was never faster with them and 6-27% slower at 1,024 keys (its arithmetic, at half the width, already hides the
-// stream): benchmarks/attention_ab.py. Elsewhere the requests are compiled out.
+// stream): benchmarks/attention_ab.py. Elsewhere the requests are compiled out. From 448 keys (was 1,024): at a
+// SmolLM2-1.7B-shaped cache (32 key/value heads, 4 MB a layer at 500 keys) a one-row pass over 500 keys took
+// 5.17-5.24 -> 4.50-4.60 ms, over 900 keys 9.1-9.4 -> 7.5-7.9 ms (two A/B runs, Zen 4); at SmolLM2-135M's cache
+// 500 keys went 1.82 -> 1.55 ms in one run and level in the other; below ~300 keys the requests cost a little.
 #if SD_AVX512
 constexpr bool kPrefetchKeys = true;
 #else
 constexpr bool kPrefetchKeys = false;
 #endif
-constexpr int64_t kPrefetchKeysFrom = 1024;
+constexpr int64_t kPrefetchKeysFrom = 448;
 
 // ------------------------------------------------------------------------------------------------ small ops
 
