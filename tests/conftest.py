@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,16 @@ def pytest_xdist_auto_num_workers(config) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(1, min(cores, memory // (4 << 30)))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A fresh ``SPECDECODE_CACHE`` under the test's tmp_path (returned), and no ``$SPECDECODE_AVAILABLE_MEMORY``
+    override: what a first load on a new machine sees."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("SPECDECODE_CACHE", str(folder))
+    monkeypatch.delenv("SPECDECODE_AVAILABLE_MEMORY", raising=False)
+    return folder
 
 
 @pytest.fixture(scope="session", params=["native", "transformers"])

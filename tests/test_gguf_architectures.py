@@ -159,13 +159,6 @@ def write(path: Path, spec: Spec) -> Path:
     return path
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("SPECDECODE_CACHE", str(folder))
-    return folder
-
-
 def transformers_weights(path: Path, config) -> dict[str, torch.Tensor]:
     """The file's weights as transformers' own GGUF loader dequantizes them into a model of ``config`` (Mistral's
     as Llama's: the same parameters, which transformers can name the file's tensors of)."""

@@ -85,13 +85,6 @@ def write_gguf(path: Path, kinds: tuple[str, ...], head: str | None = None, arch
     return path
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("SPECDECODE_CACHE", str(folder))
-    return folder
-
-
 def _logits(loaded: sd.LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     runner = loaded.new_runner()
     with torch.inference_mode():

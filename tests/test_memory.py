@@ -29,12 +29,6 @@ runner = CliRunner()
 needs_kernels = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
-
-
 def test_kv_bytes_per_token_is_layers_kv_heads_head_dim_k_and_v_in_float16():
     smollm2 = Shape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
     assert memory.kv_bytes_per_token(smollm2) == 30 * 3 * 64 * 2 * 2 == 23040

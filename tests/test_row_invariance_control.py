@@ -68,11 +68,6 @@ def test_control_a_runner_that_rounds_differently_for_k_rows_fails_the_bitwise_c
         _check_every_chunk(RoundsByRowCount(runner, how), ids)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-
-
 GGUF_FILES = {
     "llama-mixed-blocks": lambda path: write_gguf(path, LAYOUTS["mixed"]),
     "llama-untied-q6k-head": lambda path: write_gguf(path, LAYOUTS["k-quants"], head="Q6_K"),

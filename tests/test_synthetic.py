@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import gguf
 import pytest
@@ -23,13 +22,6 @@ needs_bundled = pytest.mark.skipif(
 )
 BUNDLED_TOKENS = 49152
 TINY = Shape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=BUNDLED_TOKENS + 64, tied=False)
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("SPECDECODE_CACHE", str(folder))
-    return folder
 
 
 def _app() -> typer.Typer:
