@@ -286,7 +286,11 @@ class NativeLlamaRunner:
         self._layers = weights.layers[:num_layers]
         self._norm = weights.norm
         self._lm_head = weights.lm_head
-        self._exact_head_rows = weights.exact_head_rows
+        self._exact_head_rows = exact = weights.exact_head_rows
+        # The kernels' head refines its top logits from an int8 table, or from its own tiles (KernelRows), or not.
+        q, scale = (exact.q, exact.scale) if isinstance(exact, Int8Groups) else (None, None)
+        from_head = isinstance(exact, KernelRows) and exact.matrix is weights.lm_head
+        self._head_refinement = (q, scale, REFINED_LOGITS if q is not None or from_head else 0, from_head)
         self._eps = config.rms_norm_eps
         self._hidden_shape = (config.hidden_size,)
         self._heads = config.num_attention_heads
@@ -543,12 +547,8 @@ class NativeLlamaRunner:
 
     def _kernel_head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and LM head through the kernels: float32 logits, the top rows refined exactly."""
-        exact = self._exact_head_rows
-        q, scale = (exact.q, exact.scale) if isinstance(exact, Int8Groups) else (None, None)
-        from_head = isinstance(exact, KernelRows) and exact.matrix is self._lm_head
-        refine = REFINED_LOGITS if q is not None or from_head else 0
         return self._lm_head.handle.kernels.lm_head(
-            x, self._norm, self._eps, [self._lm_head.handle.id], self.vocab_size, q, scale, refine, from_head
+            x, self._norm, self._eps, [self._lm_head.handle.id], self.vocab_size, *self._head_refinement
         )
 
     def _reserve(self, end: int) -> None:
