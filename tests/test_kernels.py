@@ -328,20 +328,31 @@ def test_greedy_tokens_takes_the_kernel_or_torch_with_the_same_result(monkeypatc
 
 
 def test_threads_split_work_never_a_sum():
-    """Two threads give bitwise the one-thread results (threads take output columns and attention tasks)."""
+    """Two threads give bitwise the one-thread results (threads take output columns and attention tasks), and the
+    compiled repacker's threads give the one-thread tiles (they take whole tiles: outputs of a tile share bytes of
+    the high-bit plane; 40 rows on 3 threads would split tile 0 by rows)."""
+    from specdecode.models.gguf_blocks import FileBlocks
+
     blocks = random_blocks("Q4_1", 160, 512, seed=16)
     linear = KernelLinear.from_blocks(blocks)
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(17))
     case = _attention_case(rows=6, cached=700, seed=18)
+    raw = random_raw("Q5_0", 40, 4096, seed=19)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = linear(x), _attend(kernels.ops("native"), *case)
+        one = (
+            linear(x),
+            _attend(kernels.ops("native"), *case),
+            KernelLinear.from_blocks(FileBlocks(_MappedTensor("Q5_0", raw))).packed,
+        )
         torch.set_num_threads(2)
-        two = linear(x), _attend(kernels.ops("native"), *case)
+        more = linear(x), _attend(kernels.ops("native"), *case)
+        torch.set_num_threads(3)
+        more += (KernelLinear.from_blocks(FileBlocks(_MappedTensor("Q5_0", raw))).packed,)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one, more, strict=True))
 
 
 def test_exp_is_accurate_and_exact_at_zero():
