@@ -148,20 +148,37 @@ def _row_invariant(loaded: sd.LoadedModel, ids: torch.Tensor) -> bool:
     return torch.equal(together, singles)
 
 
+@pytest.fixture(scope="module")
+def build(request) -> str:
+    """A kernels build (``kernels.VARIANTS``) loaded before a test's fresh cache would build it again, or a skip."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if request.param == "avx2" and (not cpuinfo.exists() or "avx2" not in cpuinfo.read_text()):
+        pytest.skip("this CPU has no AVX2")
+    if kernels.ops(request.param) is None:
+        pytest.skip(f"the {request.param} build failed here")
+    return request.param
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"], indirect=True)
 def test_five_bit_blocks_held_in_high_bit_planes_give_the_one_byte_formats_logits_in_less_memory(
-    tmp_path, cache, monkeypatch
+    build, tmp_path, cache, monkeypatch
 ):
     """Q5_0 / Q5_1 / Q5_K matrices and a tied Q5_0 embedding-head, held as nibbles + a plane of fifth bits, give
-    bitwise the logits of the same file held one byte per weight (``HIGH_BIT_PLANES`` off: the earlier format),
-    k-row passes bitwise their one-row steps, and the weights held shrink by exactly 3/8 of a byte per 5-bit weight."""
+    bitwise the logits of the same file held one byte per weight (``HIGH_BIT_PLANES`` off: the earlier format) on
+    the ``build`` given, and those of the native build; k-row passes are bitwise their one-row steps; the weights
+    held shrink by exactly 3/8 of a byte per 5-bit weight."""
     from specdecode.models import kernel_linear, memory
 
     path = write_gguf(tmp_path / "five.gguf", LAYOUTS["five-bit"], embedding="Q5_0")
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(4))
+    native = _logits(sd.load_model(path), ids)
+    monkeypatch.setenv("SPECDECODE_KERNELS", build)
     planes = sd.load_model(path)
     monkeypatch.setattr(kernel_linear, "HIGH_BIT_PLANES", False)
     as_bytes = sd.load_model(path)
-    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(4))
+    assert planes.new_runner().uses_kernels and as_bytes.new_runner().uses_kernels
     assert torch.equal(_logits(planes, ids), _logits(as_bytes, ids))
+    assert torch.equal(_logits(planes, ids), native)
     assert _row_invariant(planes, ids)
     kv = KV_HEADS * HIDDEN // HEADS
     per_layer = 2 * HIDDEN * HIDDEN + 2 * kv * HIDDEN + 3 * FFN * HIDDEN
