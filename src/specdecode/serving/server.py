@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -16,7 +17,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import Request, SpeculativeDecoder
+from ..engine import GenerationOutput, Request, SpeculativeDecoder, fresh_seed
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..proposers import HybridProposer, PromptLookupProposer, Proposer, SuffixProposer
@@ -24,20 +25,10 @@ from .config import ServerConfig, capped_to_context, replicate, reserve_memory
 from .metrics import ServerMetrics
 from .middleware import error_response
 from .policy import SpeculationPolicy
-from .protocol import (
-    DONE,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Shape,
-    SpeculativeOptions,
-    error_body,
-    finish_reason,
-    sse,
-    usage,
-)
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
+from .responses import DONE, Shape, choice_seed, finish_reason, sse, usage
 from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
-from .tokens import TokenTrack
+from .tokens import TokenRecord, TokenTrack
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
@@ -120,8 +111,9 @@ class Server:
 
     # --- turning a body into a job --------------------------------------------------------------------
 
-    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[Request, Speculation, Shape]:
-        """Validate and tokenize; every problem is an ``APIError`` naming the field."""
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[Request], Speculation, Shape]:
+        """Validate and tokenize; one engine request per choice (choice i seeded with ``choice_seed(seed, i)``);
+        every problem is an ``APIError`` naming the field."""
         body.check()
         if body.model is not None and body.model != self.model_name:
             raise APIError(
@@ -137,13 +129,28 @@ class Server:
         top_k = 0 if body.top_k in (None, -1) else body.top_k
         top_p = 1.0 if body.top_p is None else body.top_p
         logprobs = body.logprob_alternatives()
+        bias = body.token_bias()
+        if bias and max(bias) >= self.target.vocab_size:
+            message = f"logit_bias names token {max(bias)}, past the vocabulary ({self.target.vocab_size} tokens)"
+            raise APIError(400, message, "logit_bias")
+        seed = fresh_seed() if body.seed is None else body.seed
+        warps = {
+            "min_p": body.min_p or 0.0,
+            "presence_penalty": body.presence_penalty or 0.0,
+            "frequency_penalty": body.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            "logit_bias": bias,
+        }
+        requests = []
         try:
-            params = SamplingParams(temperature, top_k, top_p, max_tokens, body.seed, body.stop_strings())
-            request = Request(self.target, ids, params, None, logprobs)
+            for index in range(body.n):
+                settings = (temperature, top_k, top_p, max_tokens, choice_seed(seed, index), body.stop_strings())
+                params = SamplingParams(*settings, **warps)
+                requests.append(Request(self.target, ids, params, None, logprobs))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs, request.seed)
-        return request, self._speculation(body.speculative), shape
+        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs, seed, body.n)
+        return requests, self._speculation(body.speculative), shape
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt_value()
@@ -173,6 +180,7 @@ class Server:
     def _max_tokens(self, body: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, chat: bool) -> int:
         """max_tokens as asked (checked against the context window), else the route's default, clipped to it."""
         asked = body.checked_max_tokens()
+        field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         window = self.window
         where = "messages" if chat else "prompt"
         if window is not None and prompt_tokens >= window:
@@ -191,9 +199,9 @@ class Server:
         if room is not None and asked > room:
             raise APIError(
                 400,
-                f"max_tokens is {asked} but the prompt ({prompt_tokens} tokens) leaves {room} of the model's "
+                f"{field} is {asked} but the prompt ({prompt_tokens} tokens) leaves {room} of the model's "
                 f"{window}-token context window: ask for at most {room}",
-                "max_tokens",
+                field,
                 "context_length_exceeded",
             )
         return asked
@@ -218,75 +226,109 @@ class Server:
     # --- answering ------------------------------------------------------------------------------------
 
     async def respond(self, body: CompletionRequest | ChatCompletionRequest, http: HTTPRequest) -> Response:
-        request, speculation, shape = self.prepare(body)
+        requests, speculation, shape = self.prepare(body)
         inbox = Inbox(asyncio.get_running_loop())
-        job = Job(request, speculation, inbox.put, shape.wants_tokens)
-        self.scheduler.submit(job)
+        jobs = [
+            Job(r, speculation, functools.partial(inbox.put, index=i), shape.wants_tokens)
+            for i, r in enumerate(requests)
+        ]
+        for job in jobs:  # batched by the engine thread like any other requests
+            self.scheduler.submit(job)
         try:
-            event = await inbox.next(http)
-            if event.kind == "error":
-                return error_response(500, f"generation failed: {event.error}")
+            first = await inbox.next(http)
+            if first[1].kind == "error":
+                self._cancel(jobs)
+                return error_response(500, f"generation failed: {first[1].error}")
             if body.stream:
                 return StreamingResponse(
-                    self._stream(job, inbox, event, shape, body),
+                    self._stream(jobs, inbox, first, shape, body),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            while event.kind == "text":
-                event = await inbox.next(http)
-            if event.kind == "error":
-                return error_response(500, f"generation failed: {event.error}")
-            output = event.output
-            records = None
-            if shape.wants_tokens:
-                track = TokenTrack(self.target.decode)
-                track.add(output.token_ids, output.sources, output.logprobs)
-                records = track.finish(output.text)
-            return JSONResponse(shape.response(output, records))
+            outputs: list[GenerationOutput | None] = [None] * len(jobs)
+            index, event = first
+            while True:
+                if event.kind == "error":
+                    self._cancel(jobs)
+                    return error_response(500, f"generation failed: {event.error}")
+                if event.kind == "done":
+                    outputs[index] = event.output
+                    if all(output is not None for output in outputs):
+                        break
+                index, event = await inbox.next(http)
+            records = [self._records(output) for output in outputs] if shape.wants_tokens else None
+            return JSONResponse(shape.response(outputs, records))
         except (ClientGone, asyncio.CancelledError):
-            self.scheduler.cancel(job)
+            self._cancel(jobs)
             raise
 
+    def _records(self, output: GenerationOutput) -> list[TokenRecord]:
+        track = TokenTrack(self.target.decode)
+        track.add(output.token_ids, output.sources, output.logprobs)
+        return track.finish(output.text)
+
+    def _cancel(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.scheduler.cancel(job)
+
     async def _stream(
-        self, job: Job, inbox: Inbox, event: Event, shape: Shape, body: CompletionRequest | ChatCompletionRequest
+        self,
+        jobs: list[Job],
+        inbox: Inbox,
+        first: tuple[int, Event],
+        shape: Shape,
+        body: CompletionRequest | ChatCompletionRequest,
     ) -> AsyncIterator[str]:
+        """Every choice's chunks as its tokens come (each chunk names its choice's ``index``); after the last
+        choice's finish, the usage chunk (``include_usage``) and ``[DONE]``."""
         options = body.stream_options
         continuous = options is not None and options.continuous_usage_stats
-        track = TokenTrack(self.target.decode) if shape.wants_tokens else None
-        sent = 0  # characters of text streamed so far
+        n = len(jobs)
+        tracks = [TokenTrack(self.target.decode) if shape.wants_tokens else None for _ in range(n)]
+        sent = [0] * n  # characters of text streamed so far, per choice
+        generated = [0] * n
+        outputs: list[GenerationOutput | None] = [None] * n
         finished = False
+        index, event = first
         try:
             if shape.chat:
-                yield shape.chunk("", role=True, usage_=usage(shape.prompt_tokens, 0) if continuous else None)
+                for choice in range(n):
+                    opening = usage(shape.prompt_tokens, 0) if continuous else None
+                    yield shape.chunk("", role=True, usage_=opening, index=choice)
             while True:
+                track = tracks[index]
                 if event.kind == "text":
-                    sent += len(event.text)
+                    sent[index] += len(event.text)
+                    generated[index] = event.completion_tokens
                     records = None
                     if track is not None:  # the tokens whose text has been streamed
                         track.add(event.token_ids, event.sources, event.logprobs)
-                        records = track.take(sent)
+                        records = track.take(sent[index])
                     if event.text or records:
-                        running = usage(shape.prompt_tokens, event.completion_tokens) if continuous else None
-                        yield shape.chunk(event.text, usage_=running, records=records)
+                        running = usage(shape.prompt_tokens, sum(generated)) if continuous else None
+                        yield shape.chunk(event.text, usage_=running, records=records, index=index)
                 elif event.kind == "done":
-                    output = event.output
-                    final = usage(shape.prompt_tokens, len(output.token_ids), output) if continuous else None
+                    output = outputs[index] = event.output
+                    generated[index] = len(output.token_ids)
+                    final = usage(shape.prompt_tokens, sum(generated), output.stats) if continuous else None
                     records = None if track is None else track.finish(output.text)
-                    yield shape.chunk("", finish_reason(output), usage_=final, records=records)
-                    if options is not None and options.include_usage:
-                        yield shape.usage_chunk(output)
-                    finished = True
-                    yield DONE
-                    return
+                    yield shape.chunk("", finish_reason(output), usage_=final, records=records, index=index)
+                    if all(o is not None for o in outputs):
+                        if options is not None and options.include_usage:
+                            yield shape.usage_chunk(outputs)
+                        finished = True
+                        yield DONE
+                        return
                 else:
                     finished = True
+                    self._cancel(jobs)
                     yield sse(error_body(500, f"generation failed: {event.error}"))
                     yield DONE
                     return
-                event = await inbox.next()
+                index, event = await inbox.next()
         finally:
             if not finished:
-                self.scheduler.cancel(job)
+                self._cancel(jobs)
 
 
 class ClientGone(Exception):
@@ -294,26 +336,27 @@ class ClientGone(Exception):
 
 
 class Inbox:
-    """One job's events, handed from the engine thread to the event loop (nothing is lost on a timeout)."""
+    """A request's events (each tagged with its choice's index), handed from the engine thread to the event loop
+    (nothing is lost on a timeout)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._events: deque[Event] = deque()
+        self._events: deque[tuple[int, Event]] = deque()
         self._ready = asyncio.Event()
         self._check_at = 0.0
 
-    def put(self, event: Event) -> None:
-        """Called by the engine thread."""
+    def put(self, event: Event, index: int = 0) -> None:
+        """Called by the engine thread: an event of choice ``index``."""
         with contextlib.suppress(RuntimeError):  # a closed event loop: the server is gone
-            self._loop.call_soon_threadsafe(self._push, event)
+            self._loop.call_soon_threadsafe(self._push, (index, event))
 
-    def _push(self, event: Event) -> None:
-        self._events.append(event)
+    def _push(self, item: tuple[int, Event]) -> None:
+        self._events.append(item)
         self._ready.set()
 
-    async def next(self, http: HTTPRequest | None = None) -> Event:
-        """The next event; with ``http``, raise ``ClientGone`` once the client has disconnected (checked at
-        most every ``DISCONNECT_POLL_SECONDS``, also while events keep coming)."""
+    async def next(self, http: HTTPRequest | None = None) -> tuple[int, Event]:
+        """The next (choice index, event); with ``http``, raise ``ClientGone`` once the client has disconnected
+        (checked at most every ``DISCONNECT_POLL_SECONDS``, also while events keep coming)."""
         while True:
             if http is not None and time.monotonic() >= self._check_at:
                 self._check_at = time.monotonic() + DISCONNECT_POLL_SECONDS
