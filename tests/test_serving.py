@@ -310,7 +310,12 @@ BAD = [
     ("chat", {"messages": [{"role": "robot", "content": "w1"}]}, 400, "messages"),
     ("chat", {"messages": "w1"}, 400, "messages"),
     ("chat", {"prompt": "w1"}, 400, "messages"),
-    ("chat", {"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
 ]
 
 
