@@ -139,6 +139,20 @@ def test_fields_we_do_not_honour_or_know_get_a_400_naming_them(http, route, extr
 def test_a_null_unhonoured_field_is_taken_as_absent(http):
     body = body_for("chat", "w1 w2", max_tokens=2, tools=None, response_format=None)
     assert http.post(PATHS["chat"], json=body).status_code == 200
+    echoed = {"role": "assistant", "content": "w3", "refusal": None, "tool_calls": None}  # an earlier answer's message
+    body = {"messages": [{"role": "user", "content": "w1"}, echoed, {"role": "user", "content": "w2"}], "max_tokens": 2}
+    assert http.post(PATHS["chat"], json=body).status_code == 200
+    refused = http.post(PATHS["chat"], json={**body, "messages": [{**echoed, "tool_calls": [{"id": "x"}]}]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+
+
+def test_n_choices_carry_their_own_logprobs(http, target):
+    body = {"prompt": REPEATING, "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2, "logprobs": 1}
+    for choice in http.post(PATHS["completions"], json=body).json()["choices"]:
+        logprobs = choice["logprobs"]
+        assert "".join(logprobs["tokens"]) == choice["text"] and len(logprobs["token_logprobs"]) == 6
+        offsets = [0, *[len(t) for t in logprobs["tokens"]]]
+        assert logprobs["text_offset"] == [sum(offsets[: i + 1]) for i in range(6)]
 
 
 def test_the_schema_forbids_what_the_server_refuses(http):

@@ -360,10 +360,23 @@ class TextPart(_Strict):
     text: str
 
 
+# Fields an assistant message carries back from an earlier answer (OpenAI's shape): as null they say nothing
+MESSAGE_NULLABLE = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """A message echoed back from an answer may hold ``MESSAGE_NULLABLE`` fields as null: drop those (any other
+        value is an unknown field, refused)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in MESSAGE_NULLABLE and v is None)}
+        return data
 
     def text(self) -> str:
         if self.content is None:
