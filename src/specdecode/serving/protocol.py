@@ -6,8 +6,8 @@ ignored: a field OpenAI defines that this server does not honour (``NOT_HONOURED
 ...) and any unknown field get a 400 naming the field, and values we cannot honour (``echo``, ``best_of`` > 1) too.
 Honoured: the sampling fields (``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``,
 ``logit_bias``, ``seed``, ``stop``), ``n`` up to ``MAX_CHOICES`` (choice i samples with its own seed,
-``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``; ``user`` is
-accepted and does not change the answer. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
+``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``;
+``user`` is accepted and does not change the answer. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-softmax, before any warp (``provenance``). Extensions: ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM's
 meanings; the warps' order and definitions: ``params.SamplingParams``, ``warps``); ``speculative`` (``false``,
 ``true`` or ``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every
