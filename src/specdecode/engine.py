@@ -31,6 +31,7 @@ from .verify import (
     tree_speculative_sample,
 )
 from .vocab import check_vocabularies, vocabulary_fingerprint
+from .warps import RowContexts, target_logits
 
 TextCallback = Callable[[str], None]
 
@@ -116,6 +117,10 @@ class Request:
         _check_logprobs(logprobs)
         if params.stop and target.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
+        if params.logit_bias and params.logit_bias[-1][0] >= target.vocab_size:
+            raise ValueError(
+                f"logit_bias names token {params.logit_bias[-1][0]}, past the vocabulary ({target.vocab_size} tokens)"
+            )
         self.prompt_ids = target.encode(prompt)
         check_context_window(target, len(self.prompt_ids), params.max_new_tokens)
         self.context = list(self.prompt_ids)
@@ -162,6 +167,15 @@ class Request:
             if delta:
                 self.on_text(delta)
         return kept
+
+    def target_logits(
+        self, logits: torch.Tensor, draft_tokens: torch.Tensor | None = None, parents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The target's ``logits`` of a pass over the newest context token and ``draft_tokens`` (a tree: with
+        ``parents``; None: a plain step), each row warped with its own context (``warps.target_logits``)."""
+        drafted = torch.zeros(0, dtype=torch.int64) if draft_tokens is None else draft_tokens
+        rows = RowContexts(self.context, len(self.prompt_ids), drafted, parents)
+        return target_logits(logits, self.params, rows)
 
     @property
     def done(self) -> bool:
@@ -347,13 +361,14 @@ class SpeculativeDecoder:
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         draft = pending.draft
         n_drafted = len(draft)
+        warped = request.target_logits(logits, draft.tokens)
         if params.greedy:
-            n_accepted, token = greedy_verify(logits, draft.tokens)
+            n_accepted, token = greedy_verify(warped, draft.tokens)
         elif self.mode == "reproducible":
-            target_tokens = request.noise.tokens(logits, params, len(context))
+            target_tokens = request.noise.tokens(warped, params, len(context))
             n_accepted, token = coupled_verify(target_tokens, draft.tokens)
         else:
-            target_probs = probs_from_logits(logits, params)
+            target_probs = probs_from_logits(warped, params)
             n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
         t2 = time.perf_counter()
         stats.draft_seconds += pending.draft_seconds
@@ -374,13 +389,14 @@ class SpeculativeDecoder:
         """``settle`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         draft = pending.draft
+        warped = request.target_logits(logits, draft.tokens, draft.parents)
         if params.greedy:
-            accepted, token = tree_greedy_verify(logits, draft.tokens, draft.parents)
+            accepted, token = tree_greedy_verify(warped, draft.tokens, draft.parents)
         elif self.mode == "reproducible":
-            target_tokens = request.noise.tokens_at(logits, params, (pending.positions + 1).tolist())
+            target_tokens = request.noise.tokens_at(warped, params, (pending.positions + 1).tolist())
             accepted, token = tree_coupled_verify(target_tokens, draft.tokens, draft.parents)
         else:
-            target_probs = probs_from_logits(logits, params)
+            target_probs = probs_from_logits(warped, params)
             accepted, token = tree_speculative_sample(
                 target_probs, draft.probs, draft.tokens, draft.parents, request.generator
             )
@@ -429,7 +445,7 @@ def autoregressive_generate(
     while not request.done:
         t0 = time.perf_counter()
         logits = runner.forward(torch.tensor(request.context[-1:], dtype=torch.int64))
-        token = request.noise.token(logits[0], params, len(request.context))
+        token = request.noise.token(request.target_logits(logits)[0], params, len(request.context))
         request.stats.verify_seconds += time.perf_counter() - t0
         request.stats.record_round(0, 0)
         request.emit([token], round_sources(0, False, False), logits)
