@@ -78,7 +78,7 @@ def make_data(
     from specdecode.commands import load
     from specdecode.models.loader import load_model
     from specdecode.training.answers import ANSWERS_FILE, SELF, AnswerSettings, make_answers
-    from specdecode.training.train import training_device
+    from specdecode.training.loop import training_device
 
     set_threads(threads)
     on_gpu = training_device(device).type != "cpu"
