@@ -35,7 +35,7 @@ def tune_skip(
     verify cost v(k). The best few sets are then run end to end by the bench; the measured best is written.
     """
     from specdecode import skip_search
-    from specdecode.bench.workloads import WorkItem, build_prompt, default_items, load_items, select_items
+    from specdecode.bench.workloads import build_prompt
     from specdecode.commands import load
     from specdecode.planner import VerifyCost
     from specdecode.proposers.layer_skip import SkipSet, layer_count
@@ -45,11 +45,7 @@ def tune_skip(
         raise IsADirectoryError(f"--out must be a file path, got the folder {out}")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"--out's folder does not exist: {out.parent}")
-    items = load_items(prompts) if prompts is not None else default_items()
-    wanted = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
-    items = [WorkItem(i.question_id, i.category, i.turns[:1]) for i in select_items(items, wanted, limit)]
-    if not items:
-        raise ValueError("no prompts to tune on: check --prompts, --categories and --limit")
+    items = _tuning_items(prompts, categories, limit)
     quiet_transformers()
     with err.status(f"loading {target}…"):
         model = load(target, "float32", quantization)
@@ -93,6 +89,18 @@ def tune_skip(
     }
     SkipSet(model.name, layers, best.skip, search).save(out)
     _print_report(path, confirmed, best, pays, out)
+
+
+def _tuning_items(prompts: Path | None, categories: str | None, limit: int | None) -> list:
+    """The first turns of the prompts to tune on (``--prompts``, or the bench's built-in set), refused if none."""
+    from specdecode.bench.workloads import WorkItem, default_items, load_items, select_items
+
+    items = load_items(prompts) if prompts is not None else default_items()
+    wanted = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
+    items = [WorkItem(i.question_id, i.category, i.turns[:1]) for i in select_items(items, wanted, limit)]
+    if not items:
+        raise ValueError("no prompts to tune on: check --prompts, --categories and --limit")
+    return items
 
 
 def _print_report(path, confirmed, best, pays: bool, out: Path) -> None:
