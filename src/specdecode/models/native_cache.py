@@ -9,6 +9,7 @@ and values ``[layers, kv_heads, capacity, head_dim]``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -25,9 +26,27 @@ def write_rows(
     values[0, :, start:end] = new_values.transpose(0, 1)
 
 
+@dataclass(frozen=True)
+class KVRows:
+    """Cache entries ``start..start+tokens-1`` copied out of a runner, in its layout (``export_rows``), to append
+    to a runner over the same weights (``append_rows``). On the kernels' layout the keys come as whole tiles
+    of 16 slots (a last partial tile's extra lanes are never read: they sit past the length)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
 class KVCacheSlots:
     """The runner's cache bookkeeping (a mixin of ``NativeLlamaRunner``: ``_length`` tokens held in
     ``_capacity`` slots)."""
+
+    # ``prefill`` stores what one-token steps store, so a kept prefix continues bitwise as a fresh prefill would
+    exact_prefix_reuse = True
 
     @property
     def length(self) -> int:
@@ -109,3 +128,35 @@ class KVCacheSlots:
         keys, values = self._keys[layer], self._values[layer]
         write_rows(keys, values, start, new_keys, new_values)
         return keys, values
+
+    @torch.inference_mode()
+    def export_rows(self, start: int, end: int) -> KVRows:
+        """A copy of the cache entries at slots ``start..end-1`` (on the kernels, ``start`` a multiple of 16)."""
+        if not 0 <= start < end <= self._length:
+            raise ValueError(f"export_rows({start}, {end}) outside 0..{self._length}")
+        if self.uses_kernels:
+            if start % 16:
+                raise ValueError(f"export_rows on the kernels' layout starts at a multiple of 16, got {start}")
+            keys = self._keys[:, :, start // 16 : -(-end // 16)].clone()
+            return KVRows(keys, self._values[:, :, start:end].clone(), end - start)
+        return KVRows(self._keys[..., start:end, :].clone(), self._values[..., start:end, :].clone(), end - start)
+
+    @torch.inference_mode()
+    def append_rows(self, rows: KVRows) -> None:
+        """Append entries copied by ``export_rows`` (from a runner over the same weights) at slots ``length..``.
+
+        The entries are the very bits a prefill of their tokens at those positions stores (row invariance:
+        ``prefill`` stores what one-token steps store), so a runner fed this way continues bitwise as one
+        that prefilled the same tokens."""
+        start, end = self._length, self._length + rows.tokens
+        self._reserve(end)
+        if self.uses_kernels:
+            if start % 16:
+                raise ValueError(f"append_rows on the kernels' layout starts at a multiple of 16, got {start}")
+            tiles = rows.keys.shape[2]
+            self._keys[:, :, start // 16 : start // 16 + tiles] = rows.keys
+            self._values[:, :, start:end] = rows.values
+        else:
+            self._keys[..., start:end, :] = rows.keys
+            self._values[..., start:end, :] = rows.values
+        self._length = end

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .architecture import unsupported_reason
-from .native_cache import KVCacheSlots
+from .native_cache import KVCacheSlots, KVRows
 from .native_kernels import KernelPath
 from .native_torch import TorchPath, Visible, last_visible
 from .native_weights import (
@@ -43,6 +43,7 @@ from .weights import Int8Groups, KernelRows
 
 __all__ = [
     "KERNEL_CACHE_DTYPE",
+    "KVRows",
     "REFINED_LOGITS",
     "NativeLlamaRunner",
     "Visible",
@@ -133,8 +134,11 @@ class NativeLlamaRunner(KVCacheSlots, TorchPath, KernelPath):
         return [(cos[where], sin[where]) for cos, sin in zip(self._cos, self._signed_sin, strict=True)]
 
     def prefill(self, tokens: torch.Tensor) -> None:
-        """Append ``tokens`` to the cache without computing their logits (one attention call for all rows:
-        fast, and the same cache for the plain and the speculative path, which both prefill the prompt alike)."""
+        """Append ``tokens`` to the cache without computing their logits.
+
+        Every row's keys/values are bitwise those ``forward`` (and so one-token steps) would store: attention runs
+        one call per row on the torch path too, so a cache built by any mix of prefills and steps over the same
+        tokens is the same cache (what a reused prefix relies on: ``copy_rows_from``, the prefix cache)."""
         self._run(tokens, None, None, logits=False)
 
     def forward(
@@ -168,42 +172,18 @@ class NativeLlamaRunner(KVCacheSlots, TorchPath, KernelPath):
         if self.uses_kernels:
             return self._run_kernels([self], [tokens], [positions], [attn_mask], logits)[0]
         tables = self._rope_rows(start, end, positions)
-        prefill_mask = None  # a prefill's [k, end] mask: one attention call for all rows
-        causal_prefill = not logits and k > 1 and start == 0 and attn_mask is None
-        if not logits and k > 1:
-            prefill_mask = self._slots[:end] <= self._slots[start:end, None] if attn_mask is None else attn_mask
-        batched_masks: dict[int, torch.Tensor] = {}  # per window: the prefill mask in the packed layout
-        visible = self._visible_keys(start, k, attn_mask) if logits and (k > 1 or attn_mask is not None) else None
+        visible = self._visible_keys(start, k, attn_mask) if k > 1 or attn_mask is not None else None
         kv_heads, groups, head_dim = self._kv_heads, self._groups, self._head_dim
 
         def attend(i: int, queries: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor) -> torch.Tensor:
             keys, values = self._store(i, start, new_keys, new_values)
             window = self._layers[i].window
-            windowed = 0 < window < end
-            if causal_prefill and not windowed:  # an empty cache: the causal kernel skips the masked half
-                q = queries.transpose(0, 1)[None]
-                attn = F.scaled_dot_product_attention(
-                    q, keys[:, :, :end], values[:, :, :end], is_causal=True, scale=self._scaling, enable_gqa=True
-                )
-                return attn[0].transpose(0, 1)
-            if visible is None and prefill_mask is None:  # one row
-                first = end - window if windowed else 0
+            if visible is None:  # one row
+                first = end - window if 0 < window < end else 0
                 q = queries.view(1, kv_heads, groups, head_dim)
                 return F.scaled_dot_product_attention(
                     q, keys[:, :, first:end], values[:, :, first:end], scale=self._scaling
                 )
-            if visible is None:
-                # Pack the query heads that share a key/value head: [1, kv_heads, groups * k, head_dim]
-                # (4-D inputs reach the fused CPU kernel); rows follow the packed (query head, token) layout.
-                key = window if windowed else 0
-                if key not in batched_masks:
-                    batched_masks[key] = last_visible(prefill_mask, key).repeat(groups, 1)
-                q = queries.reshape(k, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
-                q = q.reshape(1, kv_heads, groups * k, head_dim)
-                attn = F.scaled_dot_product_attention(
-                    q, keys[:, :, :end], values[:, :, :end], attn_mask=batched_masks[key], scale=self._scaling
-                )
-                return attn.view(kv_heads, groups, k, head_dim).permute(2, 0, 1, 3)
             return self._attend_rows(queries, keys, values, new_keys, new_values, start, visible, window)
 
         x = self._decoder_layers(self._embed_rows(tokens), tables, attend)
