@@ -16,7 +16,7 @@ from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
-from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
+from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer, common_prefix_length
 from .proposers.prompt_lookup import PromptLookupProposer
 from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
 from .sampling import probs_from_logits
@@ -48,6 +48,7 @@ class GenerationOutput:
     prompt_ids: list[int]
     sources: list[TokenSource] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from a reused prefix, not this request's prefill
 
 
 @dataclass
@@ -133,13 +134,27 @@ class Request:
         self.sources: list[TokenSource] = []
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
+        self.cached_tokens = 0
 
-    def prefill(self, runner) -> None:
-        """Fill the cache with every prompt token but the last, which leads the first round."""
+    def prefill(self, runner, cached: int = 0, cached_hidden: torch.Tensor | None = None) -> None:
+        """Fill the cache with every prompt token but the last, which leads the first round.
+
+        ``cached`` > 0: the runner already holds this prompt's first ``cached`` tokens (a reused prefix, at most
+        every token but the last; ``cached_hidden``, their target features when the runner captures them):
+        only the rest is prefilled. Bitwise the same cache as a full prefill on a runner whose prefill rows
+        are its step rows (``exact_prefix_reuse``)."""
         t0 = time.perf_counter()
-        runner.reset()
-        if len(self.context) > 1:
-            runner.prefill(torch.tensor(self.context[:-1], dtype=torch.int64))
+        if not 0 <= cached <= max(0, len(self.context) - 1):
+            raise ValueError(f"cached {cached} outside 0..{len(self.context) - 1}")
+        if cached:
+            runner.rollback_to(cached)
+            if getattr(runner, "capture_hidden", False):
+                self.target_hidden.append(cached_hidden[:cached])
+        else:
+            runner.reset()
+        self.cached_tokens = cached
+        if len(self.context) - 1 > cached:
+            runner.prefill(torch.tensor(self.context[cached:-1], dtype=torch.int64))
             self.keep_hidden(runner, slice(None))
         self.stats.prefill_seconds += time.perf_counter() - t0
 
@@ -179,7 +194,20 @@ class Request:
             self.prompt_ids,
             list(self.sources),
             None if self.logprobs is None else list(self.logprobs),
+            self.cached_tokens,
         )
+
+    def cache_contents(self, runner) -> tuple[list[int], torch.Tensor | None]:
+        """After the request: the tokens whose entries ``runner`` holds (a prefix of the context; the runner
+        rolled back to it) and, if it captures them, their target features — what a next prompt may reuse."""
+        held = min(runner.length, len(self.context) - 1)
+        runner.rollback_to(held)
+        hidden = None
+        if getattr(runner, "capture_hidden", False) and self.target_hidden:
+            hidden = torch.cat(self.target_hidden)[:held]
+            held = min(held, hidden.shape[0])
+            runner.rollback_to(held)
+        return self.context[:held], hidden
 
 
 class SpeculativeDecoder:
@@ -225,6 +253,10 @@ class SpeculativeDecoder:
         # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
         self.acceptance_memories: dict[str, AcceptanceMemory] = {"": AcceptanceMemory(max_gamma)}
         self.last_output: GenerationOutput | None = None
+        # What the runner holds after the last generate/stream (its tokens, their target features): a prompt
+        # that extends it prefills only the rest. Emptied while a request runs (an abandoned stream reuses nothing).
+        self._held: list[int] = []
+        self._held_hidden: torch.Tensor | None = None
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 
     def use_proposer(self, proposer: Proposer) -> None:
@@ -271,6 +303,7 @@ class SpeculativeDecoder:
         while not request.done:
             self._round(request)
         self.end_request(request, self.proposer)
+        self._held, self._held_hidden = request.cache_contents(self._runner)
         return request.finish()
 
     def stream(
@@ -285,6 +318,7 @@ class SpeculativeDecoder:
             yield from chunks
             chunks.clear()
         self.end_request(request, self.proposer)
+        self._held, self._held_hidden = request.cache_contents(self._runner)
         self.last_output = request.finish()
 
     def _start(
@@ -297,8 +331,26 @@ class SpeculativeDecoder:
             )
         elif self.gamma == "auto":
             request.controller = AdaptiveGamma(self.max_gamma, self.costs, self.acceptance_memories[""])
-        request.prefill(self._runner)
+        self._prefill_reusing(request)
         return request
+
+    def _prefill_reusing(self, request: Request) -> None:
+        """Prefill ``request`` on this decoder's runner, keeping the entries of the longest prefix its context
+        shares with what the runner holds from the last request (a chat's next turn): only the rest is
+        prefilled, bitwise as a full prefill (``exact_prefix_reuse``; other runners always prefill in full).
+
+        The proposers' own state is not handed over: a draft model's cache keeps its own longest common prefix
+        (``DraftModelProposer``), an EAGLE head re-reads the target's features (the reused prefix's come from
+        ``_held_hidden``) and catches its one-layer cache up at its first draft, lookup and suffix proposers
+        read the context."""
+        runner, held, hidden = self._runner, self._held, self._held_hidden
+        self._held, self._held_hidden = [], None
+        cached = 0
+        if getattr(runner, "exact_prefix_reuse", False) and runner.length == len(held):
+            cached = min(common_prefix_length(held, request.context), len(request.context) - 1)
+            if runner.capture_hidden:
+                cached = min(cached, 0 if hidden is None else hidden.shape[0])
+        request.prefill(runner, cached, hidden)
 
     def _round(self, request: Request) -> None:
         controller = request.controller
