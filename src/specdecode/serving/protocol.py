@@ -349,6 +349,7 @@ def usage(prompt_tokens: int, completion_tokens: int, output: GenerationOutput |
     }
     if output is not None:
         stats = output.stats
+        out["prompt_tokens_details"] = {"cached_tokens": output.cached_tokens}
         out["drafted_tokens"] = stats.drafted
         out["accepted_tokens"] = stats.accepted
         out["completion_tokens_details"] = {
