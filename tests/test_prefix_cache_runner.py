@@ -80,3 +80,24 @@ def test_export_rows_refuses_what_it_cannot_copy(loaded):
     if runner.uses_kernels:
         with pytest.raises(ValueError, match="multiple of 16"):
             runner.export_rows(3, 19)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "kernels"), [("float32", None, "torch"), ("float32", "int8", "kernels")]
+)
+def test_copied_rows_continue_bitwise_on_gemma_and_qwen(family, dtype, quantization, kernels):
+    """Sliding-window layers (Gemma 3: window 8, every prompt longer), query/key norms: the same contract."""
+    from test_native_families import FAMILIES
+
+    loaded = _loaded(FAMILIES[family](), dtype, quantization, 32, kernels)
+    ids = _ids(100, seed=8)
+    source = loaded.new_runner()
+    source.prefill(torch.tensor(ids[:40]))
+    for token in ids[40:70]:
+        source.forward(torch.tensor([token]))
+    target = loaded.new_runner()
+    target.append_rows(source.export_rows(0, 32))
+    target.append_rows(source.export_rows(32, 64))
+    target.prefill(torch.tensor(ids[64:-1]))
+    assert torch.equal(target.forward(torch.tensor(ids[-1:])), _fresh_logits(loaded, ids))
