@@ -270,6 +270,10 @@ class SpeculativeDecoder:
             self._runner.capture_hidden = getattr(proposer, "needs_target_hidden", False)
         self.bind_proposer(proposer)
 
+    def forget_cache(self) -> None:
+        """Reuse nothing the runner holds: the next request prefills its whole prompt (a cold start, as timed)."""
+        self._held, self._held_hidden = [], None
+
     def bind_proposer(self, proposer: Proposer | None) -> None:
         """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
         bind = getattr(proposer, "bind_target", None)
