@@ -48,7 +48,8 @@ def _chat(decoder: sd.SpeculativeDecoder, params: sd.SamplingParams, fresh) -> l
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_each_turn_reuses_the_history_and_equals_a_fresh_decoder(models, params):
     target, draft = models
-    for make in (lambda: sd.DraftModelProposer(draft), sd.PromptLookupProposer):
+    trees = lambda: sd.PromptLookupProposer(branches=3)  # noqa: E731  (token trees: retain, not rollback)
+    for make in (lambda: sd.DraftModelProposer(draft), sd.PromptLookupProposer, trees):
         decoder = sd.SpeculativeDecoder(target, make(), gamma=4, mode="reproducible")
         outputs = _chat(
             decoder, params, lambda make=make: sd.SpeculativeDecoder(target, make(), 4, mode="reproducible")
