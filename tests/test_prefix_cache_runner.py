@@ -101,3 +101,25 @@ def test_copied_rows_continue_bitwise_on_gemma_and_qwen(family, dtype, quantizat
     target.append_rows(source.export_rows(32, 64))
     target.prefill(torch.tensor(ids[64:-1]))
     assert torch.equal(target.forward(torch.tensor(ids[-1:])), _fresh_logits(loaded, ids))
+
+
+def test_copied_rows_continue_bitwise_on_a_gguf_files_own_blocks(tmp_path, cache):
+    """The GGUF formats (the bundled models' default) on the kernels: the same contract."""
+    from specdecode import kernels
+
+    if kernels.ops("native") is None:
+        pytest.skip("the CPU kernels did not build here")
+    from test_gguf_load import LAYOUTS, VOCAB, write_gguf
+
+    import specdecode as sd
+
+    loaded = sd.load_model(write_gguf(tmp_path / "mixed.gguf", LAYOUTS["mixed"]))
+    ids = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+    source = loaded.new_runner()
+    source.prefill(torch.tensor(ids[:20]))
+    for token in ids[20:50]:
+        source.forward(torch.tensor([token]))
+    target = loaded.new_runner()
+    target.append_rows(source.export_rows(0, 32))
+    target.prefill(torch.tensor(ids[32:-1]))
+    assert torch.equal(target.forward(torch.tensor(ids[-1:])), _fresh_logits(loaded, ids))
