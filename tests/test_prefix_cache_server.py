@@ -223,3 +223,17 @@ def test_control_corrupted_cached_rows_change_the_logprobs(target):
         assert out.logprobs != _plain(target, SYSTEM + [2], logprobs=3).logprobs
     finally:
         scheduler.stop()
+
+
+def test_cached_prompt_tokens_do_not_count_against_the_prefill_budget(target):
+    admitted = {}
+    for cache in (None, PrefixCache(1 << 30)):
+        decoder = sd.SpeculativeDecoder(target, sd.PromptLookupProposer(), gamma=4)
+        scheduler = Scheduler(decoder, {"lookup": sd.PromptLookupProposer}, SpeculationPolicy("always"), 8,
+                              prefill_budget=100, prefix_cache=cache)  # fmt: skip
+        for i in range(4):  # queued directly; one admission step on this thread (the engine thread never starts)
+            scheduler._waiting.append(Job(Request(target, SYSTEM + [i, i], GREEDY, None), LOOKUP, Waiter()))
+        scheduler._admit()
+        admitted[cache is None] = [job.request.cached_tokens for job in scheduler._active]
+    assert admitted[True] == [0, 0]  # 72 prompt tokens each: the second runs the budget out
+    assert admitted[False] == [0, 64, 64, 64]  # 72, then 8 each

@@ -237,12 +237,11 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill waiting requests into free slots, up to ``prefill_budget`` prompt tokens per step (at least
-        one request): a burst of arrivals then stalls the running requests a little, several times, rather
-        than once for every prompt."""
+        one request; tokens the prefix cache supplies are free): a burst of arrivals then stalls the running
+        requests a little, several times, rather than once for every prompt."""
         budget = self.prefill_budget
         while self._waiting and len(self._active) < self.max_batch and budget > 0:
             job = self._waiting.popleft()
-            budget -= len(job.request.prompt_ids)
             job.slot = self._free.pop() if self._free else self._new_slot()
             self._active.append(job)
             try:
@@ -259,6 +258,7 @@ class Scheduler:
                 self._fail(job, exc)
                 continue
             self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+            budget -= len(job.request.prompt_ids) - job.request.cached_tokens
 
     def _prefill(self, job: Job) -> None:
         """Prefill the job's prompt into its slot: its longest cached prefix copied in (``prefix_cache``), the rest
