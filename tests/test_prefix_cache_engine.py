@@ -13,6 +13,7 @@ import torch
 from helpers.models import LARGE_VOCAB, perturbed, quantizable_llama, tiny_llama
 
 import specdecode as sd
+from specdecode.prefix_reuse import HeldPrefix
 from specdecode.proposers.base import EMPTY_DRAFT
 
 FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4")]
@@ -83,8 +84,8 @@ def test_control_a_wrong_prefix_reused_changes_the_text(models):
     decoder = sd.SpeculativeDecoder(target, sd.PromptLookupProposer(), gamma=3)
     decoder.generate([4] * 20, GREEDY)
     held = decoder._runner.length  # [4] * 20 and the answer, but the decoder believes it holds other tokens
-    decoder._held = (QUESTIONS[0] * 10)[:held]
-    prompt = decoder._held + [2]
+    decoder._held = HeldPrefix((QUESTIONS[0] * 10)[:held])
+    prompt = decoder._held.tokens + [2]
     out = decoder.generate(prompt, GREEDY)
     assert out.cached_tokens == held
     assert out.token_ids != sd.autoregressive_generate(target, prompt, GREEDY).token_ids

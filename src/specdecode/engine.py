@@ -16,7 +16,8 @@ from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
-from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer, common_prefix_length
+from .prefix_reuse import HeldPrefix, held_after, reusable_length
+from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
 from .sampling import probs_from_logits
@@ -197,18 +198,6 @@ class Request:
             self.cached_tokens,
         )
 
-    def cache_contents(self, runner) -> tuple[list[int], torch.Tensor | None]:
-        """After the request: the tokens whose entries ``runner`` holds (a prefix of the context; the runner
-        rolled back to it) and, if it captures them, their target features — what a next prompt may reuse."""
-        held = min(runner.length, len(self.context) - 1)
-        runner.rollback_to(held)
-        hidden = None
-        if getattr(runner, "capture_hidden", False) and self.target_hidden:
-            hidden = torch.cat(self.target_hidden)[:held]
-            held = min(held, hidden.shape[0])
-            runner.rollback_to(held)
-        return self.context[:held], hidden
-
 
 class SpeculativeDecoder:
     """Draft up to ``gamma`` tokens, score them in one target pass, keep the longest acceptable run + 1.
@@ -253,10 +242,9 @@ class SpeculativeDecoder:
         # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
         self.acceptance_memories: dict[str, AcceptanceMemory] = {"": AcceptanceMemory(max_gamma)}
         self.last_output: GenerationOutput | None = None
-        # What the runner holds after the last generate/stream (its tokens, their target features): a prompt
-        # that extends it prefills only the rest. Emptied while a request runs (an abandoned stream reuses nothing).
-        self._held: list[int] = []
-        self._held_hidden: torch.Tensor | None = None
+        # What the runner holds after the last generate/stream: a prompt that extends it prefills only the rest.
+        # Emptied while a request runs (an abandoned stream reuses nothing).
+        self._held = HeldPrefix()
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 
     def use_proposer(self, proposer: Proposer) -> None:
@@ -272,7 +260,7 @@ class SpeculativeDecoder:
 
     def forget_cache(self) -> None:
         """Reuse nothing the runner holds: the next request prefills its whole prompt (a cold start, as timed)."""
-        self._held, self._held_hidden = [], None
+        self._held = HeldPrefix()
 
     def bind_proposer(self, proposer: Proposer | None) -> None:
         """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
@@ -307,7 +295,7 @@ class SpeculativeDecoder:
         while not request.done:
             self._round(request)
         self.end_request(request, self.proposer)
-        self._held, self._held_hidden = request.cache_contents(self._runner)
+        self._held = held_after(request, self._runner)
         return request.finish()
 
     def stream(
@@ -322,7 +310,7 @@ class SpeculativeDecoder:
             yield from chunks
             chunks.clear()
         self.end_request(request, self.proposer)
-        self._held, self._held_hidden = request.cache_contents(self._runner)
+        self._held = held_after(request, self._runner)
         self.last_output = request.finish()
 
     def _start(
@@ -345,16 +333,10 @@ class SpeculativeDecoder:
 
         The proposers' own state is not handed over: a draft model's cache keeps its own longest common prefix
         (``DraftModelProposer``), an EAGLE head re-reads the target's features (the reused prefix's come from
-        ``_held_hidden``) and catches its one-layer cache up at its first draft, lookup and suffix proposers
+        ``HeldPrefix``) and catches its one-layer cache up at its first draft, lookup and suffix proposers
         read the context."""
-        runner, held, hidden = self._runner, self._held, self._held_hidden
-        self._held, self._held_hidden = [], None
-        cached = 0
-        if getattr(runner, "exact_prefix_reuse", False) and runner.length == len(held):
-            cached = min(common_prefix_length(held, request.context), len(request.context) - 1)
-            if runner.capture_hidden:
-                cached = min(cached, 0 if hidden is None else hidden.shape[0])
-        request.prefill(runner, cached, hidden)
+        held, self._held = self._held, HeldPrefix()
+        request.prefill(self._runner, reusable_length(self._runner, held, request.context), held.hidden)
 
     def _round(self, request: Request) -> None:
         controller = request.controller

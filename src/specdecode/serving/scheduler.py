@@ -34,6 +34,7 @@ from ..engine import GenerationOutput, Request, Round, SpeculativeDecoder
 from ..models.base import ModelRunner
 from ..models.batch import forward_batch
 from ..openmp import release_thread_pool
+from ..prefix_reuse import held_after
 from ..proposers.base import Proposer
 from ..provenance import TokenLogprob, TokenSource
 from .metrics import ServerMetrics
@@ -285,12 +286,13 @@ class Scheduler:
         if self.prefix_cache is None or job.slot is None or not getattr(job.slot.runner, "exact_prefix_reuse", False):
             return
         runner = job.slot.runner
-        tokens, hidden = job.request.cache_contents(runner)
+        held = held_after(job.request, runner)
+        hidden = held.hidden
 
         def rows(start: int, end: int) -> CachedRows:
             return CachedRows(runner.export_rows(start, end), None if hidden is None else hidden[start:end].clone())
 
-        self.prefix_cache.insert(tokens, rows, replace=lambda cached: hidden is not None and cached.hidden is None)
+        self.prefix_cache.insert(held.tokens, rows, replace=lambda cached: hidden is not None and cached.hidden is None)
         self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes)
 
     def _new_slot(self) -> Slot:
