@@ -16,6 +16,7 @@ from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
+from .prefix_reuse import HeldPrefix, held_after, reusable_length
 from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
@@ -49,6 +50,7 @@ class GenerationOutput:
     prompt_ids: list[int]
     sources: list[TokenSource] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from a reused prefix, not this request's prefill
 
 
 @dataclass
@@ -138,13 +140,27 @@ class Request:
         self.sources: list[TokenSource] = []
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
+        self.cached_tokens = 0
 
-    def prefill(self, runner) -> None:
-        """Fill the cache with every prompt token but the last, which leads the first round."""
+    def prefill(self, runner, cached: int = 0, cached_hidden: torch.Tensor | None = None) -> None:
+        """Fill the cache with every prompt token but the last, which leads the first round.
+
+        ``cached`` > 0: the runner already holds this prompt's first ``cached`` tokens (a reused prefix, at most
+        every token but the last; ``cached_hidden``, their target features when the runner captures them):
+        only the rest is prefilled. Bitwise the same cache as a full prefill on a runner whose prefill rows
+        are its step rows (``exact_prefix_reuse``)."""
         t0 = time.perf_counter()
-        runner.reset()
-        if len(self.context) > 1:
-            runner.prefill(torch.tensor(self.context[:-1], dtype=torch.int64))
+        if not 0 <= cached <= max(0, len(self.context) - 1):
+            raise ValueError(f"cached {cached} outside 0..{len(self.context) - 1}")
+        if cached:
+            runner.rollback_to(cached)
+            if getattr(runner, "capture_hidden", False):
+                self.target_hidden.append(cached_hidden[:cached])
+        else:
+            runner.reset()
+        self.cached_tokens = cached
+        if len(self.context) - 1 > cached:
+            runner.prefill(torch.tensor(self.context[cached:-1], dtype=torch.int64))
             self.keep_hidden(runner, slice(None))
         self.stats.prefill_seconds += time.perf_counter() - t0
 
@@ -193,6 +209,7 @@ class Request:
             self.prompt_ids,
             list(self.sources),
             None if self.logprobs is None else list(self.logprobs),
+            self.cached_tokens,
         )
 
 
@@ -239,6 +256,9 @@ class SpeculativeDecoder:
         # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
         self.acceptance_memories: dict[str, AcceptanceMemory] = {"": AcceptanceMemory(max_gamma)}
         self.last_output: GenerationOutput | None = None
+        # What the runner holds after the last generate/stream: a prompt that extends it prefills only the rest.
+        # Emptied while a request runs (an abandoned stream reuses nothing).
+        self._held = HeldPrefix()
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 
     def use_proposer(self, proposer: Proposer) -> None:
@@ -251,6 +271,10 @@ class SpeculativeDecoder:
         if "_runner" in self.__dict__:  # allocated: an EAGLE head reads the features it captures
             self._runner.capture_hidden = getattr(proposer, "needs_target_hidden", False)
         self.bind_proposer(proposer)
+
+    def forget_cache(self) -> None:
+        """Reuse nothing the runner holds: the next request prefills its whole prompt (a cold start, as timed)."""
+        self._held = HeldPrefix()
 
     def bind_proposer(self, proposer: Proposer | None) -> None:
         """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
@@ -285,6 +309,7 @@ class SpeculativeDecoder:
         while not request.done:
             self._round(request)
         self.end_request(request, self.proposer)
+        self._held = held_after(request, self._runner)
         return request.finish()
 
     def stream(
@@ -299,6 +324,7 @@ class SpeculativeDecoder:
             yield from chunks
             chunks.clear()
         self.end_request(request, self.proposer)
+        self._held = held_after(request, self._runner)
         self.last_output = request.finish()
 
     def _start(
@@ -311,8 +337,20 @@ class SpeculativeDecoder:
             )
         elif self.gamma == "auto":
             request.controller = AdaptiveGamma(self.max_gamma, self.costs, self.acceptance_memories[""])
-        request.prefill(self._runner)
+        self._prefill_reusing(request)
         return request
+
+    def _prefill_reusing(self, request: Request) -> None:
+        """Prefill ``request`` on this decoder's runner, keeping the entries of the longest prefix its context
+        shares with what the runner holds from the last request (a chat's next turn): only the rest is
+        prefilled, bitwise as a full prefill (``exact_prefix_reuse``; other runners always prefill in full).
+
+        The proposers' own state is not handed over: a draft model's cache keeps its own longest common prefix
+        (``DraftModelProposer``), an EAGLE head re-reads the target's features (the reused prefix's come from
+        ``HeldPrefix``) and catches its one-layer cache up at its first draft, lookup and suffix proposers
+        read the context."""
+        held, self._held = self._held, HeldPrefix()
+        request.prefill(self._runner, reusable_length(self._runner, held, request.context), held.hidden)
 
     def _round(self, request: Request) -> None:
         controller = request.controller

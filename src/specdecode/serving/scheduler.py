@@ -34,10 +34,12 @@ from ..engine import GenerationOutput, Request, Round, SpeculativeDecoder
 from ..models.base import ModelRunner
 from ..models.batch import forward_batch
 from ..openmp import release_thread_pool
+from ..prefix_reuse import held_after
 from ..proposers.base import Proposer
 from ..provenance import TokenLogprob, TokenSource
 from .metrics import ServerMetrics
 from .policy import Acceptance, Candidate, SpeculationPolicy, blended_acceptance
+from .prefix_cache import CachedRows, PrefixCache
 
 log = logging.getLogger(__name__)
 PLAIN = "none"
@@ -134,6 +136,7 @@ class Scheduler:
         max_gamma: int = 8,
         metrics: ServerMetrics | None = None,
         prefill_budget: int = 512,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -145,6 +148,7 @@ class Scheduler:
         self.max_gamma = max_gamma
         self.prefill_budget = prefill_budget
         self.metrics = metrics or ServerMetrics()
+        self.prefix_cache = prefix_cache  # KV rows of earlier and running requests, by token prefix
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
@@ -234,12 +238,11 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill waiting requests into free slots, up to ``prefill_budget`` prompt tokens per step (at least
-        one request): a burst of arrivals then stalls the running requests a little, several times, rather
-        than once for every prompt."""
+        one request; tokens the prefix cache supplies are free): a burst of arrivals then stalls the running
+        requests a little, several times, rather than once for every prompt."""
         budget = self.prefill_budget
         while self._waiting and len(self._active) < self.max_batch and budget > 0:
             job = self._waiting.popleft()
-            budget -= len(job.request.prompt_ids)
             job.slot = self._free.pop() if self._free else self._new_slot()
             self._active.append(job)
             try:
@@ -251,11 +254,46 @@ class Scheduler:
                     job.proposer = job.slot.proposers[name]
                 # an EAGLE head drafts from the target's features: the runner keeps them for this request
                 job.slot.runner.capture_hidden = bool(getattr(job.proposer, "needs_target_hidden", False))
-                job.request.prefill(job.slot.runner)
+                self._prefill(job)
             except Exception as exc:
                 self._fail(job, exc)
                 continue
             self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+            budget -= len(job.request.prompt_ids) - job.request.cached_tokens
+
+    def _prefill(self, job: Job) -> None:
+        """Prefill the job's prompt into its slot: its longest cached prefix copied in (``prefix_cache``), the rest
+        computed — bitwise the cache a full prefill gives (``Request.prefill``); then cache the prompt's whole
+        blocks, so that requests arriving while it runs share them too."""
+        request, runner, cache = job.request, job.slot.runner, self.prefix_cache
+        if cache is None or not getattr(runner, "exact_prefix_reuse", False):
+            request.prefill(runner)
+            return
+        capture = runner.capture_hidden  # an EAGLE head's request reuses only blocks that carry the features
+        prompt = request.context[:-1]
+        blocks = cache.match(prompt, lambda rows: rows.hidden is not None or not capture)
+        runner.reset()
+        for block in blocks:
+            runner.append_rows(block.payload.kv)
+        hidden = torch.cat([block.payload.hidden for block in blocks]) if capture and blocks else None
+        request.prefill(runner, runner.length, hidden)
+        self.metrics.prefix_cache_queries.inc(len(prompt))
+        self.metrics.prefix_cache_hits.inc(request.cached_tokens)
+        self._keep_blocks(job)
+
+    def _keep_blocks(self, job: Job) -> None:
+        """Copy the whole blocks of what the job's runner holds into the prefix cache (features too, if captured)."""
+        if self.prefix_cache is None or job.slot is None or not getattr(job.slot.runner, "exact_prefix_reuse", False):
+            return
+        runner = job.slot.runner
+        held = held_after(job.request, runner)
+        hidden = held.hidden
+
+        def rows(start: int, end: int) -> CachedRows:
+            return CachedRows(runner.export_rows(start, end), None if hidden is None else hidden[start:end].clone())
+
+        self.prefix_cache.insert(held.tokens, rows, replace=lambda cached: hidden is not None and cached.hidden is None)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes)
 
     def _new_slot(self) -> Slot:
         self._slots += 1
@@ -400,6 +438,7 @@ class Scheduler:
 
     def _finish(self, job: Job) -> None:
         self.decoder.end_request(job.request, job.proposer)
+        self._keep_blocks(job)
         output = job.request.finish()
         self.metrics.finished.labels("length" if output.finish_reason == "length" else "stop").inc()
         self.metrics.e2e.observe(time.perf_counter() - job.arrived)
