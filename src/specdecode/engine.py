@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import AcceptanceMemory, AdaptiveGamma, CostModel, HybridGamma
+from .control import AcceptanceHistory, AdaptiveGamma, HybridGamma, PassCosts
 from .keyed_noise import KeyedNoise
 from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
@@ -187,7 +187,7 @@ class SpeculativeDecoder:
 
     ``gamma="auto"`` (the default) chooses each round's draft length (≤ ``max_gamma``) from the acceptance and
     step costs measured so far, and 0 — a plain round — where speculation does not pay, probing with one guess
-    at doubling intervals (``adaptive``), so a proposer that is never right costs little over plain decoding.
+    at doubling intervals (``control``), so a proposer that is never right costs little over plain decoding.
     An integer drafts that many tokens every round (fewer only near the token budget), paying or not.
 
     Cache invariant between rounds: the target's cache holds every context token but the newest, which
@@ -221,9 +221,9 @@ class SpeculativeDecoder:
         self.gamma = gamma
         self.max_gamma = max_gamma
         self.mode = mode
-        self.costs = CostModel()
+        self.costs = PassCosts()
         # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
-        self.acceptance_memories: dict[str, AcceptanceMemory] = {"": AcceptanceMemory(max_gamma)}
+        self.acceptance_memories: dict[str, AcceptanceHistory] = {"": AcceptanceHistory()}
         self.last_output: GenerationOutput | None = None
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 

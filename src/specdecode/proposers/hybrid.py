@@ -7,7 +7,7 @@ second turn revising the first, code), and costs little to find; a head guesses 
 the time on chat and costs ~0.12 of a step a guess. So each round drafts one way: the copier's draft, as deep as
 its match earns (up to the round's k), when its match is long enough and it offers at least ``min_copied``
 tokens (or all k, where k is smaller); else the model's, at most ``model_gamma`` guesses (γ1 pays best for the
-shipped head on a CPU). Under ``gamma="auto"`` each side has its own controller (``adaptive.HybridGamma``; the
+shipped head on a CPU). Under ``gamma="auto"`` each side has its own controller (``control.HybridGamma``; the
 server keeps per-side books), so a copy's length and whether the head drafts at all are priced apart. With prompt
 lookup's 2- and 3-gram matches it is the fastest method here on Spec-Bench and on chat (docs/BENCHMARKS.md).
 
@@ -48,7 +48,7 @@ class HybridProposer:
     a draft model).
 
     A fixed ``gamma`` caps a copied run; the model drafts at most ``model_gamma`` guesses a round. Under
-    ``gamma="auto"`` (``chooses_length``) each side has its own controller (``adaptive.HybridGamma`` in the decoder,
+    ``gamma="auto"`` (``chooses_length``) each side has its own controller (``control.HybridGamma`` in the decoder,
     per-side books in the server): ``preview`` says which side would draft and how far, and that side's acceptance
     and drafting price choose the round's length, 0 (a plain round) included.
     """

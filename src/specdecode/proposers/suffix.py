@@ -362,6 +362,6 @@ class SuffixProposer:
     def _verify_cost(self):
         """v(k) from the bound decoder's measurements, or None until a 1-token step has been timed."""
         costs = self.costs
-        if costs is None or costs.step_seconds is None or not costs.verify_seconds.keys() - {1}:
+        if costs is None or costs.step_seconds is None or not costs.seconds.keys() - {1}:
             return None
         return costs.verify_cost

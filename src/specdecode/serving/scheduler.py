@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..control import AcceptanceHistory, RequestAcceptance
 from ..engine import GenerationOutput, Request, Round, SpeculativeDecoder
 from ..models.base import ModelRunner
 from ..models.batch import forward_batch
@@ -37,11 +38,10 @@ from ..openmp import release_thread_pool
 from ..proposers.base import Proposer
 from ..provenance import TokenLogprob, TokenSource
 from .metrics import ServerMetrics
-from .policy import Acceptance, Candidate, SpeculationPolicy, blended_acceptance
+from .policy import Candidate, SpeculationPolicy
 
 log = logging.getLogger(__name__)
 PLAIN = "none"
-DRAFT_COST_SMOOTHING = 0.2
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,8 @@ class Job:
         self.arrived = time.perf_counter()
         self.slot: Slot | None = None
         self.proposer: Proposer | None = None
-        self.side_acceptance: dict[str, Acceptance] = {}  # a hybrid's request: its own counts, side by side
+        # its acceptance per book: the proposer's name (``lookup``), a hybrid's per side (``eagle+suffix:copy``)
+        self.acceptance: dict[str, RequestAcceptance] = {}
         # who drafted this request's last round (None: a plain step, or none yet). A proposer with state (an EAGLE
         # head's cache, a draft model's) first catches up on the tokens it did not draft, so only a round that
         # follows one drafted by the same proposer (a hybrid: the same side) prices drafting: priced with its
@@ -110,12 +111,6 @@ class Slot:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.proposers: dict[str, Proposer] = {}
-
-
-def _side_books(job: Job, side: str) -> tuple[str, Acceptance]:
-    """A hybrid's books for one side (``copy``, ``model``): the server-wide name (``eagle+suffix:copy``) and the
-    request's own counts."""
-    return f"{job.speculation.proposer}:{side}", job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0))
 
 
 _WAKE = object()
@@ -150,8 +145,7 @@ class Scheduler:
         self._active: list[Job] = []
         self._free: list[Slot] = []  # every slot is either in a job or here: at most max_batch
         self._slots = 0  # slots created
-        self._acceptance: dict[str, Acceptance] = {}
-        self._draft_seconds: dict[str, float] = {}
+        self._acceptance: dict[str, AcceptanceHistory] = {}  # per book: the server's memory across requests
         self._stopping = False
         self._speculated = False  # whether the last step drafted anything
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
@@ -188,7 +182,8 @@ class Scheduler:
         """Drop what the engine has learned across requests (each proposer's acceptance prior and draft cost):
         the next requests start as the first ones did. For benchmarks that compare policies one after another
         (call it while idle)."""
-        self._acceptance, self._draft_seconds = {}, {}
+        self._acceptance = {}
+        self.policy.costs.forget_drafting()
 
     def cancel(self, job: Job) -> None:
         """The client went away: free the job's slot and KV cache at the next step boundary."""
@@ -271,24 +266,33 @@ class Scheduler:
         self.metrics.free_slots.set(len(self._free))
         self.metrics.cache_tokens.set(sum(slot.runner.length for slot in (*held, *self._free)))
 
-    def _candidate(self, job: Job) -> Candidate:
+    def _books(self, job: Job, name: str) -> RequestAcceptance:
+        """The request's acceptance for book ``name``, on the server's memory of that book."""
+        if name not in job.acceptance:
+            job.acceptance[name] = RequestAcceptance(self._acceptance.setdefault(name, AcceptanceHistory()))
+        return job.acceptance[name]
+
+    def _candidate(self, job: Job) -> tuple[Candidate, RequestAcceptance | None]:
+        """What the policy sees of ``job`` (the estimator's optimistic acceptance, as ``gamma="auto"`` reads it)
+        and the books it was read from."""
         if job.proposer is None:
-            return Candidate(0, ())
+            return Candidate(0, ()), None
         name, gamma = job.speculation.proposer, job.speculation.gamma
         cap = max(0, min(self.max_gamma if gamma == "auto" else gamma, job.request.sink.remaining - 1))
-        stats = job.request.stats
-        accepted, reached = stats.per_position, stats.per_position_reached
         if cap and getattr(job.proposer, "chooses_length", False):
             # a hybrid: the side that would draft (a copy or a model) and its length, priced by that side's books
             side, length = job.proposer.preview(job.request.context, cap)  # type: ignore[attr-defined]
-            name, own = _side_books(job, side)
-            cap, accepted, reached = min(cap, length), own.accepted, own.reached
-        prior = self._acceptance.setdefault(name, Acceptance())
-        rates = blended_acceptance(accepted, reached, prior, cap)
-        return Candidate(cap, rates, self._draft_seconds.get(name, 0.0))
+            name, cap = f"{name}:{side}", min(cap, length)
+        books = self._books(job, name)
+        draft_seconds = self.policy.costs.draft_token_seconds.get(name, 0.0)
+        return Candidate.of(cap, books, draft_seconds), books
 
     def _step(self) -> None:
-        plan = self.policy.plan([self._candidate(job) for job in self._active])
+        candidates = [self._candidate(job) for job in self._active]
+        plan = self.policy.plan([candidate for candidate, _ in candidates])
+        for (candidate, books), k in zip(candidates, plan.draft_lengths, strict=True):
+            if books is not None and candidate.cap and not k:  # a plain verdict: its evidence ages toward memory
+                books.fade_toward_memory()
         rounds: list[tuple[Job, Round]] = []
         for job, k in zip(list(self._active), plan.draft_lengths, strict=True):
             try:
@@ -302,7 +306,7 @@ class Scheduler:
         seconds = time.perf_counter() - started
         rows = sum(int(pending.tokens.shape[0]) for _, pending in rounds)
         if all(x is not None for x in logits):
-            self.policy.costs.observe(rows, seconds)
+            self.policy.costs.observe_pass(rows, seconds)
             self.metrics.pass_seconds.labels(str(rows)).set(self.policy.costs.seconds[rows])
         speculating = self._speculated = rows > len(rounds)
         self.metrics.speculating.set(int(speculating))
@@ -353,15 +357,10 @@ class Scheduler:
         if drafted:
             name = job.speculation.proposer
             if getattr(job.proposer, "chooses_length", False):  # a hybrid: the books of the side that drafted
-                name, own = _side_books(job, job.proposer.last_side)  # type: ignore[attr-defined]
-                own.observe(drafted, accepted)
-            self._acceptance.setdefault(name, Acceptance()).observe(drafted, accepted)
+                name = f"{name}:{job.proposer.last_side}"  # type: ignore[attr-defined]
+            self._books(job, name).observe(drafted, accepted)
             if job.drafted_by == name:  # else the time holds a catch-up (see Job.drafted_by), not a price
-                per_token = pending.draft_seconds / drafted
-                old = self._draft_seconds.get(name)
-                self._draft_seconds[name] = (
-                    per_token if old is None else (1 - DRAFT_COST_SMOOTHING) * old + DRAFT_COST_SMOOTHING * per_token
-                )
+                self.policy.costs.observe_draft(drafted, pending.draft_seconds, name)
         job.drafted_by = name
         self.metrics.observe_round(drafted, accepted)
         self._emit(job)
