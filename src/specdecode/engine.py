@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
-from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
+from .proposers.base import EMPTY_DRAFT, Draft, Proposer, as_proposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
 from .sampling import probs_from_logits
@@ -225,37 +224,38 @@ class SpeculativeDecoder:
         # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
         self.acceptance_memories: dict[str, AcceptanceHistory] = {"": AcceptanceHistory()}
         self.last_output: GenerationOutput | None = None
+        self._target_runner: ModelRunner | None = None  # for generate/stream, allocated on first use
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 
-    def use_proposer(self, proposer: Proposer) -> None:
+    def use_proposer(self, proposer: Proposer | object) -> None:
         """Draft with ``proposer`` from the next request on, keeping what this decoder has measured (the target's
         costs, ``gamma="auto"``'s acceptance memory) and its runner, as a long-lived decoder does."""
-        draft_model = getattr(proposer, "model", None)
-        if isinstance(draft_model, LoadedModel):
-            check_vocabularies(self.target, draft_model)
-        self.proposer = proposer
-        if "_runner" in self.__dict__:  # allocated: an EAGLE head reads the features it captures
-            self._runner.capture_hidden = getattr(proposer, "needs_target_hidden", False)
-        self.bind_proposer(proposer)
+        self.proposer = self.bind_proposer(proposer)
+        if self._target_runner is not None:  # an EAGLE head reads the features it captures
+            self._target_runner.capture_hidden = self.proposer.needs_target_hidden
 
-    def bind_proposer(self, proposer: Proposer | None) -> None:
-        """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
-        bind = getattr(proposer, "bind_target", None)
-        if bind is not None:
-            bind(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
+    def bind_proposer(self, proposer: Proposer | object) -> Proposer:
+        """The entry point of a proposer: adapted if duck-typed (``as_proposer``), its draft model's vocabulary
+        checked against the target's, given the target's vocabulary and the measured costs (``bind_target``)."""
+        proposer = as_proposer(proposer)
+        draft_model = proposer.vocabulary_model()
+        if draft_model is not None:
+            check_vocabularies(self.target, draft_model)
+        proposer.bind_target(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
+        return proposer
 
     def end_request(self, request: Request, proposer: Proposer | None) -> None:
-        """Tell a proposer that remembers requests (``end_request``) that ``request`` ended."""
-        remember = getattr(proposer, "end_request", None)
-        if remember is not None:
-            remember(request.context)
+        """Tell ``proposer`` (a suffix proposer remembers requests) that ``request`` ended."""
+        if proposer is not None:
+            proposer.end_request(request.context)
 
-    @functools.cached_property
+    @property
     def _runner(self) -> ModelRunner:
         """The target's runner for generate/stream, allocated on first use (the server brings its own)."""
-        runner = self.target.new_runner()
-        runner.capture_hidden = getattr(self.proposer, "needs_target_hidden", False)  # an EAGLE head reads them
-        return runner
+        if self._target_runner is None:
+            self._target_runner = self.target.new_runner()
+            self._target_runner.capture_hidden = self.proposer.needs_target_hidden  # an EAGLE head reads them
+        return self._target_runner
 
     def generate(
         self,
@@ -291,7 +291,7 @@ class SpeculativeDecoder:
         self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None, logprobs: int | None
     ) -> Request:
         request = Request(self.target, prompt, params, on_text, logprobs)
-        if self.gamma == "auto" and getattr(self.proposer, "chooses_length", False):
+        if self.gamma == "auto" and self.proposer.chooses_length:
             request.controller = HybridGamma.for_request(
                 self.proposer, request.context, self.max_gamma, self.costs, self.acceptance_memories
             )
@@ -316,11 +316,11 @@ class SpeculativeDecoder:
         tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask."""
         t0 = time.perf_counter()
         context, params = request.context, request.params
-        if getattr(proposer, "needs_target_hidden", False):  # an EAGLE head: the features verified so far
+        if proposer is not None and proposer.needs_target_hidden:  # an EAGLE head: the features verified so far
             proposer.observe_target(request.target_hidden)
         if proposer is None:
             draft = EMPTY_DRAFT
-        elif self.mode == "reproducible" and isinstance(proposer, CoupledProposer):
+        elif self.mode == "reproducible" and proposer.couples_with_keyed_noise:
             draft = proposer.propose_coupled(context, k, params, request.noise)
         else:
             draft = proposer.propose(context, k, params, request.generator)

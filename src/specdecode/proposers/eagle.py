@@ -24,7 +24,7 @@ from ..keyed_noise import KeyedNoise
 from ..models.loader import LoadedModel, load_model
 from ..params import SamplingParams
 from ..sampling import probs_from_logits
-from .base import EMPTY_DRAFT, Draft, common_prefix_length
+from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
 
 # A node's children, given the head's logits over the drafting vocabulary [V_draft] and the children's depth:
 # (their indices in the drafting vocabulary, in sibling order [m]; the law they were drawn from over the whole
@@ -42,7 +42,7 @@ class _Node:
     feature: torch.Tensor | None = None  # the head's output at this node's row, once expanded
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Guesses from an EAGLE head: a chain (``tree_nodes=None``) or an EAGLE-2 dynamic tree.
 
     The default is a chain: with the head drafting on the compiled kernels (~0.13 of a target step a round in
@@ -80,6 +80,7 @@ class EagleProposer:
     """
 
     needs_target_hidden = True
+    couples_with_keyed_noise = True
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft
+from .base import EMPTY_DRAFT, Draft, Proposer
 from .suffix_index import ORDERS, SEPARATOR, SuffixIndex, suffix_hashes
 
 MAGIC = b"specdecode-suffix-cache\n"
@@ -147,7 +147,7 @@ class SuffixHistory:
         return history
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Deterministic guesses (a point mass) from the longest suffix match in this request and in ``history``.
 
     One proposer object remembers every request it sees (prompt and answer, added when the request ends) in

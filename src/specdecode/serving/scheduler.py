@@ -241,11 +241,10 @@ class Scheduler:
                 name = job.speculation.proposer
                 if name != PLAIN:
                     if name not in job.slot.proposers:
-                        job.slot.proposers[name] = self.proposers[name]()
-                        self.decoder.bind_proposer(job.slot.proposers[name])
+                        job.slot.proposers[name] = self.decoder.bind_proposer(self.proposers[name]())
                     job.proposer = job.slot.proposers[name]
                 # an EAGLE head drafts from the target's features: the runner keeps them for this request
-                job.slot.runner.capture_hidden = bool(getattr(job.proposer, "needs_target_hidden", False))
+                job.slot.runner.capture_hidden = job.proposer is not None and job.proposer.needs_target_hidden
                 job.request.prefill(job.slot.runner)
             except Exception as exc:
                 self._fail(job, exc)
@@ -279,9 +278,9 @@ class Scheduler:
             return Candidate(0, ()), None
         name, gamma = job.speculation.proposer, job.speculation.gamma
         cap = max(0, min(self.max_gamma if gamma == "auto" else gamma, job.request.sink.remaining - 1))
-        if cap and getattr(job.proposer, "chooses_length", False):
+        if cap and job.proposer.chooses_length:
             # a hybrid: the side that would draft (a copy or a model) and its length, priced by that side's books
-            side, length = job.proposer.preview(job.request.context, cap)  # type: ignore[attr-defined]
+            side, length = job.proposer.preview(job.request.context, cap)
             name, cap = f"{name}:{side}", min(cap, length)
         books = self._books(job, name)
         draft_seconds = self.policy.costs.draft_token_seconds.get(name, 0.0)
@@ -356,8 +355,8 @@ class Scheduler:
         name = None
         if drafted:
             name = job.speculation.proposer
-            if getattr(job.proposer, "chooses_length", False):  # a hybrid: the books of the side that drafted
-                name = f"{name}:{job.proposer.last_side}"  # type: ignore[attr-defined]
+            if job.proposer.chooses_length:  # a hybrid: the books of the side that drafted
+                name = f"{name}:{job.proposer.last_side}"
             self._books(job, name).observe(drafted, accepted)
             if job.drafted_by == name:  # else the time holds a catch-up (see Job.drafted_by), not a price
                 self.policy.costs.observe_draft(drafted, pending.draft_seconds, name)
