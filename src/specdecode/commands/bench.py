@@ -11,8 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specdecode.commands import MAX_CONTEXT_HELP, quiet_transformers, usage_errors
 
-QUIRK_MAX_K = 32
-QUIRK_CONTEXT = 500
+CURVE_MAX_K = 32
+CURVE_CONTEXT = 500
 QUANTIZATIONS = ("auto", "gguf", "gguf-a8", "int8", "int4", "none")
 SUMMARY_COLUMNS = ("load_s", "peak_rss_mb", "disk_written_mb", "prefill_500_s", "step_ms")
 
@@ -139,15 +139,24 @@ def bench(
             "llama-cpp-python, not a dependency; greedy only; outputs not expected to equal ours).",
         ),
     ] = False,
-    quirk: Annotated[
+    verify_curve: Annotated[
         bool,
         typer.Option(
+            "--verify-curve",
             "--quirk",
-            help=f"Measure the verify-cost curve v(k), k = 1..{QUIRK_MAX_K} (first --quantization's target; with "
-            "--llamacpp, llama.cpp's on the same file too, every row's logits computed, interleaved).",
+            help=f"Measure the verify-cost curve v(k), k = 1..{CURVE_MAX_K} (first --quantization's target; with "
+            "--llamacpp, llama.cpp's on the same file too, every row's logits computed, interleaved). "
+            "--quirk: deprecated alias.",
         ),
     ] = False,
-    quirk_repeats: Annotated[int, typer.Option(help="--quirk: timed sweeps over k (medians).")] = 5,
+    curve_repeats: Annotated[
+        int,
+        typer.Option(
+            "--verify-curve-repeats",
+            "--quirk-repeats",
+            help="--verify-curve: timed sweeps over k (medians). --quirk-repeats: deprecated alias.",
+        ),
+    ] = 5,
     warmup: Annotated[int, typer.Option(help="Questions run untimed by every method first.")] = 1,
     max_context: Annotated[int | None, typer.Option(min=1, help=f"Our target's: {MAX_CONTEXT_HELP}")] = None,
     threads: Annotated[
@@ -187,7 +196,7 @@ def bench(
 
             shapes = parse_shapes(synthetic)
             given = [name for name, value in (("--target", target != "smollm2"), ("--prompts", prompts is not None),
-                     ("--draft", draft is not None), ("--quirk", quirk)) if value]  # fmt: skip
+                     ("--draft", draft is not None), ("--verify-curve", verify_curve)) if value]  # fmt: skip
             if given:
                 raise ValueError(f"--synthetic measures its own files: it takes no {given[0]}")
             if threads is not None and threads < 1:
@@ -203,8 +212,8 @@ def bench(
         trees = _tree_sizes(tree_nodes)
         modes = _split(mode, "--mode")
         settings = _quantizations(quantization)
-        if quirk_repeats < 1:
-            raise ValueError(f"--quirk-repeats must be >= 1, got {quirk_repeats}")
+        if curve_repeats < 1:
+            raise ValueError(f"--verify-curve-repeats must be >= 1, got {curve_repeats}")
         if threads is not None and threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
         items = load_items(prompts) if prompts is not None else default_items()
@@ -219,9 +228,9 @@ def bench(
         import specdecode
         from specdecode.bench.llamacpp import LlamaCppMissing, gguf_file, llamacpp_methods, llamacpp_verify_forward
         from specdecode.bench.methods import build_methods, transformers_methods
-        from specdecode.bench.quirk import measure_verify_curves
         from specdecode.bench.report import machine_info, summary_table, write_outputs
         from specdecode.bench.runner import BenchConfig, run_bench
+        from specdecode.bench.verify_curve import measure_verify_curves
 
         config = BenchConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, warmup=warmup)
         if threads is not None:
@@ -277,9 +286,9 @@ def bench(
             except LlamaCppMissing as e:
                 llamacpp_note = f"skipped: {e}"
                 console.print(f"[yellow]note:[/] {e}", soft_wrap=True)
-        quirk_peers = {}
-        if quirk and llamacpp and llamacpp_note is not None and not llamacpp_note.startswith("skipped"):
-            quirk_peers["llama.cpp"] = llamacpp_verify_forward(gguf, torch.get_num_threads(), QUIRK_MAX_K)
+        curve_peers = {}
+        if verify_curve and llamacpp and llamacpp_note is not None and not llamacpp_note.startswith("skipped"):
+            curve_peers["llama.cpp"] = llamacpp_verify_forward(gguf, torch.get_num_threads(), CURVE_MAX_K)
         quiet_transformers()  # transformers' generate() warns about generation-config details on every call
         turns = sum(len(i.turns) for i in items)
         console.print(
@@ -288,11 +297,11 @@ def bench(
         columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
             verify_cost = curves = None
-            if quirk:
-                task = progress.add_task("verify-cost curve", total=quirk_repeats + 1)
+            if verify_curve:
+                task = progress.add_task("verify-cost curve", total=curve_repeats + 1)
                 curves = measure_verify_curves(
-                    loaded, QUIRK_MAX_K, QUIRK_CONTEXT, quirk_repeats, on_step=lambda: progress.advance(task),
-                    peers=quirk_peers,
+                    loaded, CURVE_MAX_K, CURVE_CONTEXT, curve_repeats, on_step=lambda: progress.advance(task),
+                    peers=curve_peers,
                 )  # fmt: skip
                 verify_cost = curves.relative()
             task = progress.add_task("warm-up, then questions × methods", total=len(items) * len(methods))
