@@ -60,6 +60,12 @@ class Round:
     positions: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
 
+    def score(self, runner: ModelRunner) -> torch.Tensor:
+        """The target's logits for the chunk: one pass of ``runner`` (a tree with its positions and mask)."""
+        if self.positions is None:
+            return runner.forward(self.tokens)
+        return runner.forward(self.tokens, positions=self.positions, attn_mask=self.attn_mask)
+
 
 def fresh_seed() -> int:
     """A seed from the OS's entropy, in [0, 2**63)."""
@@ -303,13 +309,10 @@ class SpeculativeDecoder:
     def _round(self, request: Request) -> None:
         controller = request.controller
         k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
-        pending = self.draft(request, self.proposer, k)
+        this_round = self.draft(request, self.proposer, k)
         started = time.perf_counter()
-        if pending.positions is None:
-            logits = self._runner.forward(pending.tokens)
-        else:
-            logits = self._runner.forward(pending.tokens, positions=pending.positions, attn_mask=pending.attn_mask)
-        self.settle(request, pending, logits, self._runner, started)
+        logits = this_round.score(self._runner)
+        self.verify_round(request, this_round, logits, self._runner, started)
 
     def draft(self, request: Request, proposer: Proposer | None, k: int) -> Round:
         """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step); a
@@ -336,16 +339,16 @@ class SpeculativeDecoder:
         mask = attention_mask(draft.parents, cached)
         return Round(draft, tokens, time.perf_counter() - t0, positions, mask)
 
-    def settle(
-        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    def verify_round(
+        self, request: Request, this_round: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
         """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
         ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
-        if pending.positions is not None:
-            self._settle_tree(request, pending, logits, runner, started)
+        if this_round.positions is not None:
+            self._verify_tree_round(request, this_round, logits, runner, started)
             return
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
-        draft = pending.draft
+        draft = this_round.draft
         n_drafted = len(draft)
         if params.greedy:
             n_accepted, token = greedy_verify(logits, draft.tokens)
@@ -356,28 +359,28 @@ class SpeculativeDecoder:
             target_probs = probs_from_logits(logits, params)
             n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
         t2 = time.perf_counter()
-        stats.draft_seconds += pending.draft_seconds
+        stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
         stats.record_round(n_drafted, n_accepted)
         if controller is not None:
             controller.observe(n_drafted, n_accepted)
-            draft_price = None if controller.catching_up else pending.draft_seconds
+            draft_price = None if controller.catching_up else this_round.draft_seconds
             self.costs.observe(n_drafted + 1, t2 - started, n_drafted, draft_price, controller.drafter)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
         request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
         runner.rollback_to(len(context) - 1)
 
-    def _settle_tree(
-        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    def _verify_tree_round(
+        self, request: Request, this_round: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
-        """``settle`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
+        """``verify_round`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
-        draft = pending.draft
+        draft = this_round.draft
         if params.greedy:
             accepted, token = tree_greedy_verify(logits, draft.tokens, draft.parents)
         elif self.mode == "reproducible":
-            target_tokens = request.noise.tokens_at(logits, params, (pending.positions + 1).tolist())
+            target_tokens = request.noise.tokens_at(logits, params, (this_round.positions + 1).tolist())
             accepted, token = tree_coupled_verify(target_tokens, draft.tokens, draft.parents)
         else:
             target_probs = probs_from_logits(logits, params)
@@ -388,14 +391,14 @@ class SpeculativeDecoder:
         kids = children(draft.parents)  # kids[0]: the root's children, kids[i + 1]: node i's
         rejected = bool(kids[accepted[-1] + 1 if accepted else 0])  # the path stopped at a fork
         siblings = sum(node != kids[int(draft.parents[node]) + 1][0] for node in accepted)
-        nodes_per_depth = torch.bincount(pending.positions[1:] - pending.positions[0])[1:].tolist()
-        stats.draft_seconds += pending.draft_seconds
+        nodes_per_depth = torch.bincount(this_round.positions[1:] - this_round.positions[0])[1:].tolist()
+        stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
         stats.record_tree_round(nodes_per_depth, len(accepted), rejected, siblings)
         if controller is not None:
             controller.observe(len(accepted) + rejected, len(accepted))
-            controller.observe_tree(len(draft) + 1, pending.draft_seconds)
-            draft_price = None if controller.catching_up else pending.draft_seconds
+            controller.observe_tree(len(draft) + 1, this_round.draft_seconds)
+            draft_price = None if controller.catching_up else this_round.draft_seconds
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price, controller.drafter)
         start = len(context)  # node i sits at slot start + i
         path_rows = [0] + [node + 1 for node in accepted]  # the rows that chose the emitted tokens

@@ -6,7 +6,7 @@ step the thread (1) drops requests whose client went away and admits waiting one
 policy how many tokens each request drafts, (3) drafts them (``SpeculativeDecoder.draft``), (4) runs ONE
 target pass for all of them (``forward_batch``: every request's newest token plus its draft; a token tree,
 with positions and a mask of its own, runs alone), and (5)
-verifies, emits and handles stops per request (``SpeculativeDecoder.settle``). A hybrid proposer
+verifies, emits and handles stops per request (``SpeculativeDecoder.verify_round``). A hybrid proposer
 (``chooses_length``: ``eagle+suffix``) says before (2) which side would draft (a copied run or the model's
 guesses) and how far; the policy prices that round with that side's acceptance and drafting cost, kept apart
 (``eagle+suffix:copy``, ``eagle+suffix:model``), so a head's ~45% never cuts a ~90% copy short. Requests join and leave
@@ -14,7 +14,7 @@ between steps. Events (text deltas, the final output, an error) go back through 
 callback, which the HTTP side makes thread-safe (``loop.call_soon_threadsafe``).
 
 Greedy output does not depend on the batch: the native runner's batched pass gives every row bitwise the
-logits of that request's own ``forward`` (row invariance), and settle is per request. A request that
+logits of that request's own ``forward`` (row invariance), and verification is per request. A request that
 raises (in its proposer, its pass or its verification) fails alone; the others continue.
 """
 
@@ -303,7 +303,7 @@ class Scheduler:
         started = time.perf_counter()
         logits = self._forward(rounds)
         seconds = time.perf_counter() - started
-        rows = sum(int(pending.tokens.shape[0]) for _, pending in rounds)
+        rows = sum(int(this_round.tokens.shape[0]) for _, this_round in rounds)
         if all(x is not None for x in logits):
             self.policy.costs.observe_pass(rows, seconds)
             self.metrics.pass_seconds.labels(str(rows)).set(self.policy.costs.seconds[rows])
@@ -312,17 +312,17 @@ class Scheduler:
         self.metrics.steps.labels(str(speculating).lower()).inc()
         self.metrics.planned_draft_tokens.set(plan.rows - len(plan.draft_lengths))
         self.metrics.predicted_speedup.set(plan.predicted_speedup)
-        for (job, pending), job_logits in zip(rounds, logits, strict=True):
+        for (job, this_round), job_logits in zip(rounds, logits, strict=True):
             if job_logits is not None:
-                self._settle(job, pending, job_logits, started)
+                self._verify_round(job, this_round, job_logits, started)
 
     def _forward(self, rounds: list[tuple[Job, Round]]) -> list[torch.Tensor | None]:
         """The target's logits for every round: the chains in one batched pass, token trees (their own
         positions and mask) one by one; if the batched pass raises, each request alone, so only the faulty
         one fails (None)."""
         out: list[torch.Tensor | None] = [None] * len(rounds)
-        chains = [i for i, (_, pending) in enumerate(rounds) if pending.positions is None]
-        alone = [i for i, (_, pending) in enumerate(rounds) if pending.positions is not None]
+        chains = [i for i, (_, this_round) in enumerate(rounds) if this_round.positions is None]
+        alone = [i for i, (_, this_round) in enumerate(rounds) if this_round.positions is not None]
         try:
             runners = [rounds[i][0].slot.runner for i in chains]
             for i, logits in zip(chains, forward_batch(runners, [rounds[i][1].tokens for i in chains]), strict=True):
@@ -331,27 +331,24 @@ class Scheduler:
             log.exception("batched pass failed; retrying each request alone")
             alone = list(range(len(rounds)))
         for i in alone:
-            job, pending = rounds[i]
+            job, this_round = rounds[i]
             runner = job.slot.runner
             try:
                 runner.rollback_to(len(job.request.context) - 1)
-                if pending.positions is None:
-                    out[i] = runner.forward(pending.tokens)
-                else:
-                    out[i] = runner.forward(pending.tokens, positions=pending.positions, attn_mask=pending.attn_mask)
+                out[i] = this_round.score(runner)
             except Exception as exc:
                 self._fail(job, exc)
         return out
 
-    def _settle(self, job: Job, pending: Round, logits: torch.Tensor, started: float) -> None:
+    def _verify_round(self, job: Job, this_round: Round, logits: torch.Tensor, started: float) -> None:
         stats = job.request.stats
         accepted_before = stats.accepted
         try:
-            self.decoder.settle(job.request, pending, logits, job.slot.runner, started)
+            self.decoder.verify_round(job.request, this_round, logits, job.slot.runner, started)
         except Exception as exc:
             self._fail(job, exc)
             return
-        drafted, accepted = len(pending.draft), stats.accepted - accepted_before
+        drafted, accepted = len(this_round.draft), stats.accepted - accepted_before
         name = None
         if drafted:
             name = job.speculation.proposer
@@ -359,7 +356,7 @@ class Scheduler:
                 name = f"{name}:{job.proposer.last_side}"
             self._books(job, name).observe(drafted, accepted)
             if job.drafted_by == name:  # else the time holds a catch-up (see Job.drafted_by), not a price
-                self.policy.costs.observe_draft(drafted, pending.draft_seconds, name)
+                self.policy.costs.observe_draft(drafted, this_round.draft_seconds, name)
         job.drafted_by = name
         self.metrics.observe_round(drafted, accepted)
         self._emit(job)
