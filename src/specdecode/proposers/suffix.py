@@ -187,7 +187,7 @@ class SuffixProposer(Proposer):
         self.max_matches = max_matches
         self.recency = recency
         self.remember = remember
-        self.costs = None  # a decoder's CostModel, bound by the decoder; caps trees at measured verify costs
+        self.costs = None  # a decoder's control.PassCosts, bound by the decoder; caps trees at measured verify costs
         self._forget_request()
 
     def _forget_request(self) -> None:

@@ -52,12 +52,14 @@ class Candidate:
 @dataclass(frozen=True)
 class Plan:
     """One step's decision: draft tokens per request, rows in the pass, and the predicted tokens/s ratio of
-    this plan over a plain step (1.0 for a plain step)."""
+    this plan over a plain step (1.0 for a plain step); ``priced``: ``auto`` weighed costs and acceptance (not a
+    fixed policy, nor a plain step that measures a new batch size), so a request given 0 got a plain verdict."""
 
     draft_lengths: tuple[int, ...]
     rows: int
     predicted_speedup: float
     probe: bool = False
+    priced: bool = False
 
     @property
     def speculating(self) -> bool:
@@ -93,7 +95,7 @@ class SpeculationPolicy:
         else:
             rates = self._rates(batch, gains[: self.costs.frontier(len(gains), batch)])
             m = max(range(len(rates)), key=rates.__getitem__)
-        probe = False
+        probe, priced = False, self.mode == "auto" and batch in self.costs.seconds
         if self.mode == "auto" and batch not in self.costs.seconds:
             m = 0  # first measure the plain pass that speculation is compared against
         elif self.mode == "auto":
@@ -109,7 +111,7 @@ class SpeculationPolicy:
             tokens += gain
             draft_seconds += seconds
         rate = tokens / (self.costs.pass_seconds(batch + m) + draft_seconds)
-        return Plan(tuple(lengths), batch + m, rate / plain_rate, probe)
+        return Plan(tuple(lengths), batch + m, rate / plain_rate, probe, priced)
 
     def _rates(self, batch: int, gains: list[tuple[float, int, int, float]]) -> list[float]:
         """Predicted tokens per second with the m largest gains drafted, for m = 0 .. len(gains)."""

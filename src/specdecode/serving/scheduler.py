@@ -290,7 +290,7 @@ class Scheduler:
         candidates = [self._candidate(job) for job in self._active]
         plan = self.policy.plan([candidate for candidate, _ in candidates])
         for (candidate, books), k in zip(candidates, plan.draft_lengths, strict=True):
-            if books is not None and candidate.cap and not k:  # a plain verdict: its evidence ages toward memory
+            if plan.priced and books is not None and candidate.cap and not k:  # plain verdict: evidence ages
                 books.fade_toward_memory()
         rounds: list[tuple[Job, Round]] = []
         for job, k in zip(list(self._active), plan.draft_lengths, strict=True):
