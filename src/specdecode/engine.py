@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -10,14 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import AcceptanceMemory, AdaptiveGamma, CostModel, HybridGamma
+from .control import AcceptanceHistory, AdaptiveGamma, HybridGamma, PassCosts
 from .keyed_noise import KeyedNoise
 from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
 from .output import OutputSink
 from .params import SamplingParams
 from .prefix_reuse import HeldPrefix, held_after, reusable_length
-from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
+from .proposers.base import EMPTY_DRAFT, Draft, Proposer, as_proposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
 from .sampling import probs_from_logits
@@ -63,6 +62,12 @@ class Round:
     draft_seconds: float
     positions: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+
+    def score(self, runner: ModelRunner) -> torch.Tensor:
+        """The target's logits for the chunk: one pass of ``runner`` (a tree with its positions and mask)."""
+        if self.positions is None:
+            return runner.forward(self.tokens)
+        return runner.forward(self.tokens, positions=self.positions, attn_mask=self.attn_mask)
 
 
 def fresh_seed() -> int:
@@ -218,7 +223,7 @@ class SpeculativeDecoder:
 
     ``gamma="auto"`` (the default) chooses each round's draft length (≤ ``max_gamma``) from the acceptance and
     step costs measured so far, and 0 — a plain round — where speculation does not pay, probing with one guess
-    at doubling intervals (``adaptive``), so a proposer that is never right costs little over plain decoding.
+    at doubling intervals (``control``), so a proposer that is never right costs little over plain decoding.
     An integer drafts that many tokens every round (fewer only near the token budget), paying or not.
 
     Cache invariant between rounds: the target's cache holds every context token but the newest, which
@@ -252,48 +257,49 @@ class SpeculativeDecoder:
         self.gamma = gamma
         self.max_gamma = max_gamma
         self.mode = mode
-        self.costs = CostModel()
+        self.costs = PassCosts()
         # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
-        self.acceptance_memories: dict[str, AcceptanceMemory] = {"": AcceptanceMemory(max_gamma)}
+        self.acceptance_memories: dict[str, AcceptanceHistory] = {"": AcceptanceHistory()}
         self.last_output: GenerationOutput | None = None
         # What the runner holds after the last generate/stream: a prompt that extends it prefills only the rest.
         # Emptied while a request runs (an abandoned stream reuses nothing).
         self._held = HeldPrefix()
+        self._target_runner: ModelRunner | None = None  # for generate/stream, allocated on first use
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 
-    def use_proposer(self, proposer: Proposer) -> None:
+    def use_proposer(self, proposer: Proposer | object) -> None:
         """Draft with ``proposer`` from the next request on, keeping what this decoder has measured (the target's
         costs, ``gamma="auto"``'s acceptance memory) and its runner, as a long-lived decoder does."""
-        draft_model = getattr(proposer, "model", None)
-        if isinstance(draft_model, LoadedModel):
-            check_vocabularies(self.target, draft_model)
-        self.proposer = proposer
-        if "_runner" in self.__dict__:  # allocated: an EAGLE head reads the features it captures
-            self._runner.capture_hidden = getattr(proposer, "needs_target_hidden", False)
-        self.bind_proposer(proposer)
+        self.proposer = self.bind_proposer(proposer)
+        if self._target_runner is not None:  # an EAGLE head reads the features it captures
+            self._target_runner.capture_hidden = self.proposer.needs_target_hidden
 
     def forget_cache(self) -> None:
         """Reuse nothing the runner holds: the next request prefills its whole prompt (a cold start, as timed)."""
         self._held = HeldPrefix()
 
-    def bind_proposer(self, proposer: Proposer | None) -> None:
-        """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
-        bind = getattr(proposer, "bind_target", None)
-        if bind is not None:
-            bind(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
+    def bind_proposer(self, proposer: Proposer | object) -> Proposer:
+        """The entry point of a proposer: adapted if duck-typed (``as_proposer``), its draft model's vocabulary
+        checked against the target's, given the target's vocabulary and the measured costs (``bind_target``)."""
+        proposer = as_proposer(proposer)
+        draft_model = proposer.vocabulary_model()
+        if draft_model is not None:
+            check_vocabularies(self.target, draft_model)
+        proposer.bind_target(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
+        return proposer
 
     def end_request(self, request: Request, proposer: Proposer | None) -> None:
-        """Tell a proposer that remembers requests (``end_request``) that ``request`` ended."""
-        remember = getattr(proposer, "end_request", None)
-        if remember is not None:
-            remember(request.context)
+        """Tell ``proposer`` (a suffix proposer remembers requests) that ``request`` ended."""
+        if proposer is not None:
+            proposer.end_request(request.context)
 
-    @functools.cached_property
+    @property
     def _runner(self) -> ModelRunner:
         """The target's runner for generate/stream, allocated on first use (the server brings its own)."""
-        runner = self.target.new_runner()
-        runner.capture_hidden = getattr(self.proposer, "needs_target_hidden", False)  # an EAGLE head reads them
-        return runner
+        if self._target_runner is None:
+            self._target_runner = self.target.new_runner()
+            self._target_runner.capture_hidden = self.proposer.needs_target_hidden  # an EAGLE head reads them
+        return self._target_runner
 
     def generate(
         self,
@@ -331,7 +337,7 @@ class SpeculativeDecoder:
         self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None, logprobs: int | None
     ) -> Request:
         request = Request(self.target, prompt, params, on_text, logprobs)
-        if self.gamma == "auto" and getattr(self.proposer, "chooses_length", False):
+        if self.gamma == "auto" and self.proposer.chooses_length:
             request.controller = HybridGamma.for_request(
                 self.proposer, request.context, self.max_gamma, self.costs, self.acceptance_memories
             )
@@ -355,24 +361,21 @@ class SpeculativeDecoder:
     def _round(self, request: Request) -> None:
         controller = request.controller
         k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
-        pending = self.draft(request, self.proposer, k)
+        this_round = self.draft(request, self.proposer, k)
         started = time.perf_counter()
-        if pending.positions is None:
-            logits = self._runner.forward(pending.tokens)
-        else:
-            logits = self._runner.forward(pending.tokens, positions=pending.positions, attn_mask=pending.attn_mask)
-        self.settle(request, pending, logits, self._runner, started)
+        logits = this_round.score(self._runner)
+        self.verify_round(request, this_round, logits, self._runner, started)
 
     def draft(self, request: Request, proposer: Proposer | None, k: int) -> Round:
         """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step); a
         tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask."""
         t0 = time.perf_counter()
         context, params = request.context, request.params
-        if getattr(proposer, "needs_target_hidden", False):  # an EAGLE head: the features verified so far
+        if proposer is not None and proposer.needs_target_hidden:  # an EAGLE head: the features verified so far
             proposer.observe_target(request.target_hidden)
         if proposer is None:
             draft = EMPTY_DRAFT
-        elif self.mode == "reproducible" and isinstance(proposer, CoupledProposer):
+        elif self.mode == "reproducible" and proposer.couples_with_keyed_noise:
             draft = proposer.propose_coupled(context, k, params, request.noise)
         else:
             draft = proposer.propose(context, k, params, request.generator)
@@ -388,16 +391,16 @@ class SpeculativeDecoder:
         mask = attention_mask(draft.parents, cached)
         return Round(draft, tokens, time.perf_counter() - t0, positions, mask)
 
-    def settle(
-        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    def verify_round(
+        self, request: Request, this_round: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
         """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
         ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
-        if pending.positions is not None:
-            self._settle_tree(request, pending, logits, runner, started)
+        if this_round.positions is not None:
+            self._verify_tree_round(request, this_round, logits, runner, started)
             return
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
-        draft = pending.draft
+        draft = this_round.draft
         n_drafted = len(draft)
         warped = request.target_logits(logits, draft.tokens)
         if params.greedy:
@@ -409,29 +412,29 @@ class SpeculativeDecoder:
             target_probs = probs_from_logits(warped, params)
             n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
         t2 = time.perf_counter()
-        stats.draft_seconds += pending.draft_seconds
+        stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
         stats.record_round(n_drafted, n_accepted)
         if controller is not None:
             controller.observe(n_drafted, n_accepted)
-            draft_price = None if controller.catching_up else pending.draft_seconds
+            draft_price = None if controller.catching_up else this_round.draft_seconds
             self.costs.observe(n_drafted + 1, t2 - started, n_drafted, draft_price, controller.drafter)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
         request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
         runner.rollback_to(len(context) - 1)
 
-    def _settle_tree(
-        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    def _verify_tree_round(
+        self, request: Request, this_round: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
-        """``settle`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
+        """``verify_round`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
-        draft = pending.draft
+        draft = this_round.draft
         warped = request.target_logits(logits, draft.tokens, draft.parents)
         if params.greedy:
             accepted, token = tree_greedy_verify(warped, draft.tokens, draft.parents)
         elif self.mode == "reproducible":
-            target_tokens = request.noise.tokens_at(warped, params, (pending.positions + 1).tolist())
+            target_tokens = request.noise.tokens_at(warped, params, (this_round.positions + 1).tolist())
             accepted, token = tree_coupled_verify(target_tokens, draft.tokens, draft.parents)
         else:
             target_probs = probs_from_logits(warped, params)
@@ -442,14 +445,14 @@ class SpeculativeDecoder:
         kids = children(draft.parents)  # kids[0]: the root's children, kids[i + 1]: node i's
         rejected = bool(kids[accepted[-1] + 1 if accepted else 0])  # the path stopped at a fork
         siblings = sum(node != kids[int(draft.parents[node]) + 1][0] for node in accepted)
-        nodes_per_depth = torch.bincount(pending.positions[1:] - pending.positions[0])[1:].tolist()
-        stats.draft_seconds += pending.draft_seconds
+        nodes_per_depth = torch.bincount(this_round.positions[1:] - this_round.positions[0])[1:].tolist()
+        stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
         stats.record_tree_round(nodes_per_depth, len(accepted), rejected, siblings)
         if controller is not None:
             controller.observe(len(accepted) + rejected, len(accepted))
-            controller.observe_tree(len(draft) + 1, pending.draft_seconds)
-            draft_price = None if controller.catching_up else pending.draft_seconds
+            controller.observe_tree(len(draft) + 1, this_round.draft_seconds)
+            draft_price = None if controller.catching_up else this_round.draft_seconds
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price, controller.drafter)
         start = len(context)  # node i sits at slot start + i
         path_rows = [0] + [node + 1 for node in accepted]  # the rows that chose the emitted tokens

@@ -240,7 +240,7 @@ def _setup_lines(result: BenchResult, machine: dict, setup: dict) -> list[str]:
         "drafted; α = accepted / (accepted + rejections); c = draft seconds per drafted token / target",
         "seconds per 1-token step (from our plain decode of the same setting); predicted × is the",
         "planner's E(α, γ) / (v(γ+1) + γc) with "
-        + ("the measured verify-cost curve v;" if result.verify_cost else "v = 1 (no --quirk curve measured);"),
+        + ("the measured verify-cost curve v;" if result.verify_cost else "v = 1 (no --verify-curve measured);"),
         "it ignores prefill and loop overhead and assumes γ drafted tokens every round (prompt lookup often",
         "drafts fewer). decode × = speedup over our plain decode with prefill time left out (what the planner",
         "models); predicted (k̄) × = tokens/pass / (v(k̄+1) + k̄c) with k̄ the mean drafted tokens per pass, the",
@@ -333,7 +333,7 @@ def _verify_cost_lines(result: BenchResult) -> list[str]:
     lines: list[str] = []
     if result.verify_cost:
         lines += [
-            "## Verify cost v(k) (--quirk)",
+            "## Verify cost v(k) (--verify-curve)",
             "",
             "Forward time for k new tokens on a ~500-token cache, relative to k = 1 (medians).",
             "",

@@ -12,8 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specdecode.commands import MAX_CONTEXT_HELP, quiet_transformers, usage_errors
 
-QUIRK_MAX_K = 32
-QUIRK_CONTEXT = 500
+CURVE_MAX_K = 32
+CURVE_CONTEXT = 500
 QUANTIZATIONS = ("auto", "gguf", "gguf-a8", "int8", "int4", "none")
 
 
@@ -134,12 +134,22 @@ LlamacppOption = Annotated[
         "llama-cpp-python, not a dependency; greedy only; outputs not expected to equal ours).",
     ),
 ]
-QuirkOption = Annotated[
+VerifyCurveOption = Annotated[
     bool,
     typer.Option(
+        "--verify-curve",
         "--quirk",
-        help=f"Measure the verify-cost curve v(k), k = 1..{QUIRK_MAX_K} (first --quantization's target; with "
-        "--llamacpp, llama.cpp's on the same file too, every row's logits computed, interleaved).",
+        help=f"Measure the verify-cost curve v(k), k = 1..{CURVE_MAX_K} (first --quantization's target; with "
+        "--llamacpp, llama.cpp's on the same file too, every row's logits computed, interleaved). "
+        "--quirk: deprecated alias.",
+    ),
+]
+CurveRepeatsOption = Annotated[
+    int,
+    typer.Option(
+        "--verify-curve-repeats",
+        "--quirk-repeats",
+        help="--verify-curve: timed sweeps over k (medians). --quirk-repeats: deprecated alias.",
     ),
 ]
 ThreadsOption = Annotated[int | None, typer.Option(help="torch threads, also llama.cpp's (default: torch's choice).")]
@@ -186,8 +196,8 @@ def bench(
     quantization: QuantizationsOption = "auto",
     hf: HfOption = True,
     llamacpp: LlamacppOption = False,
-    quirk: QuirkOption = False,
-    quirk_repeats: Annotated[int, typer.Option(help="--quirk: timed sweeps over k (medians).")] = 5,
+    verify_curve: VerifyCurveOption = False,
+    curve_repeats: CurveRepeatsOption = 5,
     warmup: Annotated[int, typer.Option(help="Questions run untimed by every method first.")] = 1,
     max_context: Annotated[int | None, typer.Option(min=1, help=f"Our target's: {MAX_CONTEXT_HELP}")] = None,
     threads: ThreadsOption = None,
@@ -237,8 +247,8 @@ class BenchOptions:
     quantization: str
     hf: bool
     llamacpp: bool
-    quirk: bool
-    quirk_repeats: int
+    verify_curve: bool
+    curve_repeats: int
     warmup: int
     max_context: int | None
     threads: int | None
@@ -268,7 +278,7 @@ class _Run:
     targets: dict[str, Any]  # --quantization setting -> LoadedModel
     methods: list[Any]
     llamacpp_note: str | None
-    quirk_peers: dict[str, Any]
+    curve_peers: dict[str, Any]
 
 
 def _planned(options: BenchOptions) -> _Plan:
@@ -280,8 +290,8 @@ def _planned(options: BenchOptions) -> _Plan:
     trees = _tree_sizes(options.tree_nodes)
     modes = _split(options.mode, "--mode")
     settings = _quantizations(options.quantization)
-    if options.quirk_repeats < 1:
-        raise ValueError(f"--quirk-repeats must be >= 1, got {options.quirk_repeats}")
+    if options.curve_repeats < 1:
+        raise ValueError(f"--verify-curve-repeats must be >= 1, got {options.curve_repeats}")
     if options.threads is not None and options.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {options.threads}")
     items = load_items(options.prompts) if options.prompts is not None else default_items()
@@ -323,8 +333,8 @@ def _loaded(options: BenchOptions, plan: _Plan, console: Console) -> _Run:
     except (OSError, specdecode.SpecDecodeError) as e:
         raise ValueError(f"cannot load model: {e}") from None
     loaded = targets[plan.settings[0]]
-    llamacpp_note, quirk_peers = _llamacpp(options, config, gguf, loaded, methods, console)
-    return _Run(config, targets, methods, llamacpp_note, quirk_peers)
+    llamacpp_note, curve_peers = _llamacpp(options, config, gguf, loaded, methods, console)
+    return _Run(config, targets, methods, llamacpp_note, curve_peers)
 
 
 def _targets(options: BenchOptions, plan: _Plan) -> dict[str, Any]:
@@ -369,7 +379,7 @@ def _our_methods(options: BenchOptions, plan: _Plan, targets: dict[str, Any], sh
 def _llamacpp(
     options: BenchOptions, config: Any, gguf: Path | None, loaded: Any, methods: list[Any], console: Console
 ) -> tuple[str | None, dict[str, Any]]:
-    """(what the report says of llama.cpp, its verify forward for --quirk): llama.cpp's methods appended to
+    """(what the report says of llama.cpp, its verify forward for --verify-curve): llama.cpp's methods appended to
     ``methods`` when asked for, greedy and installed."""
     import torch
 
@@ -388,16 +398,21 @@ def _llamacpp(
         except LlamaCppMissing as e:
             llamacpp_note = f"skipped: {e}"
             console.print(f"[yellow]note:[/] {e}", soft_wrap=True)
-    quirk_peers = {}
-    if options.quirk and options.llamacpp and llamacpp_note is not None and not llamacpp_note.startswith("skipped"):
-        quirk_peers["llama.cpp"] = llamacpp_verify_forward(gguf, torch.get_num_threads(), QUIRK_MAX_K)
-    return llamacpp_note, quirk_peers
+    curve_peers = {}
+    if (
+        options.verify_curve
+        and options.llamacpp
+        and llamacpp_note is not None
+        and not llamacpp_note.startswith("skipped")
+    ):
+        curve_peers["llama.cpp"] = llamacpp_verify_forward(gguf, torch.get_num_threads(), CURVE_MAX_K)
+    return llamacpp_note, curve_peers
 
 
 def _measured(options: BenchOptions, plan: _Plan, run: _Run, console: Console) -> Any:
-    """The verify-cost curve (--quirk), then every question through every method, under a progress bar."""
-    from specdecode.bench.quirk import measure_verify_curves
+    """The verify-cost curve (--verify-curve), then every question through every method, under a progress bar."""
     from specdecode.bench.runner import run_bench
+    from specdecode.bench.verify_curve import measure_verify_curves
 
     quiet_transformers()  # transformers' generate() warns about generation-config details on every call
     loaded = run.targets[plan.settings[0]]
@@ -409,11 +424,11 @@ def _measured(options: BenchOptions, plan: _Plan, run: _Run, console: Console) -
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         verify_cost = curves = None
-        if options.quirk:
-            task = progress.add_task("verify-cost curve", total=options.quirk_repeats + 1)
+        if options.verify_curve:
+            task = progress.add_task("verify-cost curve", total=options.curve_repeats + 1)
             curves = measure_verify_curves(
-                loaded, QUIRK_MAX_K, QUIRK_CONTEXT, options.quirk_repeats, on_step=lambda: progress.advance(task),
-                peers=run.quirk_peers,
+                loaded, CURVE_MAX_K, CURVE_CONTEXT, options.curve_repeats, on_step=lambda: progress.advance(task),
+                peers=run.curve_peers,
             )  # fmt: skip
             verify_cost = curves.relative()
         task = progress.add_task("warm-up, then questions × methods", total=len(plan.items) * len(run.methods))

@@ -26,7 +26,7 @@ def synthetic_shapes(options: BenchOptions) -> list[str]:
         "--target": options.target != "smollm2",
         "--prompts": options.prompts is not None,
         "--draft": options.draft is not None,
-        "--quirk": options.quirk,
+        "--verify-curve": options.verify_curve,
     }
     given = [name for name, value in taken.items() if value]
     if given:

@@ -56,7 +56,7 @@ def tune_skip(
         bar.update(task, total=len(ids), completed=0, info="the target's continuations")
         runs = skip_search.continuations(model, ids, settings.new_tokens, lambda: bar.advance(task))
         bar.update(task, total=None, info="timing steps and v(k)")
-        from specdecode.bench.quirk import measure_verify_cost
+        from specdecode.bench.verify_curve import measure_verify_cost
 
         step = skip_search.step_cost(model)
         verify = VerifyCost.from_json(
