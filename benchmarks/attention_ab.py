@@ -1,11 +1,12 @@
 """A/B the kernels' attention between versions of their C++ sources, in one process, over a model-sized KV cache.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/attention_ab.py OLD.cpp NEW.cpp [...] [--reps 25]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/attention_ab.py OLD.cpp NEW.cpp [...] [--reps 25] [--shape 1.7b]
 
 Each source is compiled as the runner's native build would be, under a namespace of its own, so all load side by
-side; each case then calls ``attention`` over 30 layers of a SmolLM2-shaped cache (9 query heads, 3 key/value
-heads, head size 64; 97 MB, more than the L3 holds, as in a decode step), the versions in alternating order per
-repetition; medians in ms after 3 warm-up repetitions. Every version's output must equal the first's bit for bit.
+side; each case then calls ``attention`` over every layer of a model-shaped cache (``--shape``: SmolLM2-135M's 30
+layers of 9 query heads and 3 key/value heads, or SmolLM2-1.7B's 24 layers of 32 and 32; head size 64; more than
+the L3 holds, as in a decode step), the versions in alternating order per repetition; medians in ms after 3
+warm-up repetitions. Every version's output must equal the first's bit for bit.
 Each SOURCE is a version's ops.cpp, beside its other parts (``git archive HEAD src/specdecode/kernels/csrc | tar -x
 -C /tmp/old`` for the committed version), or the single kernels.cpp of a version from before the split.
 """
@@ -23,8 +24,12 @@ import torch
 
 from specdecode import kernels
 
-HEADS, KV_HEADS, DIM, LAYERS, CAPACITY = 9, 3, 64, 30, 4224
-CASES = ((512, 1), (1024, 1), (2048, 1), (4096, 1), (2048, 4), (4096, 4), (500, 9))  # (cached keys, rows)
+SHAPES = {"135m": (9, 3, 64, 30), "1.7b": (32, 32, 64, 24)}  # query heads, key/value heads, head size, layers
+CAPACITY = 4224
+CASES = {  # (cached keys, rows); the 1.7B's cache is 8x the 135M's a key
+    "135m": ((512, 1), (1024, 1), (2048, 1), (4096, 1), (2048, 4), (4096, 4), (500, 9)),
+    "1.7b": ((300, 1), (500, 1), (900, 1), (2048, 1), (500, 5), (500, 9)),
+}
 
 
 def build(source: Path, name: str, folder: Path):
@@ -44,20 +49,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", type=Path)
     parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="135m")
     args = parser.parse_args()
+    heads, kv_heads, dim, layers = SHAPES[args.shape]
     with tempfile.TemporaryDirectory() as tmp:
         versions = {str(s): build(s, f"sd_attention_ab_{i}", Path(tmp)) for i, s in enumerate(args.sources)}
         generator = torch.Generator().manual_seed(0)
-        keys = [torch.randn(LAYERS, KV_HEADS, CAPACITY // 16, DIM, 16, generator=generator).half()]
-        values = [torch.randn(LAYERS, KV_HEADS, CAPACITY, DIM, generator=generator).half()]
+        keys = [torch.randn(layers, kv_heads, CAPACITY // 16, dim, 16, generator=generator).half()]
+        values = [torch.randn(layers, kv_heads, CAPACITY, dim, generator=generator).half()]
         names = list(versions)
-        for cached, rows in CASES:
+        for cached, rows in CASES[args.shape]:
             meta = torch.tensor([[0, cached + i, cached + i, cached + i + 1] for i in range(rows)], dtype=torch.int32)
-            q = torch.randn(rows, HEADS, DIM, generator=generator)
+            q = torch.randn(rows, heads, dim, generator=generator)
             extras = (torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
 
             def call(ops, layer: int, q=q, meta=meta, extras=extras) -> torch.Tensor:
-                return ops.attention(q, keys, values, meta, *extras, layer, HEADS, KV_HEADS, DIM**-0.5)
+                return ops.attention(q, keys, values, meta, *extras, layer, heads, kv_heads, dim**-0.5)
 
             first = call(versions[names[0]], 3)
             for name in names[1:]:
@@ -67,7 +74,7 @@ def main() -> None:
             for rep in range(args.reps + 3):
                 for name in names if rep % 2 == 0 else names[::-1]:
                     start = time.perf_counter()
-                    for layer in range(LAYERS):
+                    for layer in range(layers):
                         call(versions[name], layer)
                     if rep >= 3:
                         times[name].append(time.perf_counter() - start)

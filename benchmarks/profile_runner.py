@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_runner.py [--target smollm2|gemma3-270m]
         [--quantization gguf|int8|int4|none]
         [--dtype float32|bfloat16] [--context 500] [--ks 1,2,4,8,16,32] [--split] [--transformers]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_runner.py --contexts 128,512,2048,4096 [--rows 1,4]
 
 Loads a bundled model (SmolLM2 by default) through ``specdecode.load_model``. The table shows medians in ms per
 forward and v(k) = t(k) / t(1). ``--split`` profiles forwards of ``--split-ks`` rows and divides their time into
@@ -10,6 +11,8 @@ matrices (the weight kernels), attention, small ops and Python (on the compiled 
 the torch path, from torch.profiler), next to the bandwidth bound: the bytes a step must read (weights + the KV
 cache) over a measured read bandwidth.
 ``--transformers`` also times the dense model's own forward with a DynamicCache (alternating, same tokens).
+``--contexts`` instead times forwards of ``--rows`` rows over caches of each length with the kernels' phase split
+(how a decode step and a verify pass grow with the context): five warm-up forwards per cache, medians of 30.
 """
 
 from __future__ import annotations
@@ -114,9 +117,33 @@ def split(runner, tokens: torch.Tensor, context: int, reps: int = 20) -> dict[st
     return parts
 
 
+def context_sweep(loaded: sd.LoadedModel, contexts: list[int], rows_list: list[int]) -> None:
+    """Medians of 30 forwards of each row count over a cache of each length, with the kernels' phase split."""
+    generator = torch.Generator().manual_seed(0)
+    for context in contexts:
+        runner = loaded.new_runner()
+        runner.prefill(torch.randint(0, loaded.vocab_size, (context,), generator=generator))
+        kernels = runner._lm_head.handle.kernels
+        for _ in range(5):
+            runner.forward(torch.tensor([42]))
+            runner.rollback_to(context)
+        for rows in rows_list:
+            tokens = torch.randint(0, loaded.vocab_size, (rows,), generator=generator)
+            kernels.profile(True)
+            times = []
+            for _ in range(30):
+                start = time.perf_counter()
+                runner.forward(tokens)
+                times.append(time.perf_counter() - start)
+                runner.rollback_to(context)
+            seconds = kernels.profile(False)
+            split = " ".join(f"{n}={s / 30 * 1e3:.2f}" for n, s in zip(KERNEL_PHASES, seconds, strict=False) if s > 0)
+            print(f"cache {context}, {rows} rows: {statistics.median(times) * 1e3:.2f} ms ({split})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--target", default="smollm2", help="a bundled model: smollm2 or gemma3-270m")
+    parser.add_argument("--target", default="smollm2", help="a bundled model (smollm2, gemma3-270m) or a GGUF file")
     parser.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-a8", "int8", "int4", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
@@ -126,10 +153,15 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="profile forwards: where the time goes")
     parser.add_argument("--split-ks", default="1", help="rows per profiled forward, e.g. 1,8")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' forward (dense)")
+    parser.add_argument("--contexts", help="instead: forwards over caches of these lengths, e.g. 128,512,2048,4096")
+    parser.add_argument("--rows", default="1,4", help="--contexts: rows per forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
     loaded = sd.load_model(args.target, dtype=args.dtype, quantization=quantization)
+    if args.contexts:
+        context_sweep(loaded, [int(x) for x in args.contexts.split(",")], [int(x) for x in args.rows.split(",")])
+        return
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (args.context,), generator=generator)
