@@ -122,22 +122,25 @@ ONE_BELOW = float(np.nextafter(1.0, 0.0))  # the largest float64 uniform
 
 def interval_law(draw: Callable[[np.ndarray], np.ndarray]) -> list[tuple[int, float]]:
     """(token, length of {u ∈ [0, 1): draw(u) = token}) for a ``draw`` of float64 uniforms (an array) that is
-    non-decreasing in u, as an inverse CDF is: each boundary min{u: draw(u) ≥ j} found to the last bit by bisection on
-    the bits of the doubles (which order as the doubles do), all at once. A piece is credited to the token drawn at its
-    start, so an op that is not monotone gets a wrong law, not a right one."""
-    first, last = (int(t) for t in draw(np.array([0.0, ONE_BELOW])))
-    wanted = np.arange(first + 1, last + 1)
-    lo = np.zeros(len(wanted), dtype=np.int64)  # draw(lo) < j ≤ draw(hi)
-    hi = np.full(len(wanted), np.float64(ONE_BELOW).view(np.int64))
-    while len(wanted) and int((hi - lo).max()) > 1:
-        mid = lo + (hi - lo) // 2
-        up = draw(mid.view(np.float64)) >= wanted
-        hi, lo = np.where(up, mid, hi), np.where(up, lo, mid)
-    starts = np.unique(np.concatenate([[0.0], hi.view(np.float64)]))
-    lengths = np.diff(np.concatenate([starts, [1.0]]))
+    non-decreasing in u, as an inverse CDF is: from u = 0, the next boundary min{u: draw(u) > the token at the
+    current one} is found to the last bit by bisection on the bits of the doubles (which order as the doubles do), so
+    tokens without mass cost nothing. A piece is credited to the token drawn at its start: an op that is not monotone
+    gets a wrong law, not a right one."""
     law: dict[int, float] = defaultdict(float)
-    for token, length in zip(draw(starts).tolist(), lengths.tolist(), strict=True):
-        law[int(token)] += length
+    start, top = 0.0, np.float64(ONE_BELOW).view(np.int64)
+    token, last = (int(t) for t in draw(np.array([start, ONE_BELOW])))
+    while token < last:
+        lo, hi = np.float64(start).view(np.int64), top  # draw(lo) ≤ token < draw(hi)
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if int(draw(np.array([mid]).view(np.float64))[0]) > token:
+                hi = mid
+            else:
+                lo = mid
+        end = float(np.array([hi]).view(np.float64)[0])
+        law[token] += end - start
+        start, token = end, int(draw(np.array([end]))[0])
+    law[token] += 1.0 - start
     return [(t, w) for t, w in law.items() if w > 0]
 
 
