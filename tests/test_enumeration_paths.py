@@ -10,7 +10,8 @@ at an EOS or a stop string, bonus dropped — and it runs ``gamma="auto"`` with 
 (``CostModel(fixed=True)``, as tests/test_adaptive.py injects costs) and a fresh acceptance memory per run (each run is
 the decoder's first request), so each round's length is a function of the earlier decisions only. The Enumerator
 checks that itself: a decision met with another branch count than in an earlier run raises. These laws run through the
-torch verification path (the Enumerator is not a ``torch.Generator``); the compiled kernels' own laws are in
+torch verification path (the plain Enumerator is not a ``choices.UniformsChoices``); the same engine through the
+compiled ops (``engine_law(through_kernels=True)``) is in tests/test_enumeration_kernels.py, the ops' own laws in
 tests/test_kernel_laws.py.
 """
 
