@@ -13,6 +13,7 @@ only), the real op with its draw uniform split 1% to p (tests/test_kernel_laws.r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
 from test_enumeration import BOUND, LOOKUP_PROMPT, MIXED, T1, case
@@ -21,7 +22,7 @@ from test_kernel_laws import residual_mixed_with_p
 import specdecode as sd
 import specdecode.verify
 from specdecode import kernels
-from specdecode.enumeration import engine_law, prefix_law, total_variation
+from specdecode.enumeration import engine_law, interval_law, prefix_law, total_variation
 
 FIRST = sd.SamplingParams(temperature=1.0, max_new_tokens=2)  # one round of one guess decides the first token
 
@@ -101,6 +102,16 @@ def test_point_mass_laws_through_the_compiled_ops(target, name, control, monkeyp
         assert tv < BOUND, (name, tv, result.runs)
     else:
         assert tv > 100 * BOUND, (name, control, tv)
+
+
+def test_interval_law_reads_a_step_functions_law_to_the_bit():
+    """The bisection behind every kernel-enumerated decision: the law of a monotone draw u ↦ token is its intervals'
+    lengths, boundaries found exactly (token 1 has none: no mass), and a draw that is not monotone is not given it."""
+    edges = np.array([0.1, 0.1, 0.7])
+    law = dict(interval_law(lambda u: np.searchsorted(edges, u, side="right")))
+    assert law == {0: 0.1, 2: 0.7 - 0.1, 3: 1.0 - 0.7}
+    shuffled = dict(interval_law(lambda u: np.array([2, 0, 1, 3])[np.searchsorted(edges, u, side="right")]))
+    assert shuffled != {2: 0.1, 1: 0.7 - 0.1, 3: 1.0 - 0.7}
 
 
 def test_through_kernels_refuses_a_machine_without_them(target, monkeypatch):

@@ -176,7 +176,8 @@ class KernelEnumerator(Enumerator, UniformsChoices):
 
         def draw(uniforms: np.ndarray) -> np.ndarray:
             drawn = [rule(accept_u, u) for u in uniforms.tolist()]
-            assert all(int(m) == n for m, _ in drawn), "the chain rule's accepted count moved with its draw uniform"
+            if any(int(m) != n for m, _ in drawn):
+                raise RuntimeError("the chain rule's accepted count moved with its draw uniform")
             return np.array([int(t) for _, t in drawn])
 
         token = self._take(self._law(lambda: interval_law(draw)))
@@ -224,7 +225,8 @@ def _accept_probability(rule: ChainRule, k: int, i: int) -> float:
         for a in uniforms.tolist():
             accept_u[i] = a
             counts.append(int(rule(accept_u, 0.5)[0]))
-        assert min(counts) >= i, "the chain rule rejected an earlier guess at accept uniform 0"
+        if min(counts) < i:
+            raise RuntimeError("the chain rule rejected an earlier guess at accept uniform 0")
         return np.array([int(n == i) for n in counts])
 
     return dict(interval_law(rejected)).get(0, 0.0)
