@@ -53,7 +53,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             test("test_kernel_laws::test_exact_chain_draws_the_promised_law"),
             f"exact: interval lengths by bisection, max deviation ≤ {kernel_tol:g} at V 8 / 49,152 / 262,144",
             f"{test('test_kernel_laws::test_control_a_biased_chain_kernel_is_caught')}: p mixed 1% uniform, p 1% "
-            f"toward q, residual mixed 1% with p, index shift — each missed by > {margin}× the bound (≥ 5e-4)",
+            f"toward q, residual mixed 1% with p, index shift — each missed by > {margin}× the bound (≥ 5e-4); "
+            f"{test('test_kernel_laws::test_control_a_mutant_build_of_the_kernels_is_caught')}: the same faults "
+            "compiled in (`kernels.MUTANTS`)",
         ),
         (
             "compiled inverse-CDF draw (`inverse_cdf_rows`: proposers, plain sampling, bonus)",
@@ -61,7 +63,38 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             test("test_kernel_laws::test_inverse_cdf_rows_draws_p"),
             f"exact, ≤ {kernel_tol:g} at V 8 / 49,152 / 262,144",
             f"{test('test_kernel_laws::test_control_a_biased_inverse_cdf_kernel_is_caught')}: p mixed 1% uniform, "
-            "index shift",
+            "index shift; the index-shifting mutant build",
+        ),
+        (
+            "compiled sampling on every instruction set (AVX2 and plain-C builds against this machine's)",
+            "`exact_chain` and `inverse_cdf_rows` give the same tokens, float32 rows, V 8 / 49,152",
+            test("test_kernels::test_every_instruction_set_samples_the_same_tokens"),
+            "bitwise, at random uniforms and at every tested boundary ± 1e-12",
+            "the same test: each mutant build gives other tokens",
+        ),
+        (
+            "engine through the compiled ops (`engine_law(through_kernels=True)`: decisions read off `exact_chain` / "
+            "`inverse_cdf_rows` by bisection)",
+            "a draft model's chain (T 1): first token; point-mass chain and tree: first two tokens = the target's",
+            f"{test('test_enumeration_kernels::test_a_draft_models_chain_through_the_compiled_ops_gives_the_targets_law')}, "  # noqa: E501
+            f"{test('test_enumeration_kernels::test_point_mass_laws_through_the_compiled_ops')}",
+            f"exact, TV < {bound:g}",
+            "the mutant builds (`SPECDECODE_KERNELS=mutant_*`): residual + 1% p (TV 6.1e-3), index shift "
+            "(TV 0.37–0.84); the chain op's residual draw mixed 1% with p (TV 0.019)",
+        ),
+        (
+            "layer-skip self-drafts, γ = 1, 2, 3 (through the compiled ops, T 1, top-k 2)",
+            "law of the first two tokens = the target's",
+            test("test_layer_skip::test_layer_skip_drafts_give_the_targets_law_exactly"),
+            f"exact, TV < {constant('test_layer_skip', 'LAW_BOUND'):g}",
+            "the same test: the residual-mixing mutant build (TV 6.2–6.6e-3)",
+        ),
+        (
+            "hybrids: prompt lookup or suffix decoding + a layer-skip model, γ 3 (both sides drafting)",
+            "law of the first two tokens = the target's",
+            test("test_hybrid::test_hybrid_laws_are_the_targets_exactly"),
+            f"exact, TV < {constant('test_layer_skip', 'LAW_BOUND'):g}",
+            "the same test: the residual-mixing mutant build (TV 5.9–6.3e-3)",
         ),
         (
             "chain rule, torch path (float64 rows, any `Choices`)",
@@ -74,7 +107,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             "engine, point-mass chains and trees (prompt lookup, suffix, deterministic trees), T1 / top-k / top-p",
             "law of the first two tokens = the target's",
             test("test_enumeration::test_point_mass_laws_are_the_targets_exactly"),
-            f"exact, TV < {bound:g} (torch verification path: the Enumerator is not a generator)",
+            f"exact, TV < {bound:g} (torch verification path; the compiled path: the rows below)",
             f"{test('test_enumeration::test_a_residual_biased_by_one_percent_is_caught')}: residual mixed 1% "
             "(TV 1.4–3.3e-3)",
         ),
@@ -82,8 +115,8 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             'engine, `gamma="auto"` in exact mode (fixed cost model)',
             "law of a whole 4-token request = plain sampling's",
             test("test_enumeration_paths::test_gamma_auto_in_exact_mode_gives_the_targets_law"),
-            f"exact, TV < {bound:g}",
-            "the same test's control: residual mixed 1% (TV 2.5e-3)",
+            f"exact, TV < {bound:g}, on the torch path and through the compiled ops",
+            "the same test's controls: residual mixed 1% (TV 2.5e-3); the index-shifting build (compiled path)",
         ),
         (
             "engine, top-k with top-p; T = 1.5 (chain and tree)",
@@ -114,8 +147,24 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             "first token and joint of two",
             test("test_exactness_strong::test_every_law_at_the_size_that_catches_tv_002"),
             f"detects TV ≥ {strong_tv:g} at 90%, family false alarm {strong_alpha:.0%}",
-            f"{test('test_exactness_strong::test_a_minimally_biased_residual_is_caught')}: residual mixed 15%, now "
-            "also through the compiled chain op (issue 53)",
+            f"{test('test_exactness_strong::test_a_minimally_biased_residual_is_caught')}: residual mixed 15% — "
+            "draft-model and lookup chains through the compiled chain op, a point-mass tree through `_residual`, each "
+            "asserted reached (issue 53)",
+        ),
+        (
+            "the server, exact mode: 16 concurrent requests, mixed proposers (lookup chains and trees, layer skip, "
+            "plain) in the same batched passes",
+            "each seeded request's output = the engine's (so the engine's exact laws hold for it)",
+            test("test_serving_exact::test_exact_mode_under_concurrency_gives_each_request_the_engines_output"),
+            "token for token; batches checked to form",
+            "the same test: rejections resampled from p",
+        ),
+        (
+            "the server, reproducible mode, the same batches",
+            "text and logprobs (top 2 included) = plain sampling's, same seed",
+            test("test_serving_exact::test_reproducible_mode_under_concurrency_gives_plain_sampling_text_and_logprobs"),
+            "bitwise",
+            "the same test: a coupled rule keeping every guess",
         ),
         (
             "EAGLE chain and tree; Medusa chain and tree",

@@ -10,7 +10,8 @@ at an EOS or a stop string, bonus dropped — and it runs ``gamma="auto"`` with 
 (``PassCosts.line``, as tests/test_adaptive.py injects costs) and a fresh acceptance memory per run (each run is
 the decoder's first request), so each round's length is a function of the earlier decisions only. The Enumerator
 checks that itself: a decision met with another branch count than in an earlier run raises. These laws run through the
-torch verification path (the Enumerator is not a ``torch.Generator``); the compiled kernels' own laws are in
+torch verification path (the plain Enumerator is not a ``choices.UniformsChoices``); the same engine through the
+compiled ops (``engine_law(through_kernels=True)``) is in tests/test_enumeration_kernels.py, the ops' own laws in
 tests/test_kernel_laws.py.
 """
 
@@ -29,8 +30,9 @@ import specdecode as sd
 import specdecode.engine
 import specdecode.output
 import specdecode.verify
+from specdecode import kernels
 from specdecode.control import AcceptanceHistory, PassCosts
-from specdecode.enumeration import Enumerator, engine_law, prefix_law, total_variation
+from specdecode.enumeration import Enumerator, KernelEnumerator, engine_law, prefix_law, total_variation
 
 WARPS = {
     "T1.5": sd.SamplingParams(temperature=1.5, max_new_tokens=4),
@@ -45,10 +47,18 @@ def target() -> sd.LoadedModel:
     return sd.load_model(tiny_llama(SMALL_VOCAB, seed=0), tokenizer=word_tokenizer(fixed_width_words(SMALL_VOCAB)))
 
 
-def output_law(decoder: sd.SpeculativeDecoder, prompt: list[int], params: sd.SamplingParams, max_runs: int = 20_000):
+def output_law(
+    decoder: sd.SpeculativeDecoder,
+    prompt: list[int],
+    params: sd.SamplingParams,
+    max_runs: int = 20_000,
+    through_kernels: bool = False,
+):
     """The law of a whole request's output, (token ids, text) → probability, every decision enumerated depth-first
-    as ``engine_law`` does; each run starts from a fresh acceptance memory. Returns (law, runs, lengths drafted)."""
+    as ``engine_law`` does (``through_kernels``: through the compiled ops, ``KernelEnumerator``); each run starts from
+    a fresh acceptance memory. Returns (law, runs, lengths drafted)."""
     law: dict[tuple, float] = defaultdict(float)
+    memo: dict = {}
     scripts: list[list[tuple[int, int]]] = [[]]
     runs, drafted = 0, set()
     proposer_propose = decoder.proposer.propose
@@ -63,7 +73,10 @@ def output_law(decoder: sd.SpeculativeDecoder, prompt: list[int], params: sd.Sam
             runs += 1
             assert runs <= max_runs, "too many decisions to enumerate"
             script = scripts.pop()
-            choices = Enumerator(script, wanted=1 << 30, eos=())
+            if through_kernels:
+                choices = KernelEnumerator(script, 1 << 30, (), memo)
+            else:
+                choices = Enumerator(script, wanted=1 << 30, eos=())
             decoder.acceptance_memories = {"": AcceptanceHistory()}
             request = decoder._start(prompt, params, None, None)
             request.generator = choices
@@ -115,21 +128,28 @@ def auto_decoder(target: sd.LoadedModel) -> sd.SpeculativeDecoder:
     return decoder
 
 
-@pytest.mark.parametrize("control", [False, True], ids=["exact", "residual-mixed-1%-control"])
+@pytest.mark.parametrize("control", ["none", "through-kernels", "residual-mixed-1%", "through-kernels-mutant-index"])
 def test_gamma_auto_in_exact_mode_gives_the_targets_law(target, control, monkeypatch):
     """Proves the adaptive draft length keeps the law exact: a whole 4-token request (T 1.5, top-k 4) under
     gamma="auto" with fixed costs — lengths chosen from the acceptance seen so far, several lengths drafted — has
-    the target's law to 1e-6. Control: every residual mixed 1% with p must miss by ≥ 100× the bound."""
-    if control:
+    the target's law to 1e-6, on the torch verification path and through the compiled ops. Controls: every residual
+    mixed 1% with p (torch path); the index-shifting kernels build (compiled path) — each must miss by ≥ 100× the
+    bound."""
+    through_kernels = control.startswith("through-kernels")
+    if through_kernels and kernels.ops("mutant_index" if control.endswith("index") else "native") is None:
+        pytest.skip("the CPU kernels did not build here")
+    if control == "residual-mixed-1%":
         residual_mixed(monkeypatch)
-    law, runs, drafted = output_law(auto_decoder(target), LOOKUP_PROMPT, WHOLE)
+    if control.endswith("mutant-index"):
+        monkeypatch.setenv("SPECDECODE_KERNELS", "mutant_index")
+    law, runs, drafted = output_law(auto_decoder(target), LOOKUP_PROMPT, WHOLE, through_kernels=through_kernels)
     tv = total_variation(law, plain_output_law(target, LOOKUP_PROMPT, WHOLE))
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-12) and runs > 100
-    assert len(drafted - {0}) >= 2, drafted  # the controller chose lengths, not one fixed gamma
-    if control:
-        assert tv > 100 * BOUND, tv
-    else:
+    if control in ("none", "through-kernels"):
+        assert len(drafted - {0}) >= 2, drafted  # the controller chose lengths, not one fixed gamma
         assert tv < BOUND, (tv, runs)
+    else:
+        assert tv > 100 * BOUND, tv
 
 
 # ------------------------------------------------------------------------------------------------ warps

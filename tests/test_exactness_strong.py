@@ -2,7 +2,7 @@
 probability ≥ 0.9 at the family's false-alarm rate (``exactness.samples_for_tv``), and minimally biased controls
 that the same tests must catch. Minutes, not seconds: opt-in, outside CI.
 
-    SPECDECODE_STRONG=1 .venv/bin/pytest -q tests/test_exactness_strong.py
+    SPECDECODE_STRONG=1 .venv/bin/pytest -q -s -n 0 tests/test_exactness_strong.py    # before a release: EXACTNESS.md
 
 Family: LAWS + CONTROLS runs of two tests each (first token, joint of two), false-alarm rate ALPHA = 1% for the
 correct laws in all. Each run's report states the TV it detects (``FitTest.detectable_tv``), asserted ≤ 0.02.
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 TV, ALPHA = 0.02, 0.01
 LAWS = ("chain/draft", "chain/lookup", "tree/sampled-star", "tree/point-mass-deep-wide", "eagle/chain", "suffix/tree")
-CONTROLS = ("chain/lookup", "tree/point-mass-deep-wide")
+CONTROLS = ("chain/draft", "chain/lookup", "tree/point-mass-deep-wide")  # exact_chain's q and point-mass paths, trees
 THRESHOLD = ALPHA / (2 * (len(LAWS) + len(CONTROLS)))
 T1 = sd.SamplingParams(temperature=1.0)
 LOOKUP_PROMPT = [7, 4, 1, 7, 4, 1, 7, 4]
@@ -105,10 +105,14 @@ def test_a_minimally_biased_residual_is_caught(name, small, large, head_dir, mon
     (its measured TV excess is printed) that the strong tier must catch. Patched where each path computes it: the
     torch rules' ``_residual`` (trees), and the compiled chain rule a float32 CPU chain runs (``exact_chain``, which
     never calls ``_residual``: before issue 53 this control did not reach the chain path at all), through the real
-    op with its draw uniform split (tests/test_kernel_laws.py)."""
+    op with its draw uniform split (tests/test_kernel_laws.py) — for a draft model's sampled q (the op's
+    max(0, p − q) path) and prompt lookup's point masses (p without the guess). The biased code must have run: a
+    chain's op and a tree's ``_residual`` are counted."""
     exact = specdecode.verify._residual
+    reached = {"chain": 0, "tree": 0}
 
     def mixed(target, draft, token):
+        reached["tree"] += 1
         residual = exact(target, draft, token)
         return (1 - MIXED) * residual / residual.sum() + MIXED * target / target.sum()
 
@@ -117,11 +121,15 @@ def test_a_minimally_biased_residual_is_caught(name, small, large, head_dir, mon
 
     def mixed_chain_kernels(*rows):
         ops = chain_kernels(*rows)
-        return None if ops is None else residual_mixed_with_p(ops, MIXED)
+        if ops is None:
+            return None
+        reached["chain"] += 1
+        return residual_mixed_with_p(ops, MIXED)
 
     monkeypatch.setattr(specdecode.verify, "_chain_kernels", mixed_chain_kernels)
     report = run(name, small, large, head_dir)
     excess = max(t.tv - t.tv_null for t in report.tests)
     print(f"{name} control: measured TV excess {excess:.3f}")
+    assert reached[name.partition("/")[0]] > 0, reached  # the bias was on the path the law ran
     assert not report.passed, report.verdict
     assert excess < 0.1  # a small bias, not a gross one

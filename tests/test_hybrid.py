@@ -10,6 +10,8 @@ import pytest
 import torch
 from helpers.models import LARGE_VOCAB, word_target
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
+from test_layer_skip import LAW_BOUND, LAW_PROMPT, enumerated_tv
+from test_layer_skip import skip_target as skip_target  # the fixture: a 4-layer target, one layer weakened
 
 import specdecode as sd
 from specdecode.control import HybridGamma, PassCosts
@@ -356,3 +358,37 @@ def test_the_server_serves_the_hybrid_as_plain_decoding_and_keeps_each_sides_boo
     assert {"eagle+suffix:copy", "eagle+suffix:model"} <= set(books)
     copy, model = books["eagle+suffix:copy"], books["eagle+suffix:model"]
     assert len(copy.reached) > 1 and len(model.reached) == 1  # copies ran several deep; the head guesses once
+
+
+# ------------------------------------------------------------------------------------------------ exact laws
+
+
+def copier_of(name: str, target: sd.LoadedModel):
+    """Prompt lookup (``lookup_hybrid``'s) or suffix decoding over two of the target's own one-token continuations
+    of the prompt (short, so that some contexts have no match and the model drafts; not remembering the runs)."""
+    if name == "lookup":
+        return PromptLookupProposer()
+    history = SuffixHistory()
+    for seed in range(2):
+        params = sd.SamplingParams(temperature=1.0, top_k=2, max_new_tokens=1, seed=seed)
+        history.add([*LAW_PROMPT, *sd.autoregressive_generate(target, LAW_PROMPT, params).token_ids])
+    return SuffixProposer(history, remember=False)
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["exact", "residual-mixed-1%-build-control"])
+@pytest.mark.parametrize("copier", ["lookup", "suffix"])
+def test_hybrid_laws_are_the_targets_exactly(skip_target, copier, control, monkeypatch):
+    """Proves a hybrid — copied point masses or a layer-skip model's sampled guesses, the side chosen per round
+    from the context — keeps the engine's law of the first two tokens the target's to 1e-6 (γ 3, T 1, top-k 2),
+    enumerated through the compiled ops, with both sides drafting across the runs. Control: the kernels built with
+    1% of p mixed into the residual must miss by ≥ 100× the bound."""
+    model = sd.LayerSkipProposer(skip_target, skip=[1])
+    hybrid = HybridProposer(model, copier_of(copier, skip_target), min_order=2, min_copied=1)
+    decoder = sd.SpeculativeDecoder(skip_target, hybrid, gamma=3)
+    tv, result = enumerated_tv(decoder, "mutant_residual" if control else "native", monkeypatch)
+    assert hybrid.copied_rounds > 0 and hybrid.model_rounds > 0, (hybrid.copied_rounds, hybrid.model_rounds)
+    if control:
+        assert tv > 100 * LAW_BOUND, tv
+    else:
+        assert tv < LAW_BOUND, (copier, tv, result.runs)
+        assert result.accepted_mass > 0.5, result

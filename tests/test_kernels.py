@@ -654,3 +654,34 @@ def test_the_runner_on_every_gguf_block_type_is_row_invariant_and_computes_the_f
             runner.rollback_to(context)
             singles = torch.cat([runner.forward(ids[context + i : context + i + 1]) for i in range(k)])
             assert torch.equal(together, singles), (context, k)
+
+
+def _sampled_tokens(ops, vocab: int) -> list:
+    """What ``exact_chain`` (sampled q and point masses; each row rejected in turn, and all accepted) and
+    ``inverse_cdf_rows`` give on float32 rows at uniforms spread over [0, 1) and at reference boundaries ± 1e-12
+    (where another order of the float64 sums would move a draw)."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    k = 4
+    target = torch.softmax(3 * torch.randn(k + 1, vocab, generator=gen), -1)
+    draft = torch.softmax(target[:k].log() + torch.randn(k, vocab, generator=gen), -1)
+    guesses = torch.multinomial(draft.double(), 1, generator=gen).flatten()
+    uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+    edges = target[0].double().cumsum(0)[torch.randperm(vocab, generator=gen)[:32]].clamp_max(1 - 1e-12)
+    uniforms = torch.cat([uniforms, edges - 1e-12, edges + 1e-12, torch.tensor([0.0, 1 - 2**-53])]).clamp_min(0.0)
+    drawn = [ops.inverse_cdf_rows(target[:1].expand(len(uniforms), vocab), uniforms).tolist()]
+    for probs in (draft, None):
+        for reject_at in range(k + 1):  # the rows before accepted, the rest at u just below 1 (k: the bonus)
+            accept_u = torch.zeros(k, dtype=torch.float64)
+            accept_u[reject_at:] = 1 - 2**-53
+            drawn += [list(ops.exact_chain(target, probs, guesses, accept_u, u)) for u in uniforms.tolist()]
+    return drawn
+
+
+@pytest.mark.parametrize("vocab", [8, 49_152])
+@pytest.mark.parametrize("variant", ["avx2", "portable", *kernels.MUTANTS])
+def test_every_instruction_set_samples_the_same_tokens(variant, vocab):
+    """The exact-sampling ops (``exact_chain``, ``inverse_cdf_rows``, float32 rows) give bitwise this machine's
+    build's tokens on the AVX2 and plain-C builds (issue 53). Control: each mutant build (kernels.MUTANTS) gives
+    other tokens somewhere on the same uniforms."""
+    same = _sampled_tokens(_variant(variant), vocab) == _sampled_tokens(kernels.ops("native"), vocab)
+    assert same is (variant not in kernels.MUTANTS), variant

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands, skip_search
+from specdecode import commands, kernels, skip_search
+from specdecode.enumeration import EngineLaw, engine_law, prefix_law, total_variation
 from specdecode.params import SamplingParams
 from specdecode.proposers.layer_skip import SkipSet, parse_layer_list, self_draft_model, skipping_model
 
@@ -219,3 +220,47 @@ def test_a_native_skip_view_runs_in_transformers_generate_once_renumbered():
     want = _without(model, {1}).generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert got.tolist() == want.tolist()
     assert for_transformers(renumbered) is renumbered
+
+
+# ------------------------------------------------------------------------------------------------ exact laws
+
+# Top-2 sampling keeps each draw to two branches, so a γ = 3 chain's two-token law is a few dozen engine runs
+TOP2 = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=4)  # max_new_tokens 4: the first round drafts γ ≤ 3
+LAW_PROMPT = [7, 4, 1, 7, 4, 1, 7, 4]
+LAW_BOUND = 1e-6  # as tests/test_enumeration.py: float32 target probabilities leave ~1e-8
+
+
+@pytest.fixture(scope="module")
+def skip_target() -> sd.LoadedModel:
+    """Four layers, the second one's residual writes at 60%: skipping it drafts what the target accepts ~70% of the
+    time (measured 0.71 below), so both acceptance and rejection carry mass."""
+    if kernels.ops("native") is None:
+        pytest.skip("the CPU kernels did not build here")
+    return sd.load_model(_weakened(tiny_llama(16, seed=0, num_layers=4), {1}, 0.6))
+
+
+def enumerated_tv(decoder: sd.SpeculativeDecoder, variant: str, monkeypatch) -> tuple[float, EngineLaw]:
+    """TV between the engine's law of its first two tokens — enumerated exactly through the compiled sampling ops
+    (``engine_law(through_kernels=True)``, tests/test_enumeration_kernels.py) of build ``variant`` — and the
+    target's; and the engine law."""
+    if kernels.ops(variant) is None:
+        pytest.skip(f"the {variant} build failed here")
+    monkeypatch.setenv("SPECDECODE_KERNELS", variant)
+    result = engine_law(decoder, LAW_PROMPT, TOP2, tokens=2, through_kernels=True)
+    return total_variation(result.law, prefix_law(decoder.target, LAW_PROMPT, TOP2, tokens=2)), result
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["exact", "residual-mixed-1%-build-control"])
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+def test_layer_skip_drafts_give_the_targets_law_exactly(skip_target, gamma, control, monkeypatch):
+    """Proves a layer-skip self-draft (sampled q from the target's own layers, shared weights and all) keeps the
+    engine's law of the first two tokens the target's to 1e-6 at γ = 1, 2, 3 (T 1, top-k 2), every decision
+    enumerated through the compiled chain rule. Control: the kernels built with 1% of p mixed into the residual
+    (kernels.MUTANTS) must miss by ≥ 100× the bound."""
+    decoder = sd.SpeculativeDecoder(skip_target, sd.LayerSkipProposer(skip_target, skip=[1]), gamma=gamma)
+    tv, result = enumerated_tv(decoder, "mutant_residual" if control else "native", monkeypatch)
+    if control:
+        assert tv > 100 * LAW_BOUND, tv
+    else:
+        assert tv < LAW_BOUND, (gamma, tv, result.runs)
+        assert result.accepted_mass > 0.5 and result.runs > 2 * gamma, result

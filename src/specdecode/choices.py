@@ -14,6 +14,7 @@ tokens it is asked about are decided.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -78,12 +79,33 @@ def _sampling_kernels(probs: torch.Tensor):
     return ops()
 
 
-class GeneratorChoices:
+# A chain rule as a deterministic function of its uniforms: (accept_u [k] float64, draw_u) -> (n accepted, token)
+ChainRule = Callable[[torch.Tensor, float], Sequence[int]]
+
+
+class UniformsChoices:
+    """``Choices`` that can also drive a rule given as a function of explicit uniforms (the compiled ``exact_chain``):
+    a generator feeds it its own uniforms, an enumerator (``enumeration.KernelEnumerator``) bisects them, so what is
+    sampled and what is enumerated is the same compiled code."""
+
+    def chain(self, rule: ChainRule, tokens: list[int]) -> tuple[int, int]:
+        """``rule``'s (n accepted, next token) for the guesses ``tokens``: guess i accepted iff accept_u[i] < its
+        ratio, the token a function of n and draw_u only."""
+        raise NotImplementedError
+
+
+class GeneratorChoices(UniformsChoices):
     """The decisions made with a ``torch.Generator``: float64 uniforms (accept iff u < ratio, strict, so a ratio
     of 0 never passes) and ``inverse_cdf`` at one uniform per token drawn."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
+
+    def chain(self, rule: ChainRule, tokens: list[int]) -> tuple[int, int]:
+        accept_u = torch.rand(len(tokens), dtype=torch.float64, generator=self.generator)
+        draw_u = float(torch.rand((), dtype=torch.float64, generator=self.generator))
+        n_accepted, token = rule(accept_u, draw_u)
+        return int(n_accepted), int(token)
 
     def accept_run(self, ratios: torch.Tensor, tokens: list[int]) -> int:
         u = torch.rand(len(ratios), dtype=torch.float64, generator=self.generator)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .choices import NO_MASS, Choices, as_choices
+from .choices import NO_MASS, Choices, UniformsChoices, as_choices
 from .sampling import greedy_tokens
 from .tree import children
 
@@ -58,23 +58,25 @@ def speculative_sample(
     ``generator`` (strict, so p = 0 never passes; q_i(x_i) = 0 rejects). The next token is drawn from
     norm(max(0, p_n − q_n)) after a rejection at n (from p_n when that mass is ≤ eps), or from p_k (bonus).
     ``generator`` may also be any ``choices.Choices`` (``exactness.enumerate_law`` enumerates the decisions).
-    With a generator, float32 CPU rows and the CPU kernels, the rule runs as one call (``exact_chain``: ~20 µs
-    against ~160 µs of torch ops at V = 49,152) fed the same uniforms in the same order, so a seed gives the same
-    result on either path (to float64 rounding of the cumulative sums).
+    With a generator (or any ``choices.UniformsChoices``), float32 CPU rows and the CPU kernels, the rule runs as
+    one call (``exact_chain``: ~20 µs against ~160 µs of torch ops at V = 49,152) fed the same uniforms in the same
+    order, so a seed gives the same result on either path (to float64 rounding of the cumulative sums).
     """
     k = int(draft_tokens.shape[0])
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs needs k+1 = {k + 1} rows, got {target_probs.shape[0]}")
-    if isinstance(generator, torch.Generator):
-        kernels = _chain_kernels(target_probs, draft_probs)
-        if kernels is not None:  # the same rule in one call, with the same uniforms drawn in the same order
-            accept_u = torch.rand(k, dtype=torch.float64, generator=generator)
-            draw_u = float(torch.rand((), dtype=torch.float64, generator=generator))
-            n_accepted, token = kernels.exact_chain(target_probs, draft_probs, draft_tokens.long(), accept_u, draw_u)
-            if token < 0:
-                raise ValueError(NO_MASS)
-            return n_accepted, token
     choices = as_choices(generator)
+    kernels = _chain_kernels(target_probs, draft_probs) if isinstance(choices, UniformsChoices) else None
+    if kernels is not None:  # the same rule in one call, with the same uniforms drawn in the same order
+        guesses = draft_tokens.long()
+
+        def rule(accept_u: torch.Tensor, draw_u: float):
+            return kernels.exact_chain(target_probs, draft_probs, guesses, accept_u, draw_u)
+
+        n_accepted, token = choices.chain(rule, draft_tokens.tolist())
+        if token < 0:
+            raise ValueError(NO_MASS)
+        return n_accepted, token
     n_accepted = k
     if k:
         rows = torch.arange(k)
