@@ -154,3 +154,37 @@ def test_a_kernel_library_cut_to_5000_bytes_is_rebuilt_with_one_warning_not_a_bu
     warnings = [line for line in healed.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "5,000 bytes" in warnings[0] and "rebuilding" in warnings[0]
     assert kernels.whole_elf(library)
+
+
+def test_a_cut_dense_copy_is_rebuilt_by_the_loader_with_one_warning(cache, tmp_path, monkeypatch, capsys):
+    """The loader's entries (dense copies, GGUF metadata) go through ``ensure_entry``: a model.safetensors cut
+    short (before: every load ended in safetensors' "incomplete metadata" traceback) is rebuilt. The conversion
+    is a stand-in that writes a small safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specdecode.models import loader
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    builds: list[Path] = []
+
+    def convert(source: Path, staging: Path) -> None:
+        builds.append(staging)
+        (staging / "config.json").write_text("{}")
+        save_file({"weight": torch.zeros(64, 64)}, str(staging / "model.safetensors"))
+
+    monkeypatch.setattr(loader, "_build_dense_copy", convert)
+    folder = loader._dense_cache(gguf)
+    weights = folder / "model.safetensors"
+    assert entry_cache.whole_safetensors(weights) and len(builds) == 1
+    with open(weights, "r+b") as handle:
+        handle.truncate(5_000)
+    assert not entry_cache.whole_safetensors(weights)
+    capsys.readouterr()
+    assert loader._dense_cache(gguf) == folder and len(builds) == 2
+    [warning] = capsys.readouterr().err.strip().splitlines()
+    assert "damaged" in warning and "model.safetensors is 5,000 bytes" in warning
+    assert entry_cache.whole_safetensors(weights)
+    [entry] = [e for e in entries(cache) if e.kind == "dense"]
+    assert entry.meta["source"] == str(gguf.resolve()) and entry.problem is None

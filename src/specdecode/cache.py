@@ -252,6 +252,29 @@ def _adopted(folder: Path, whole: Callable[[Path], bool], meta: dict[str, Any] |
     return True
 
 
+def source_meta(source: Path) -> dict[str, Any]:
+    """An entry made from the file ``source``: its path, size and modification time (stale once they change)."""
+    stat = source.stat()
+    return {"source": str(source.resolve()), "source_size": stat.st_size, "source_mtime": int(stat.st_mtime)}
+
+
+def whole_safetensors(path: Path) -> bool:
+    """Whether a safetensors file holds every byte its header promises (a copy cut short does not)."""
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        ends = [int(item["data_offsets"][1]) for key, item in header.items() if key != "__metadata__"]
+        return path.stat().st_size >= 8 + length + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False
+
+
+def whole_hf_folder(folder: Path) -> bool:
+    """Whether an older specdecode's model folder (no manifest) is whole: a config, every safetensors file whole."""
+    return (folder / "config.json").is_file() and all(whole_safetensors(p) for p in folder.glob("*.safetensors"))
+
+
 @dataclass(frozen=True)
 class Entry:
     """One cache entry, as ``specdecode cache`` lists it: its folder, kind (``kernels``, ``dense``, ``gguf``), size,

@@ -7,9 +7,7 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..cache import cache_root, exclusive
+from ..cache import cache_root, ensure_entry, lock_of, source_meta, whole_hf_folder
 from ..errors import ModelNotAvailable
 from ..kernels import ops as kernels_ops
 from .architecture import architecture_of, unsupported_reason
@@ -506,13 +504,9 @@ def _metadata_cache(gguf: Path) -> Path:
 
 
 def _built_once(folder: Path, what: str, build, gguf: Path) -> Path:
-    """``folder``, calling ``build(gguf, folder)`` first unless it holds a config: one builder across processes."""
-    if (folder / "config.json").is_file():
-        return folder
-    with exclusive(_build_lock(folder), what):
-        if not (folder / "config.json").is_file():  # else another process built it while we waited
-            build(gguf, folder)
-    return folder
+    """``folder``, calling ``build(gguf, staging)`` first unless it holds a whole entry (``cache.ensure_entry``:
+    staged, checked, rebuilt if damaged; one builder across processes)."""
+    return ensure_entry(folder, what, lambda staging: build(gguf, staging), source_meta(gguf), adopt=whole_hf_folder)
 
 
 def _build_metadata(gguf: Path, folder: Path) -> None:
@@ -552,21 +546,13 @@ def _file_tokenizer(gguf: Path, index) -> Any:
 
 
 def _write_staged(folder: Path, write) -> None:
-    """Call ``write(staging)`` on a new folder beside ``folder``, then rename it into place (never half-written)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
-    try:
-        write(staging)
-        staging.rename(folder)
-    except Exception:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "config.json").is_file():
-            raise
+    """Call ``write(folder)``: ``folder`` is the staging folder of a cache entry (``_built_once``)."""
+    write(folder)
 
 
 def _build_lock(folder: Path) -> Path:
     """The lock file that its builder holds while ``folder`` is written (next to it: the folder appears whole)."""
-    return folder.parent / f".{folder.name}.lock"
+    return lock_of(folder)
 
 
 def _dense_cache(gguf: Path) -> Path:
