@@ -303,8 +303,11 @@ def entries(root: Path | None = None) -> list[Entry]:
             manifest = read_manifest(folder)
             leftover = folder.name.startswith((STAGING_PREFIX, TRASH_PREFIX))
             reason = "an interrupted write" if leftover else problem(folder, checksums=False)
+            if manifest is None and not leftover:  # an older specdecode's entry: checked (adopted) at its next use
+                reason, meta = None, {"unchecked": True}
+            else:
+                meta = (manifest.meta if manifest is not None else None) or {}
             used = (folder / MANIFEST).stat().st_mtime if manifest is not None else folder.stat().st_mtime
-            meta = (manifest.meta if manifest is not None else None) or {}
             found.append(Entry(folder, kind_folder.name, _size(folder), used, meta, reason))
     return sorted(found, key=lambda entry: entry.last_used)
 
