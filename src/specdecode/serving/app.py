@@ -35,6 +35,7 @@ from ..engine import Request, SpeculativeDecoder
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer, SuffixProposer
+from .hosts import HostCheck
 from .metrics import ServerMetrics
 from .policy import POLICIES, SpeculationPolicy
 from .protocol import (
@@ -108,6 +109,8 @@ class ServerConfig:
     suffix_scope: str = "global"
     heads: str | None = None  # proposer medusa: a folder of trained heads (default: the shipped ones)
     max_context: int | None = None  # tokens per request, prompt and output (default: SERVER_CONTEXT or the window)
+    host: str = "127.0.0.1"  # the address served: with allowed_hosts, the Host names answered (hosts.py)
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_context is not None and self.max_context < 1:
@@ -679,6 +682,7 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
         return await _answer(request, body)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(HostCheck, bound=settings.host, allowed=settings.allowed_hosts)  # first: DNS rebinding
     return app
 
 
