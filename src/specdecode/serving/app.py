@@ -54,6 +54,7 @@ from .protocol import (
     validation_message,
 )
 from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
+from .stalls import StalledReaderCut
 from .tokens import TokenTrack
 
 log = logging.getLogger(__name__)
@@ -682,6 +683,7 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
         return await _answer(request, body)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(StalledReaderCut)  # a client that stops reading its stream is cut (stalls.py)
     app.add_middleware(HostCheck, bound=settings.host, allowed=settings.allowed_hosts)  # first: DNS rebinding
     return app
 
