@@ -188,3 +188,30 @@ def test_a_cut_dense_copy_is_rebuilt_by_the_loader_with_one_warning(cache, tmp_p
     assert entry_cache.whole_safetensors(weights)
     [entry] = [e for e in entries(cache) if e.kind == "dense"]
     assert entry.meta["source"] == str(gguf.resolve()) and entry.problem is None
+
+
+def test_a_suffix_history_written_to_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path, monkeypatch):
+    """The history the server writes back at shutdown: a full disk leaves the previous file whole and no staging
+    file; the next save, with room, replaces it."""
+    from specdecode.proposers import SuffixHistory
+
+    history = SuffixHistory(1000)
+    history.add([1, 2, 3, 4])
+    path = tmp_path / "history.bin"
+    history.save(path)
+    before = path.read_bytes()
+    history.add([5, 6, 7])
+    real_write = Path.write_bytes
+
+    def full(self, data):
+        real_write(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(CacheFull) as caught:
+        history.save(path)
+    assert "\n" not in str(caught.value) and str(tmp_path) in str(caught.value) and "bytes" in str(caught.value)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["history.bin"]
+    monkeypatch.undo()
+    history.save(path)
+    assert len(SuffixHistory.load(path).index) == len(history.index)

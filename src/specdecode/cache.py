@@ -173,6 +173,21 @@ def write_entry(
         raise
 
 
+def write_file(path: Path, data: bytes) -> None:
+    """Write ``path`` atomically (a staging file beside it, renamed over it): readers see the old file or the new
+    one, never part of it. A full disk or a folder we may not write raises ``CacheFull``, the staging file removed."""
+    path = Path(path)
+    staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        staged.write_bytes(data)
+        staged.replace(path)
+    except OSError as error:
+        staged.unlink(missing_ok=True)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise _full(path, len(data), error) from None
+        raise
+
+
 def _replace(staging: Path, folder: Path) -> None:
     """Rename ``staging`` to ``folder``; an entry already there is moved aside first and deleted (a process that
     has its files open or mapped keeps reading them: nothing is rewritten in place)."""
@@ -202,7 +217,7 @@ def _full(folder: Path, needed: int, error: OSError) -> CacheFull:
     reason = os.strerror(error.errno) if error.errno else str(error)
     return CacheFull(
         error.errno or errno.ENOSPC,
-        f"cannot write the cache entry {folder.name} in {folder.parent} ({reason.lower()}): it needs at least "
+        f"cannot write {folder.name} in {folder.parent} ({reason.lower()}): it needs at least "
         f"{_mb(needed)} ({needed:,} bytes), {_mb(free)} free; free some space "
         "(`specdecode cache clean`) or point SPECDECODE_CACHE elsewhere",
     )
