@@ -62,14 +62,14 @@ def test_a_cut_entry_is_rebuilt_with_one_warning_line(cache, capsys):
 def test_a_changed_byte_is_caught_by_the_checksum_at_first_use_after_the_build(cache):
     folder = cache / "dense" / "model-abc"
     write_entry(folder, writer(b"x" * 10_000))
-    manifest = entry_cache.read_manifest(folder)
-    entry_cache._write_manifest(folder, entry_cache.Manifest(manifest.files, manifest.built, False, None))
     (folder / "data.bin").write_bytes(b"y" + b"x" * 9_999)  # the same size: only the checksum tells
     assert "checksum" in problem(folder)
     write_entry(folder, writer(b"x" * 10_000))
-    assert problem(folder, checksums=False) is None  # verified at its build: later uses check sizes only
+    assert problem(folder) is None  # the first use: checksums verified, and recorded
+    assert entry_cache.read_manifest(folder).verified
     (folder / "data.bin").write_bytes(b"y" + b"x" * 9_999)
-    assert problem(folder) is None and "checksum" in problem(folder, checksums=True)  # the negative control
+    assert problem(folder) is None  # later uses check sizes only
+    assert "checksum" in problem(folder, checksums=True)
 
 
 def test_an_entry_without_a_manifest_is_rebuilt_unless_adopted_whole(cache, capsys):

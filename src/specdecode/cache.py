@@ -160,7 +160,7 @@ def write_entry(
             str(path.relative_to(staging)): {"size": path.stat().st_size, "sha256": _sha256(path)}
             for path in _files(staging)
         }
-        _write_manifest(staging, Manifest(files, time.time(), True, meta))
+        _write_manifest(staging, Manifest(files, time.time(), False, meta))  # verified at its first use
         _replace(staging, folder)
     except OSError as error:
         written = _size(staging)
