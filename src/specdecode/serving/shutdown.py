@@ -21,11 +21,12 @@ from typing import Any
 
 import uvicorn
 
+from . import stalls
 from .app import Server, create_app
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# uvicorn's own wait for open connections, past the grace period: the engine's last step, the final chunks.
-# A client still connected then (one that stopped reading) has its task cancelled by uvicorn.
+# uvicorn's own wait for open connections, past the grace period and the stall bound: the engine's last step, the
+# final chunks.
 CLOSE_MARGIN_SECONDS = 5.0
 
 
@@ -63,7 +64,8 @@ def serve_until_signalled(server: Server, host: str, port: int, grace: float, **
         host=host,
         port=port,
         log_level="info",
-        timeout_graceful_shutdown=grace + CLOSE_MARGIN_SECONDS,
+        # past the grace period, a client that stopped reading is cut (stalls.py) before uvicorn would cancel it
+        timeout_graceful_shutdown=grace + stalls.STALL_SECONDS + CLOSE_MARGIN_SECONDS,
         **uvicorn_options,
     )
     at_signal: list[tuple[float, int]] = []  # when, and how many requests were in the engine
