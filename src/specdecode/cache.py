@@ -249,7 +249,7 @@ def ensure_entry(
         if reason.startswith("no readable") and adopt is not None and _adopted(folder, adopt, meta):
             return folder
         if reason != "missing":
-            print(f"specdecode: warning: the cached {what} in {folder} is damaged ({reason}); rebuilding it",
+            print(f"specdecode: warning: the cache entry {folder} is damaged ({reason}); rebuilding it",
                   file=sys.stderr, flush=True)  # fmt: skip
         write_entry(folder, write, meta, expected)
     return folder
