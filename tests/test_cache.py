@@ -215,3 +215,17 @@ def test_a_suffix_history_written_to_a_full_disk_is_one_line_and_leaves_the_old_
     monkeypatch.undo()
     history.save(path)
     assert len(SuffixHistory.load(path).index) == len(history.index)
+
+
+@pytest.mark.slow
+def test_the_real_build_of_a_cut_library_heals_and_loads(cache):
+    """The same with this machine's g++ (two builds of the portable variant, ~30 s each): the rebuilt library
+    loads in a fresh process and is whole."""
+    library = kernels.build("portable")
+    with open(library, "r+b") as handle:
+        handle.truncate(5_000)
+    load = "import specdecode.kernels as k; print('loaded' if k.ops('portable') is not None else 'none')"
+    env = {**os.environ, "SPECDECODE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    healed = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=600)
+    assert (healed.returncode, healed.stdout.strip()) == (0, "loaded"), healed.stderr
+    assert "5,000 bytes" in healed.stderr and kernels.whole_elf(library) and problem(library.parent) is None
