@@ -563,13 +563,17 @@ def cli_target(monkeypatch, target):
 
 
 def test_serve_command_builds_the_app_and_hands_it_to_uvicorn(cli_target, monkeypatch):
-    import uvicorn
     from typer.testing import CliRunner
 
     import specdecode.cli as cli
+    from specdecode.serving.shutdown import GracefulServer
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: seen.update(app=app, **options))
+
+    def run(server, sockets=None):
+        seen.update(app=server.config.app, host=server.config.host, port=server.config.port)
+
+    monkeypatch.setattr(GracefulServer, "run", run)
     result = CliRunner().invoke(cli.app, ["serve", "--port", "8123", "--gamma", "3", "--served-model-name", "tiny"])
     assert result.exit_code == 0, result.output
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123  # loopback unless told otherwise

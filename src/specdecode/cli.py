@@ -7,6 +7,7 @@ import typer
 from .commands import friendly, quiet_transformers
 from .commands.bench import bench
 from .commands.bench_serve import bench_serve
+from .commands.cache import cache_app
 from .commands.chat import chat
 from .commands.check_exact import check_exact
 from .commands.demo import demo
@@ -43,6 +44,7 @@ for _name, _command in (
     ("index", index),
 ):
     app.command(_name)(friendly(_command))
+app.add_typer(cache_app, name="cache")
 
 
 def main() -> None:

@@ -71,6 +71,18 @@ def serve(
         help="GiB of KV rows kept from earlier requests, reused by prompts that share their prefix (0: off). "
         "Default: a quarter of the memory available after --max-batch full-context caches, at most 8.",
     ),
+    allowed_hosts: list[str] | None = typer.Option(
+        None,
+        help="Repeatable (or comma-separated): a host name clients may reach the server by, besides localhost, "
+        "127.0.0.1, [::1] and --host; a request naming another host in its Host header gets a 400 (a defence "
+        "against DNS rebinding: a web page making your browser call this server). '*' allows any.",
+    ),
+    shutdown_grace: float = typer.Option(
+        10.0,
+        min=0,
+        help="On Ctrl+C or SIGTERM: seconds the requests already running get to finish; after that each ends with "
+        "what it has (finish_reason length, its final chunk). No new request is accepted meanwhile.",
+    ),
 ) -> None:
     """Serve TARGET over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
     from specdecode.serving.app import ServerConfig
@@ -97,6 +109,8 @@ def serve(
         suffix_scope=suffix_scope,
         heads=heads,
         prefix_cache_gb=prefix_cache_gb,
+        host=host,
+        allowed_hosts=tuple(name.strip() for names in allowed_hosts or () for name in names.split(",") if name.strip()),
     )
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can reach it may use it")
@@ -107,13 +121,12 @@ def serve(
         return
     if replicas != 1:
         raise ValueError("--replicas needs --ray (one process serves one replica)")
-    _serve_here(config, host, port)
+    _serve_here(config, host, port, shutdown_grace)
 
 
-def _serve_here(config, host: str, port: int) -> None:
-    import uvicorn
-
-    from specdecode.serving.app import Server, create_app
+def _serve_here(config, host: str, port: int, grace: float) -> None:
+    from specdecode.serving.app import Server
+    from specdecode.serving.shutdown import serve_until_signalled
 
     quiet_transformers()
     with err.status(f"loading {config.target}…"):
@@ -124,4 +137,4 @@ def _serve_here(config, host: str, port: int) -> None:
         f"{os.getpid()})[/dim]",
         highlight=False,
     )
-    uvicorn.run(create_app(server), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    serve_until_signalled(server, host, port, grace)

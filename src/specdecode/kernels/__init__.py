@@ -3,9 +3,10 @@
 ``ops()`` returns the loaded operator namespace (``torch.ops.specdecode_kernels``) or None. The first call compiles
 the sources, one translation unit (``csrc/ops.cpp``, which includes the other parts in order), with this machine's
 g++ for its own CPU (``-march=native``: AVX-512 with VNNI, AVX2, or plain C, the same numerics in each), with one
-line on stderr while it does, and caches the library under ``cache_root()/kernels/<key>`` where the key names every
-file of ``csrc/``, the compiler, torch and the CPU's flags, so each CPU/compiler builds once. It links torch's own
-OpenMP runtime, so the kernels run on torch's thread pool.
+line on stderr while it does, and caches the library under ``cache_root()/kernels/<variant>-<key>`` where the key
+names every file of ``csrc/``, the compiler, torch and the CPU's flags, so each CPU/compiler builds once: an entry
+of ``cache.py``, written whole, checked before it is loaded and rebuilt if damaged (a library cut short would die
+with a bus error when loaded). It links torch's own OpenMP runtime, so the kernels run on torch's thread pool.
 ``SPECDECODE_KERNELS=0`` turns them off (the pure-torch formats of ``weights.py`` run instead, as they do when
 the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs another instruction set's build
 (portable: the tests' plain-C reference, built at -O1, not for speed).
@@ -13,6 +14,7 @@ the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs ano
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import platform
@@ -20,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -28,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..cache import cache_root, exclusive
+from ..cache import cache_root, ensure_entry
 
 SOURCES = Path(__file__).with_name("csrc")  # every file here is part of the build (and of its cache key)
 SOURCE = SOURCES / "ops.cpp"  # the one translation unit: it includes the other parts
@@ -49,6 +50,7 @@ MUTANTS = {
     "mutant_index": ["-march=native", "-DSD_MUTANT_INDEX"],  # every inverse-CDF draw one index off
 }
 VARIANTS |= MUTANTS
+LIBRARY_BYTES = 1 << 20  # a built library's size, about (0.65 MB with g++ 13): what a full disk's message asks for
 _lock = threading.Lock()
 _loaded: dict[str, SimpleNamespace | None] = {}
 
@@ -125,30 +127,58 @@ def _command(variant: str, output: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def _compiler_version() -> str:
+    return subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+
+
 def _key(variant: str) -> str:
-    compiler = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     flags = " ".join(VARIANTS[variant])
     sources = [f"{path.name}\n{path.read_text()}" for path in sorted(SOURCES.iterdir()) if path.is_file()]
-    parts = [*sources, variant, compiler, torch.__version__, _cpu_flags(), flags]
+    parts = [*sources, variant, _compiler_version(), torch.__version__, _cpu_flags(), flags]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
+def built_for(variant: str) -> dict[str, str]:
+    """What a build of ``variant`` here is for (its cache entry's manifest ``meta``; ``specdecode cache`` calls
+    an entry whose torch, compiler or key differs stale)."""
+    compiler = (_compiler_version().splitlines() or [""])[0]
+    return {"variant": variant, "key": _key(variant), "torch": torch.__version__, "compiler": compiler}
+
+
 def build(variant: str = "native") -> Path:
-    """The compiled library for ``variant``, built now unless the cache holds it (one build at a time per key)."""
-    folder = cache_root() / "kernels" / f"{variant}-{_key(variant)}"
-    library = folder / f"{_namespace(variant)}.so"
-    if library.is_file():
-        return library
-    with exclusive(folder / ".lock", f"compiling the CPU kernels ({variant})"):
-        if library.is_file():  # another process built it while we waited
-            return library
+    """The compiled library for ``variant``, built now unless the cache holds it whole (one build at a time per
+    key; a damaged library, e.g. cut short by a full disk, is rebuilt with one warning line, never loaded)."""
+    meta = built_for(variant)
+    folder = cache_root() / "kernels" / f"{variant}-{meta['key']}"
+    name = f"{_namespace(variant)}.so"
+
+    def compile_into(staging: Path) -> None:
         print(f"specdecode: compiling the CPU kernels for this machine ({variant}, once, ~30 s) ...",
               file=sys.stderr, flush=True)  # fmt: skip
-        with tempfile.TemporaryDirectory(dir=folder) as staging:
-            out = Path(staging) / library.name
-            result = subprocess.run(_command(variant, out), capture_output=True, text=True)
-            if result.returncode != 0:
-                lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
-                raise RuntimeError(f"g++ failed: {(lines or ['no output'])[0].strip()}")
-            out.rename(library)
-    return library
+        result = subprocess.run(_command(variant, staging / name), capture_output=True, text=True)
+        if result.returncode != 0:
+            if "No space left on device" in result.stderr:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
+            raise RuntimeError(f"g++ failed: {(lines or ['no output'])[0].strip()}")
+
+    what = f"compiling the CPU kernels ({variant})"
+    ensure_entry(folder, what, compile_into, meta, adopt=lambda f: whole_elf(f / name), expected=LIBRARY_BYTES)
+    return folder / name
+
+
+def whole_elf(path: Path) -> bool:
+    """Whether ``path`` is an ELF file as long as its header says (the section table ends the file): a library
+    cut short is not, and loading one dies with a bus error."""
+    try:
+        with open(path, "rb") as handle:
+            header = handle.read(64)
+        size = path.stat().st_size
+    except OSError:
+        return False
+    if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2:  # ELF64 only (what g++ builds here)
+        return False
+    order = "little" if header[5] == 1 else "big"
+    table = int.from_bytes(header[0x28:0x30], order)
+    entry_size, count = int.from_bytes(header[0x3A:0x3C], order), int.from_bytes(header[0x3C:0x3E], order)
+    return table > 0 and table + entry_size * count <= size

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..cache import cache_root, exclusive
+from ..cache import cache_root, ensure_entry, lock_of, source_meta, whole_hf_folder
 from ..errors import ModelNotAvailable
 from .gguf_config import complete_config, readable_config
 
@@ -49,13 +47,9 @@ def metadata_cache(gguf: Path) -> Path:
 
 
 def _built_once(folder: Path, what: str, build, gguf: Path) -> Path:
-    """``folder``, calling ``build(gguf, folder)`` first unless it holds a config: one builder across processes."""
-    if (folder / "config.json").is_file():
-        return folder
-    with exclusive(build_lock(folder), what):
-        if not (folder / "config.json").is_file():  # else another process built it while we waited
-            build(gguf, folder)
-    return folder
+    """``folder``, calling ``build(gguf, staging)`` first unless it holds a whole entry (``cache.ensure_entry``:
+    staged, checked, rebuilt if damaged; one builder across processes)."""
+    return ensure_entry(folder, what, lambda staging: build(gguf, staging), source_meta(gguf), adopt=whole_hf_folder)
 
 
 def _build_metadata(gguf: Path, folder: Path) -> None:
@@ -95,21 +89,13 @@ def _file_tokenizer(gguf: Path, index) -> Any:
 
 
 def _write_staged(folder: Path, write) -> None:
-    """Call ``write(staging)`` on a new folder beside ``folder``, then rename it into place (never half-written)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
-    try:
-        write(staging)
-        staging.rename(folder)
-    except Exception:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "config.json").is_file():
-            raise
+    """Call ``write(folder)``: ``folder`` is the staging folder of a cache entry (``_built_once``)."""
+    write(folder)
 
 
 def build_lock(folder: Path) -> Path:
     """The lock file that its builder holds while ``folder`` is written (next to it: the folder appears whole)."""
-    return folder.parent / f".{folder.name}.lock"
+    return lock_of(folder)
 
 
 def dense_cache(gguf: Path) -> Path:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cache import write_file
 from ..errors import SpecDecodeError
 from ..params import SamplingParams
 from .base import EMPTY_DRAFT, Draft, Proposer
@@ -107,9 +108,7 @@ class SuffixHistory:
             "crc32": zlib.crc32(payload),
         }
         head = json.dumps(header).encode()
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(MAGIC + len(head).to_bytes(4, "little") + head + payload)
-        tmp.replace(path)
+        write_file(path, MAGIC + len(head).to_bytes(4, "little") + head + payload)  # a full disk: one line, no .tmp
 
     @classmethod
     def load(cls, path: str | Path, max_tokens: int | None = None) -> SuffixHistory:

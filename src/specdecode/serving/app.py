@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServerConfig
+from .hosts import HostCheck
 from .middleware import Guard, error_response
 from .protocol import (
     APIError,
@@ -34,6 +35,7 @@ from .protocol import (
     validation_message,
 )
 from .server import ClientGone, Server
+from .stalls import StalledReaderCut
 
 __all__ = ["Server", "ServerConfig", "create_app"]
 log = logging.getLogger(__name__)
@@ -152,6 +154,8 @@ def create_app(config: ServerConfig | Server) -> FastAPI:
         return await _answer(request, body)
 
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(StalledReaderCut)  # a client that stops reading its stream is cut (stalls.py)
+    app.add_middleware(HostCheck, bound=settings.host, allowed=settings.allowed_hosts)  # first: DNS rebinding
     return app
 
 

@@ -54,6 +54,8 @@ class ServerConfig:
     heads: str | None = None  # proposer medusa: a folder of trained heads (default: the shipped ones)
     max_context: int | None = None  # tokens per request, prompt and output (default: SERVER_CONTEXT or the window)
     prefix_cache_gb: float | None = None  # KV of earlier requests' prefixes (None: prefix_cache's default; 0: off)
+    host: str = "127.0.0.1"  # the address served: with allowed_hosts, the Host names answered (hosts.py)
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_context is not None and self.max_context < 1:

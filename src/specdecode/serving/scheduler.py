@@ -119,6 +119,13 @@ _WAKE = object()
 _STOP = object()
 
 
+@dataclass(frozen=True)
+class _Close:
+    """Shutting down: requests in the engine may run until ``deadline`` (``time.monotonic()``), then end."""
+
+    deadline: float
+
+
 class Scheduler:
     """Runs ``Job``s on one background thread; ``submit`` and ``cancel`` may be called from any thread."""
 
@@ -151,6 +158,8 @@ class Scheduler:
         self._slots = 0  # slots created
         self._acceptance: dict[str, AcceptanceHistory] = {}  # per book: the server's memory across requests
         self._stopping = False
+        self._deadline: float | None = None  # set by close(): when the requests still running are ended
+        self.cut = 0  # requests ended at the deadline or at stop(), before their own end
         self._speculated = False  # whether the last step drafted anything
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
 
@@ -162,8 +171,13 @@ class Scheduler:
         release_thread_pool()
         self._thread.start()
 
+    def close(self, grace: float) -> None:
+        """Shutting down: requests already in the engine (running or waiting) get ``grace`` seconds to finish, then
+        each ends with what it has (``finish_reason`` length, its final event), as does any arriving later."""
+        self._inbox.put(_Close(time.monotonic() + grace))
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the current step, fail what is left ('server shutting down') and end the thread."""
+        """Finish the current step, end what is left (as at ``close``'s deadline) and end the thread."""
         self._inbox.put(_STOP)
         self._thread.join(timeout)
 
@@ -201,6 +215,8 @@ class Scheduler:
             self._drain(block=not (self._active or self._waiting))
             try:
                 self._drop_cancelled()
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._cut_all()
                 self._admit()
                 if self._active:
                     self._step()
@@ -211,14 +227,28 @@ class Scheduler:
             self.metrics.running.set(len(self._active))
             self.metrics.waiting.set(len(self._waiting))
             self._count_slots()
+        self._cut_all()
+
+    def _cut_all(self) -> None:
+        """End every request in the engine now, each with the tokens it has: ``finish_reason`` length (cut short),
+        its final event, its prompt and answer handed to a proposer that remembers them."""
         for job in [*self._active, *self._waiting]:
-            self._fail(job, "the server is shutting down")
+            if job.cancelled:
+                self._release(job)
+                continue
+            self.cut += 1
+            try:
+                self._finish(job)
+            except Exception as exc:
+                self._fail(job, exc)
 
     def _drain(self, block: bool) -> None:
         item = self._inbox.get() if block else None
         while True:
             if item is _STOP:
                 self._stopping = True
+            elif isinstance(item, _Close):
+                self._deadline = min(item.deadline, self._deadline or item.deadline)
             elif isinstance(item, Job):
                 self._waiting.append(item)
             try:

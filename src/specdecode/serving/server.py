@@ -95,7 +95,11 @@ class Server:
         """Global suffix scope with a cache file: write the history (every request's prompt and answer) back."""
         config = self.config
         if self.suffix is not None and config.suffix_cache is not None and config.suffix_scope == "global":
-            self.suffix.save(config.suffix_cache)
+            try:
+                self.suffix.save(config.suffix_cache)
+            except OSError as error:  # a full disk (CacheFull's one line): the server still stops cleanly
+                log.error("suffix history not saved: %s", error)
+                return
             log.info("suffix history saved to %s (%d tokens)", config.suffix_cache, len(self.suffix.history))
 
     def speculation_state(self) -> dict[str, Any]:
