@@ -21,6 +21,7 @@ from .proposers.prompt_lookup import PromptLookupProposer
 from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
 from .sampling import probs_from_logits
 from .stats import DecodeStats
+from .structured import Constraint, cut_at_forbidden, mask_logits, with_forced
 from .tree import attention_mask, children, depths, prune_depth
 from .verify import (
     coupled_verify,
@@ -33,6 +34,7 @@ from .verify import (
 from .vocab import check_vocabularies, vocabulary_fingerprint
 
 TextCallback = Callable[[str], None]
+FORCED_PER_ROUND = 32  # tokens a grammar forces that one round drafts for free, at most
 
 
 @dataclass
@@ -53,13 +55,16 @@ class GenerationOutput:
 @dataclass
 class Round:
     """A round in flight: its draft, the chunk the target scores (newest context token + draft), drafting time;
-    for a token tree also the chunk's positions and attention mask (None for a chain)."""
+    for a token tree also the chunk's positions and attention mask (None for a chain); under a grammar, the mask
+    of each scored row and how many leading draft tokens the grammar forced (drafted for free)."""
 
     draft: Draft
     tokens: torch.Tensor
     draft_seconds: float
     positions: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
+    forced: int = 0
 
 
 def fresh_seed() -> int:
@@ -133,6 +138,9 @@ class Request:
         self.sources: list[TokenSource] = []
         self.top_logprobs = logprobs
         self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
+        self.constraint: Constraint | None = None
+        if params.grammar is not None:
+            self.constraint = Constraint(params.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids)
 
     def prefill(self, runner) -> None:
         """Fill the cache with every prompt token but the last, which leads the first round."""
@@ -152,7 +160,13 @@ class Request:
         """Append tokens up to the first stop condition, with their ``sources`` and (if asked) the logprobs
         from ``rows``, the target's logits row that chose each token; stream new text; return how many were
         kept."""
+        if self.constraint is not None:  # the grammar's end ends the output; what the sink cuts, it forgets
+            tokens = tokens[: self.constraint.advance(tokens)]
         kept = self.sink.push(tokens)
+        if self.constraint is not None:
+            self.constraint.rollback(len(tokens) - kept)
+            if self.constraint.ended and self.sink.finish_reason is None:
+                self.sink.finish_reason = "stop"
         self.context.extend(self.sink.token_ids[len(self.sink.token_ids) - kept :])
         self.sources.extend(sources[:kept])
         if self.logprobs is not None:
@@ -313,9 +327,14 @@ class SpeculativeDecoder:
 
     def draft(self, request: Request, proposer: Proposer | None, k: int) -> Round:
         """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step); a
-        tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask."""
+        tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask. Under a
+        grammar, the tokens it forces lead the draft (beyond ``k``) and each scored row gets its mask."""
         t0 = time.perf_counter()
         context, params = request.context, request.params
+        forced = []  # tokens the grammar forces: drafted for free, past gamma, within the token budget
+        if request.constraint is not None:
+            forced = request.constraint.forced(min(FORCED_PER_ROUND, request.sink.remaining - 1))
+            context, k = context + forced, min(k, request.sink.remaining - 1 - len(forced))
         if getattr(proposer, "needs_target_hidden", False):  # an EAGLE head: the features verified so far
             proposer.observe_target(request.target_hidden)
         if proposer is None:
@@ -328,19 +347,28 @@ class SpeculativeDecoder:
             draft = prune_depth(draft, k)
         if not draft.is_tree and len(draft) > k:
             draft = draft.truncated(k)
+        draft, context = with_forced(forced, draft), request.context
+        if request.constraint is not None and not draft.is_tree:
+            draft, allowed, scored = cut_at_forbidden(request.constraint, draft)
+            tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens[:scored]])
+            return Round(draft, tokens, time.perf_counter() - t0, allowed=allowed, forced=len(forced))
         tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens])
         if not draft.is_tree:
             return Round(draft, tokens, time.perf_counter() - t0)
         cached = len(context) - 1  # the newest context token sits at slot `cached`
         positions = cached + torch.cat([torch.zeros(1, dtype=torch.int64), depths(draft.parents)])
         mask = attention_mask(draft.parents, cached)
-        return Round(draft, tokens, time.perf_counter() - t0, positions, mask)
+        allowed = None
+        if request.constraint is not None:
+            allowed = request.constraint.tree_masks(draft.tokens.tolist(), draft.parents.tolist())
+        return Round(draft, tokens, time.perf_counter() - t0, positions, mask, allowed, len(forced))
 
     def settle(
         self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
         """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
         ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
+        logits = grammar_logits(pending, logits)
         if pending.positions is not None:
             self._settle_tree(request, pending, logits, runner, started)
             return
@@ -358,11 +386,13 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         stats.draft_seconds += pending.draft_seconds
         stats.verify_seconds += t2 - started
-        stats.record_round(n_drafted, n_accepted)
+        guessed, kept = n_drafted - pending.forced, n_accepted - pending.forced  # forced tokens: counted apart
+        stats.forced += pending.forced
+        stats.record_round(guessed, kept)
         if controller is not None:
-            controller.observe(n_drafted, n_accepted)
+            controller.observe(guessed, kept)
             draft_price = None if controller.catching_up else pending.draft_seconds
-            self.costs.observe(n_drafted + 1, t2 - started, n_drafted, draft_price, controller.drafter)
+            self.costs.observe(len(pending.tokens), t2 - started, guessed, draft_price, controller.drafter)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
         request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
@@ -391,9 +421,11 @@ class SpeculativeDecoder:
         nodes_per_depth = torch.bincount(pending.positions[1:] - pending.positions[0])[1:].tolist()
         stats.draft_seconds += pending.draft_seconds
         stats.verify_seconds += t2 - started
-        stats.record_tree_round(nodes_per_depth, len(accepted), rejected, siblings)
+        stats.forced += pending.forced  # the forced chain leads the tree: counted apart
+        kept = len(accepted) - pending.forced
+        stats.record_tree_round(nodes_per_depth[pending.forced :], kept, rejected, siblings)
         if controller is not None:
-            controller.observe(len(accepted) + rejected, len(accepted))
+            controller.observe(kept + rejected, kept)
             controller.observe_tree(len(draft) + 1, pending.draft_seconds)
             draft_price = None if controller.catching_up else pending.draft_seconds
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price, controller.drafter)
@@ -404,6 +436,15 @@ class SpeculativeDecoder:
         chosen_by = logits[path_rows] if request.logprobs is not None else logits  # gather only when read
         request.emit(draft.tokens[accepted].tolist() + [token], sources, chosen_by)
         runner.retain(start, [start + node for node in accepted])
+
+
+def grammar_logits(pending: Round, logits: torch.Tensor) -> torch.Tensor:
+    """The target's ``logits`` for a round's rows under the grammar's masks (no grammar: unchanged). A chain cut
+    after a forbidden draft token scored no row past it: a copy of the last row stands there, never read (every
+    rule rejects the forbidden token, its target probability being 0)."""
+    logits = mask_logits(logits, pending.allowed)
+    missing = len(pending.draft) + 1 - logits.shape[0]
+    return logits if missing <= 0 else torch.cat([logits, logits[-1:].expand(missing, -1)])
 
 
 def autoregressive_generate(
@@ -429,6 +470,8 @@ def autoregressive_generate(
     while not request.done:
         t0 = time.perf_counter()
         logits = runner.forward(torch.tensor(request.context[-1:], dtype=torch.int64))
+        if request.constraint is not None:
+            logits = mask_logits(logits, request.constraint.mask().unsqueeze(0))
         token = request.noise.token(logits[0], params, len(request.context))
         request.stats.verify_seconds += time.perf_counter() - t0
         request.stats.record_round(0, 0)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .structured.grammar import Grammar
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each token: temperature → top-k → top-p, then sample (temperature 0 = greedy).
 
     ``top_k=0`` and ``top_p=1.0`` switch those warps off; ``seed=None`` draws a fresh seed (reported in the
-    output); ``stop`` holds stop strings, cut from the returned text.
+    output); ``stop`` holds stop strings, cut from the returned text; ``grammar`` (a ``structured.Grammar``)
+    constrains the output: its mask is part of the target's distribution (logit −∞ where it forbids a token).
     """
 
     temperature: float = 0.0
@@ -19,6 +22,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -37,6 +41,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a specdecode.Grammar or None, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
