@@ -25,7 +25,7 @@ class _TokenList:
     byte, as llguidance expects, so that no text matches them."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: list[int]) -> None:
-        special = set(eos) | set(getattr(tokenizer, "all_special_ids", []))
+        special = set(eos)
         self.tokens = [self._bytes(tokenizer, i, special) for i in range(vocab_size)]
         self.special_token_ids = sorted(special)
         self.eos_token_id = eos[0] if eos else None
@@ -48,8 +48,8 @@ class _TokenList:
             end = next(
                 (e for e in range(min(len(data), start + self._longest), start, -1) if data[start:e] in self._ids), 0
             )
-            if not end:
-                raise ValueError(f"no token of this vocabulary spells {data[start:]!r}")
+            if not end:  # no token spells what follows: the tokens of the part that is spelled
+                break
             ids.append(self._ids[data[start:end]])
             start = end
         return ids
@@ -66,11 +66,15 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
     import llguidance.hf
 
     size = max(vocab_size, len(tokenizer))
-    try:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:  # a byte-level or SentencePiece tokenizer: llguidance reads its pieces itself
+        if backend is None or backend.decoder is None:
+            raise ValueError("no decoder")
         built = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=eos or None)
-    except ValueError:  # not a byte-level or SentencePiece tokenizer llguidance can parse
-        words = ll.TokenizerWrapper(_TokenList(tokenizer, size, eos))
-        built = ll.LLTokenizer(words, n_vocab=size, eos_token=eos or None)
+    except ValueError:  # one llguidance cannot parse (word-level, no decoder): each token's decoded text
+        built = ll.LLTokenizer(
+            ll.TokenizerWrapper(_TokenList(tokenizer, size, eos)), n_vocab=size, eos_token=eos or None
+        )
     if len(_TOKENIZERS) >= 8:
         _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
     _TOKENIZERS[key] = (tokenizer, built)
@@ -109,6 +113,8 @@ class Constraint:
         allowed = ((self._bits.unsqueeze(-1) >> _BIT) & 1).bool().flatten()[: self.vocab_size]
         if bool(allowed.any()):
             return allowed
+        if self.matcher.is_error():
+            raise RuntimeError(f"the grammar's matcher failed: {self.matcher.get_error().splitlines()[0]}")
         if self.matcher.is_stopped():
             return torch.ones_like(allowed)
         raise ValueError("the grammar reached a state that no token of this vocabulary continues")
