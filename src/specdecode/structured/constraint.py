@@ -99,7 +99,9 @@ class Constraint:
             raise ValueError("structured output needs a tokenizer; this model was loaded without one")
         ll = llguidance_module()
         self.vocab_size = vocab_size
-        self.can_end = bool(frozenset(eos_ids))
+        self.eos = frozenset(eos_ids)
+        self.can_end = bool(self.eos)
+        self._recorded: list[int] = []  # per token consumed: the entries llguidance recorded for it (1, or 0)
         words = ll_tokenizer(tokenizer, vocab_size, eos_ids)
         self.matcher = ll.LLMatcher(words, grammar.compiled(), log_level=0)
         if self.matcher.is_error():
@@ -123,10 +125,10 @@ class Constraint:
         """(allowed [n + 1, V], n): row j is the mask after ``draft[:j]``; n counts the leading drafted tokens the
         grammar allows (draft[n], if any, is forbidden: its row and those past it are not needed)."""
         rows, n = [self.mask()], 0
-        while n < len(draft) and bool(rows[-1][draft[n]]) and self.matcher.consume_token(draft[n]):
+        while n < len(draft) and bool(rows[-1][draft[n]]) and self.consume(draft[n]):
             n += 1
             rows.append(self.mask())
-        self.matcher.rollback(n)
+        self.rollback(n)
         return torch.stack(rows), n
 
     def tree_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -143,17 +145,18 @@ class Constraint:
         return torch.stack(rows)
 
     def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces next (each the only token its mask allows), in order."""
+        """Up to ``limit`` tokens the grammar forces next (each the only token its mask allows), in order; none past
+        the output's end (a forced end-of-sequence token is the target's own next token, masked to it)."""
         tokens: list[int] = []
         while len(tokens) < limit:
             allowed = self.mask()
             if int(allowed.sum()) != 1:
                 break
             token = int(allowed.nonzero()[0])
-            if not self.matcher.consume_token(token):
+            if token in self.eos or not self.consume(token):
                 break
             tokens.append(token)
-        self.matcher.rollback(len(tokens))
+        self.rollback(len(tokens))
         return tokens
 
     def advance(self, tokens: list[int]) -> int:
@@ -163,14 +166,32 @@ class Constraint:
         for n, token in enumerate(tokens):
             if self.ended:
                 return n
-            if not self.matcher.consume_token(token):
-                raise RuntimeError(f"the grammar refused a verified token {token}: {self.matcher.get_error()}")
+            if not self.consume(token):
+                raise RuntimeError(f"the grammar refused a verified token {token}")
         return len(tokens)
 
+    def consume(self, token: int) -> bool:
+        """Move the matcher past ``token``; False (the matcher unchanged) if the grammar forbids it. An
+        end-of-sequence token after the grammar's end is allowed and changes nothing: llguidance records no entry
+        for it, so each token's entries are kept for ``rollback``."""
+        if self.matcher.is_stopped():
+            if token not in self.eos:
+                return False
+            self._recorded.append(0)
+            return True
+        if self.matcher.try_consume_tokens([token]) != 1:
+            return False
+        self._recorded.append(1)
+        return True
+
     def rollback(self, count: int) -> None:
-        """Forget the last ``count`` tokens (the output did not keep them: a stop string, the token budget)."""
+        """Forget the last ``count`` tokens consumed (the output did not keep them: a stop string, the token budget,
+        a look ahead)."""
         if count:
-            self.matcher.rollback(count)
+            entries = sum(self._recorded[-count:])
+            del self._recorded[-count:]
+            if entries:
+                self.matcher.rollback(entries)
 
     @property
     def ended(self) -> bool:
