@@ -25,6 +25,7 @@ from specdecode.commands import (
     parse_quantization,
     quiet_transformers,
 )
+from specdecode.commands.grammar_options import JsonSchemaOption, RegexOption, grammar_option
 
 if TYPE_CHECKING:
     from specdecode import GenerationOutput
@@ -78,6 +79,8 @@ def generate(
     tree_nodes: TreeNodesOption = None,
     heads: HeadsOption = None,
     suffix_cache: SuffixCacheOption = None,
+    json_schema: JsonSchemaOption = None,
+    regex: RegexOption = None,
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
     from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
@@ -98,6 +101,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         seed=seed,
         stop=tuple(stop),
+        grammar=grammar_option(json_schema, regex),
     )
     if dtype != "auto":
         resolve_dtype(dtype)
