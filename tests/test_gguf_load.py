@@ -29,6 +29,7 @@ LAYOUTS = {  # per layer: q, k, v, o, gate, up, down — every block type the ke
     "q4-q5": ("Q4_0", "Q4_0", "Q4_0", "Q4_1", "Q5_0", "Q5_0", "Q5_1"),
     "k-quants": ("Q4_K", "Q4_K", "Q4_K", "Q5_K", "Q6_K", "Q6_K", "Q8_0"),
     "mixed": ("Q5_0", "Q5_0", "Q6_K", "Q8_0", "Q4_K", "Q4_K", "Q6_K"),  # mixed within q/k/v, as Q4_K_M files are
+    "five-bit": ("Q5_0", "Q5_0", "Q5_1", "Q5_K", "Q5_1", "Q5_1", "Q5_K"),  # every 5-bit type: nibbles + high bits
 }
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -45,9 +46,11 @@ def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.nda
     return raw.reshape(rows, -1)
 
 
-def write_gguf(path: Path, kinds: tuple[str, ...], head: str | None = None, architecture: str = "llama") -> Path:
-    """A tiny Llama-architecture GGUF (no tokenizer): random blocks of ``kinds`` per layer, a Q8_0 embedding, tied
-    to the head unless ``head`` names the type of a separate ``output.weight``."""
+def write_gguf(
+    path: Path, kinds: tuple[str, ...], head: str | None = None, architecture: str = "llama", embedding: str = "Q8_0"
+) -> Path:
+    """A tiny Llama-architecture GGUF (no tokenizer): random blocks of ``kinds`` per layer, an ``embedding``-typed
+    embedding, tied to the head unless ``head`` names the type of a separate ``output.weight``."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), architecture)
     arch = architecture
@@ -61,8 +64,8 @@ def write_gguf(path: Path, kinds: tuple[str, ...], head: str | None = None, arch
     writer.add_uint32(f"{arch}.vocab_size", VOCAB)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    writer.add_tensor("token_embd.weight", _blocks("Q8_0", VOCAB, HIDDEN, rng), raw_dtype=q8)
+    embed_type = gguf.GGMLQuantizationType[embedding]
+    writer.add_tensor("token_embd.weight", _blocks(embedding, VOCAB, HIDDEN, rng), raw_dtype=embed_type)
     if head is not None:
         kind = gguf.GGMLQuantizationType[head]
         writer.add_tensor("output.weight", _blocks(head, VOCAB, HIDDEN, rng), raw_dtype=kind)
@@ -126,18 +129,62 @@ def test_a_gguf_loads_from_its_blocks_without_a_dense_copy_and_computes_the_earl
 def test_the_loaded_blocks_are_row_invariant_and_greedy_speculation_is_plain_decoding(tmp_path, cache):
     loaded = sd.load_model(write_gguf(tmp_path / "mixed.gguf", LAYOUTS["mixed"]))
     ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(2))
+    assert _row_invariant(loaded, ids)
+    params = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
+    prompt = ids[:30].tolist() * 2  # repeats, so that prompt lookup drafts
+    plain = sd.autoregressive_generate(loaded, prompt, params)
+    out = sd.SpeculativeDecoder(loaded, sd.PromptLookupProposer(), gamma=4).generate(prompt, params)
+    assert out.token_ids == plain.token_ids
+
+
+def _row_invariant(loaded: sd.LoadedModel, ids: torch.Tensor) -> bool:
+    """Whether a k-row pass gives bitwise its k one-row steps (after a 50-token prefill)."""
     runner = loaded.new_runner()
     with torch.inference_mode():
         runner.prefill(ids[:50])
         together = runner.forward(ids[50:58])
         runner.rollback_to(50)
         singles = torch.cat([runner.forward(ids[i : i + 1]) for i in range(50, 58)])
-    assert torch.equal(together, singles)
-    params = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
-    prompt = ids[:30].tolist() * 2  # repeats, so that prompt lookup drafts
-    plain = sd.autoregressive_generate(loaded, prompt, params)
-    out = sd.SpeculativeDecoder(loaded, sd.PromptLookupProposer(), gamma=4).generate(prompt, params)
-    assert out.token_ids == plain.token_ids
+    return torch.equal(together, singles)
+
+
+@pytest.fixture(scope="module")
+def build(request) -> str:
+    """A kernels build (``kernels.VARIANTS``) loaded before a test's fresh cache would build it again, or a skip."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if request.param == "avx2" and (not cpuinfo.exists() or "avx2" not in cpuinfo.read_text()):
+        pytest.skip("this CPU has no AVX2")
+    if kernels.ops(request.param) is None:
+        pytest.skip(f"the {request.param} build failed here")
+    return request.param
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"], indirect=True)
+def test_five_bit_blocks_held_in_high_bit_planes_give_the_one_byte_formats_logits_in_less_memory(
+    build, tmp_path, cache, monkeypatch
+):
+    """Q5_0 / Q5_1 / Q5_K matrices and a tied Q5_0 embedding-head, held as nibbles + a plane of fifth bits, give
+    bitwise the logits of the same file held one byte per weight (``HIGH_BIT_PLANES`` off: the earlier format) on
+    the ``build`` given, and those of the native build; k-row passes are bitwise their one-row steps; the weights
+    held shrink by exactly 3/8 of a byte per 5-bit weight."""
+    from specdecode.models import kernel_linear, memory
+
+    path = write_gguf(tmp_path / "five.gguf", LAYOUTS["five-bit"], embedding="Q5_0")
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(4))
+    native = _logits(sd.load_model(path), ids)
+    monkeypatch.setenv("SPECDECODE_KERNELS", build)
+    planes = sd.load_model(path)
+    monkeypatch.setattr(kernel_linear, "HIGH_BIT_PLANES", False)
+    as_bytes = sd.load_model(path)
+    assert planes.new_runner().uses_kernels and as_bytes.new_runner().uses_kernels
+    assert torch.equal(_logits(planes, ids), _logits(as_bytes, ids))
+    assert torch.equal(_logits(planes, ids), native)
+    assert _row_invariant(planes, ids)
+    kv = KV_HEADS * HIDDEN // HEADS
+    per_layer = 2 * HIDDEN * HIDDEN + 2 * kv * HIDDEN + 3 * FFN * HIDDEN
+    five_bit_weights = LAYERS * per_layer + VOCAB * HIDDEN  # every matrix and the head (its rows: whole tiles)
+    saved = memory.loaded_footprint(as_bytes).repacked - memory.loaded_footprint(planes).repacked
+    assert saved == five_bit_weights * 3 // 8
 
 
 def test_an_untied_head_runs_its_own_blocks_and_the_dense_load_dequantizes_the_same_file(tmp_path, cache):

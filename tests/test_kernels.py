@@ -153,7 +153,7 @@ def test_two_level_scales_give_the_one_level_bits(kind, bits):
 @pytest.mark.parametrize(
     ("kind", "bias", "bits"),
     [("Q4_1", False, 16), ("Q8_0", True, 16), ("Q6_K", False, 16), ("Q5_K", True, 16), ("Q4_1", False, 8),
-     ("Q6_K", True, 8), ("Q8_0", False, 8)],
+     ("Q6_K", True, 8), ("Q8_0", False, 8), ("Q5_0", False, 16), ("Q5_1", True, 8), ("Q5_K", False, 8)],
 )  # fmt: skip
 def test_every_row_is_bitwise_the_one_row_product(kind, bias, bits):
     blocks = random_blocks(kind, 40, 256, seed=2)  # 40 outputs: a partial last tile
@@ -180,6 +180,46 @@ def test_dense_formats_map_onto_the_kernels():
         assert (got - expected).norm() / expected.norm() < 1e-5
 
 
+def _register(ops, linear: KernelLinear, packed: torch.Tensor, n: int, k: int):
+    """``linear``'s matrix with the tiles ``packed`` registered with the build ``ops`` (released with the handle)."""
+    from specdecode.models.weights import KernelHandle
+
+    per = 1 if linear.supers is None else linear.scales.numel() // linear.supers.numel()
+    matrix = ops.register_matrix(packed, linear.scales, linear.offsets, None, n, k, linear.group_size, linear.nibbles,
+                                 linear.sym, linear.activation_bits, linear.supers, linear.super_offsets, per,
+                                 linear.high_bits)  # fmt: skip
+    return KernelHandle(ops, matrix)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
+def test_five_bit_blocks_in_nibbles_and_high_bits_give_the_one_byte_layouts_bits(kind, bits, monkeypatch):
+    """5-bit blocks held in 5/8 of a byte per weight (the nibbles of u & 15 and a plane of fifth bits, weights.h)
+    compute bitwise what the same integers held one byte per weight compute (the earlier format), for 1 to 9 rows and
+    a partial last tile, repacked from the file's blocks or laid out from decoded ones. The control: one fifth bit
+    flipped in the plane (tile 0, group 0, bit 0: output 0's first low nibble) moves output 0 and no other."""
+    from specdecode.models import kernel_linear
+    from specdecode.models.gguf_blocks import FileBlocks
+
+    raw = random_raw(kind, 40, 512, seed=40)
+    planes = KernelLinear.from_blocks(FileBlocks(_MappedTensor(kind, raw)), activation_bits=bits)
+    decoded = KernelLinear.from_blocks(BLOCK_TYPES[kind][0](raw), activation_bits=bits)
+    monkeypatch.setattr(kernel_linear, "HIGH_BIT_PLANES", False)
+    as_bytes = KernelLinear.from_blocks(FileBlocks(_MappedTensor(kind, raw)), activation_bits=bits)
+    assert planes.high_bits and planes.nibbles and not as_bytes.high_bits and not as_bytes.nibbles
+    assert planes.packed.numel() * 8 == as_bytes.packed.numel() * 5 == 48 * 512 * 5
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(41))
+    for m in (1, 2, 3, 4, 5, 8, 9):
+        assert torch.equal(planes(x[:m]), as_bytes(x[:m])), m
+    assert torch.equal(decoded(x), as_bytes(x))
+    flipped = planes.packed.clone()
+    flipped[32 * 8] ^= 1  # the first byte of tile 0's group 0 plane, after its 32·8 nibble bytes
+    ops = kernels.ops("native")
+    handle = _register(ops, planes, flipped, 40, 512)
+    moved = (ops.linear(x, [handle.id]) != planes(x)).any(0)
+    assert moved[0] and moved.sum() == 1
+
+
 def _variant(name: str):
     if name == "avx2" and (platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text()):
         pytest.skip("this CPU has no AVX2")
@@ -194,17 +234,15 @@ def test_every_instruction_set_gives_the_same_bits(variant):
     """The AVX2 and plain-C builds compute bitwise what this machine's build computes (so a result checked on one
     CPU holds on the others): the linear layer, attention and exp."""
     other, native = _variant(variant), kernels.ops("native")
-    for kind, bits in itertools.product(("Q4_1", "Q4_K", "Q6_K", "Q8_0"), (16, 8)):
+    for kind, bits in itertools.product(("Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "Q5_K"), (16, 8)):
         blocks = random_blocks(kind, 48, 512, seed=6)
         linear = KernelLinear.from_blocks(blocks, activation_bits=bits)
         quads = bits == 8 and other.quad_layout()  # int8 activations: each build's own layout, the same sums
-        packed = _tile_layout(blocks.u, linear.group_size, linear.nibbles, quads)
-        per = 1 if linear.supers is None else linear.scales.numel() // linear.supers.numel()
-        registered = other.register_matrix(packed, linear.scales, linear.offsets, None, 48, 512, linear.group_size,
-                                           linear.nibbles, linear.sym, bits, linear.supers, linear.super_offsets,
-                                           per)  # fmt: skip
+        assert linear.high_bits == kind.startswith("Q5")  # 5-bit blocks: nibbles + high bits, decoded in each ISA
+        packed = _tile_layout(blocks.u, linear.group_size, linear.nibbles, quads, linear.high_bits)
+        registered = _register(other, linear, packed, 48, 512)
         x = torch.randn(7, 512, generator=torch.Generator().manual_seed(7))
-        assert torch.equal(other.linear(x, [registered]), linear(x)), (kind, bits)
+        assert torch.equal(other.linear(x, [registered.id]), linear(x)), (kind, bits)
     case = _attention_case(rows=5, cached=300, seed=8)
     assert torch.equal(_attend(other, *case), _attend(native, *case))
     values = torch.linspace(-100, 100, 4096)
@@ -290,20 +328,31 @@ def test_greedy_tokens_takes_the_kernel_or_torch_with_the_same_result(monkeypatc
 
 
 def test_threads_split_work_never_a_sum():
-    """Two threads give bitwise the one-thread results (threads take output columns and attention tasks)."""
+    """Two threads give bitwise the one-thread results (threads take output columns and attention tasks), and the
+    compiled repacker's threads give the one-thread tiles (they take whole tiles: outputs of a tile share bytes of
+    the high-bit plane; 40 rows on 3 threads would split tile 0 by rows)."""
+    from specdecode.models.gguf_blocks import FileBlocks
+
     blocks = random_blocks("Q4_1", 160, 512, seed=16)
     linear = KernelLinear.from_blocks(blocks)
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(17))
     case = _attention_case(rows=6, cached=700, seed=18)
+    raw = random_raw("Q5_0", 40, 4096, seed=19)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = linear(x), _attend(kernels.ops("native"), *case)
+        one = (
+            linear(x),
+            _attend(kernels.ops("native"), *case),
+            KernelLinear.from_blocks(FileBlocks(_MappedTensor("Q5_0", raw))).packed,
+        )
         torch.set_num_threads(2)
-        two = linear(x), _attend(kernels.ops("native"), *case)
+        more = linear(x), _attend(kernels.ops("native"), *case)
+        torch.set_num_threads(3)
+        more += (KernelLinear.from_blocks(FileBlocks(_MappedTensor("Q5_0", raw))).packed,)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one, more, strict=True))
 
 
 def test_exp_is_accurate_and_exact_at_zero():
@@ -454,11 +503,12 @@ def test_head_refines_each_rows_top_logits_exactly():
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q4_0", "Q5_0"])
 def test_a_heads_exact_rows_read_back_from_its_tiles_are_the_int8_tables(kind, bits):
     """A tied head's embedding and exact rows come from its own tiles (no second table): every row bitwise the int8
-    table's, in each layout (bytes, nibbles; pairs, and quads with int8 activations), and the head's refined logits
-    bitwise those refined from the table. Control: a head of other blocks refines to other logits."""
+    table's, in each layout (bytes, nibbles, nibbles + high bits; pairs, and quads with int8 activations), and the
+    head's refined logits bitwise those refined from the table. Control: a head of other blocks refines to other
+    logits."""
     from specdecode.models.weights import Int8Groups, KernelRows
 
     blocks = random_blocks(kind, 200, 256, seed=16)  # 200 outputs: a partial last tile

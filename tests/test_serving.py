@@ -301,7 +301,7 @@ BAD = [
     ("completions", {"prompt": "w1", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"prompt": "w1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("completions", {"prompt": "w1", "stop": [""]}, 400, "stop"),
-    ("completions", {"prompt": "w1", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "w1", "n": 9}, 400, "n"),
     ("completions", {"prompt": "w1", "seed": -1}, 400, "seed"),
     ("completions", {"prompt": "w1", "speculative": {"proposer": "oracle"}}, 400, "speculative"),
     ("completions", {"prompt": "w1", "speculative": {"gamma": 0}}, 400, "speculative"),
@@ -310,7 +310,12 @@ BAD = [
     ("chat", {"messages": [{"role": "robot", "content": "w1"}]}, 400, "messages"),
     ("chat", {"messages": "w1"}, 400, "messages"),
     ("chat", {"prompt": "w1"}, 400, "messages"),
-    ("chat", {"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0}, 400, "max_tokens"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
 ]
 
 

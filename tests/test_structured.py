@@ -4,6 +4,7 @@ tokens counted apart, and one-line errors for bad grammars."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -126,6 +127,33 @@ def test_the_matcher_is_where_it_was_after_forcing_and_masking_past_the_grammars
     assert constraint.advance([close, eos, eos]) == 3
     constraint.rollback(3)  # as Request.emit does when the sink keeps none of them
     assert torch.equal(constraint.mask(), before)
+
+
+def test_penalties_and_logit_bias_apply_under_the_grammar_identically(target, draft):
+    """Warps that read each row's context (penalties) and logit_bias come before the grammar's mask: a bias towards a
+    token the grammar forbids changes nothing it forbids, and speculative output equals plain under both."""
+    schema = SCHEMAS[9]
+    bias = {PIECES.index("}"): 100.0}  # allowed inside a string only
+    for temperature in (0.0, 1.0):
+        params = sd.SamplingParams(
+            temperature=temperature,
+            max_new_tokens=60,
+            seed=2,
+            grammar=sd.Grammar.json_schema(schema),
+            frequency_penalty=1.5,
+            repetition_penalty=1.3,
+            logit_bias=bias,
+        )
+        plain = sd.autoregressive_generate(target, [1, 2, 3], params)
+        mode = "exact" if temperature == 0 else "reproducible"
+        out = sd.SpeculativeDecoder(target, sd.DraftModelProposer(draft), gamma=3, mode=mode).generate(
+            [1, 2, 3], params
+        )
+        assert out.token_ids == plain.token_ids, (out.text, plain.text)
+        assert plain.finish_reason == "eos" and '"}}}"' in plain.text  # biased where allowed, masked elsewhere
+        jsonschema.validate(json.loads(plain.text), schema)
+        unbiased = sd.autoregressive_generate(target, [1, 2, 3], dataclasses.replace(params, logit_bias={}))
+        assert unbiased.token_ids != plain.token_ids
 
 
 def test_without_the_grammar_the_tiny_model_writes_no_json(target):

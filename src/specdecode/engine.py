@@ -32,6 +32,7 @@ from .verify import (
     tree_speculative_sample,
 )
 from .vocab import check_vocabularies, vocabulary_fingerprint
+from .warps import RowContexts, target_logits
 
 TextCallback = Callable[[str], None]
 FORCED_PER_ROUND = 32  # tokens a grammar forces that one round drafts for free, at most
@@ -121,6 +122,10 @@ class Request:
         _check_logprobs(logprobs)
         if params.stop and target.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
+        if params.logit_bias and params.logit_bias[-1][0] >= target.vocab_size:
+            raise ValueError(
+                f"logit_bias names token {params.logit_bias[-1][0]}, past the vocabulary ({target.vocab_size} tokens)"
+            )
         self.prompt_ids = target.encode(prompt)
         check_context_window(target, len(self.prompt_ids), params.max_new_tokens)
         self.context = list(self.prompt_ids)
@@ -176,6 +181,23 @@ class Request:
             if delta:
                 self.on_text(delta)
         return kept
+
+    def target_logits(
+        self,
+        logits: torch.Tensor,
+        draft_tokens: torch.Tensor | None = None,
+        parents: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The target's ``logits`` of a pass over the newest context token and ``draft_tokens`` (a tree: with
+        ``parents``; None: a plain step), each row warped with its own context (``warps.target_logits``), then
+        masked by the grammar: ``allowed`` [rows, V], a round's masks (``Round.allowed``); a plain step under a
+        grammar takes its current mask."""
+        if draft_tokens is None and self.constraint is not None:
+            allowed = self.constraint.mask().unsqueeze(0)
+        drafted = torch.zeros(0, dtype=torch.int64) if draft_tokens is None else draft_tokens
+        rows = RowContexts(self.context, len(self.prompt_ids), drafted, parents)
+        return mask_logits(target_logits(logits, self.params, rows), allowed)
 
     @property
     def done(self) -> bool:
@@ -368,20 +390,21 @@ class SpeculativeDecoder:
     ) -> None:
         """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
         ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
-        logits = grammar_logits(pending, logits)
+        logits = every_row(pending, logits)
         if pending.positions is not None:
             self._settle_tree(request, pending, logits, runner, started)
             return
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         draft = pending.draft
         n_drafted = len(draft)
+        warped = request.target_logits(logits, draft.tokens, allowed=pending.allowed)
         if params.greedy:
-            n_accepted, token = greedy_verify(logits, draft.tokens)
+            n_accepted, token = greedy_verify(warped, draft.tokens)
         elif self.mode == "reproducible":
-            target_tokens = request.noise.tokens(logits, params, len(context))
+            target_tokens = request.noise.tokens(warped, params, len(context))
             n_accepted, token = coupled_verify(target_tokens, draft.tokens)
         else:
-            target_probs = probs_from_logits(logits, params)
+            target_probs = probs_from_logits(warped, params)
             n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
         t2 = time.perf_counter()
         stats.draft_seconds += pending.draft_seconds
@@ -404,13 +427,14 @@ class SpeculativeDecoder:
         """``settle`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         draft = pending.draft
+        warped = request.target_logits(logits, draft.tokens, draft.parents, pending.allowed)
         if params.greedy:
-            accepted, token = tree_greedy_verify(logits, draft.tokens, draft.parents)
+            accepted, token = tree_greedy_verify(warped, draft.tokens, draft.parents)
         elif self.mode == "reproducible":
-            target_tokens = request.noise.tokens_at(logits, params, (pending.positions + 1).tolist())
+            target_tokens = request.noise.tokens_at(warped, params, (pending.positions + 1).tolist())
             accepted, token = tree_coupled_verify(target_tokens, draft.tokens, draft.parents)
         else:
-            target_probs = probs_from_logits(logits, params)
+            target_probs = probs_from_logits(warped, params)
             accepted, token = tree_speculative_sample(
                 target_probs, draft.probs, draft.tokens, draft.parents, request.generator
             )
@@ -438,11 +462,10 @@ class SpeculativeDecoder:
         runner.retain(start, [start + node for node in accepted])
 
 
-def grammar_logits(pending: Round, logits: torch.Tensor) -> torch.Tensor:
-    """The target's ``logits`` for a round's rows under the grammar's masks (no grammar: unchanged). A chain cut
-    after a forbidden draft token scored no row past it: a copy of the last row stands there, never read (every
-    rule rejects the forbidden token, its target probability being 0)."""
-    logits = mask_logits(logits, pending.allowed)
+def every_row(pending: Round, logits: torch.Tensor) -> torch.Tensor:
+    """The target's ``logits`` with a row for every draft token and the bonus. A chain cut after a token the grammar
+    forbids scored no row past it: a copy of the last row stands there, never read (every rule rejects the
+    forbidden token, its masked target probability being 0)."""
     missing = len(pending.draft) + 1 - logits.shape[0]
     return logits if missing <= 0 else torch.cat([logits, logits[-1:].expand(missing, -1)])
 
@@ -470,9 +493,7 @@ def autoregressive_generate(
     while not request.done:
         t0 = time.perf_counter()
         logits = runner.forward(torch.tensor(request.context[-1:], dtype=torch.int64))
-        if request.constraint is not None:
-            logits = mask_logits(logits, request.constraint.mask().unsqueeze(0))
-        token = request.noise.token(logits[0], params, len(request.context))
+        token = request.noise.token(request.target_logits(logits)[0], params, len(request.context))
         request.stats.verify_seconds += time.perf_counter() - t0
         request.stats.record_round(0, 0)
         request.emit([token], round_sources(0, False, False), logits)

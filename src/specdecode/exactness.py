@@ -29,7 +29,7 @@ from .engine import SpeculativeDecoder
 from .models.loader import LoadedModel
 from .params import SamplingParams
 from .proposers.base import Proposer
-from .sampling import warp_logits
+from .sampling import warp
 
 MIN_EXPECTED = 5.0
 NULL_REPLICATES = 200
@@ -39,7 +39,7 @@ def target_law(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The target's warped distribution (float64) for one row of ``logits``; one-hot argmax if greedy."""
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).double()
-    return torch.softmax(warp_logits(logits, params.temperature, params.top_k, params.top_p).double(), dim=-1)
+    return torch.softmax(warp(logits, params).double(), dim=-1)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .params import SamplingParams
-from .sampling import greedy_tokens, warp_logits
+from .sampling import greedy_tokens, warp
 
 LN2 = 0.6931471805599453
 
@@ -69,7 +69,7 @@ def gumbel_max(
         return greedy_tokens(logits)
     if positions is None:
         positions = range(start, start + logits.shape[0])
-    warped = warp_logits(logits, params.temperature, params.top_k, params.top_p).double().cpu()
+    warped = warp(logits, params).double().cpu()
     return keyed_argmax(warped, seed, [int(t) for t in positions])
 
 

@@ -1,10 +1,13 @@
-"""Logits → probabilities: temperature, top-k, top-p (applied in that order), and drawing from them.
+"""Logits → probabilities: temperature, min-p, top-k, top-p (applied in that order), and drawing from them.
 
 All functions are pure and batched over leading dimensions; the same warps are applied to the target's and
-the draft's logits so that p and q are comparable.
+the draft's logits so that p and q are comparable. The warps that read a row's context (logit_bias and the
+penalties) come before these, in ``warps.target_logits``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,16 +30,22 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Scaled logits ``logits / T`` with tokens outside top-k, then outside the nucleus, set to −inf.
+def warp_logits(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Scaled logits ``logits / T`` with tokens below min-p, then outside top-k, then outside the nucleus, set to −inf.
 
-    The nucleus is the smallest set of most probable tokens (stable descending sort) whose renormalised
+    Min-p keeps x iff softmax(s)_x ≥ min_p · max softmax(s), i.e. s_x − max s ≥ log(min_p) (in float64). The
+    nucleus is the smallest set of most probable tokens (stable descending sort) whose renormalised
     mass, accumulated in float64, reaches ``top_p``; the token that crosses ``top_p`` is kept.
     """
     if temperature <= 0:
         raise ValueError("warp_logits needs temperature > 0; greedy decoding takes the argmax instead")
     scaled = logits.float() / temperature
     vocab = scaled.shape[-1]
+    if min_p > 0:
+        below = scaled.double() - scaled.amax(dim=-1, keepdim=True).double() < math.log(min_p)
+        scaled = scaled.masked_fill(below, float("-inf"))
     if 0 < top_k < vocab:
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -54,7 +63,12 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """The distribution a request samples from: softmax of the warped logits, or one-hot argmax if greedy."""
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)
-    return torch.softmax(warp_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+    return torch.softmax(warp(logits, params), dim=-1)
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``warp_logits`` with the request's temperature, min-p, top-k and top-p (temperature > 0)."""
+    return warp_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | Choices) -> torch.Tensor:

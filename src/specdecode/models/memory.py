@@ -146,12 +146,15 @@ def footprint(shape: Shape, mapped: int, repacked: int, kv_element: int = 2, tab
 
 
 def kernel_matrix_bytes(rows: int, cols: int, layout: Layout, bias: bool = False) -> int:
-    """Bytes of ``KernelLinear.from_blocks``: outputs in tiles of 16, 4-bit weights as nibbles, 5- to 8-bit ones as
-    bytes, one scale (and offset, if asymmetric) per group of ≤ 32 per output (two-level: an int8 per group and a
-    float16 per super-block), a float32 bias."""
+    """Bytes of ``KernelLinear.from_blocks``: outputs in tiles of 16, 4-bit weights as nibbles, 5-bit ones as nibbles
+    and a plane of their fifth bits (5/8 of a byte), 6- to 8-bit ones as bytes, one scale (and offset, if
+    asymmetric) per group of ≤ 32 per output (two-level: an int8 per group and a float16 per super-block), a float32
+    bias."""
+    from .kernel_linear import packed_row_bytes, packing_of
+
     group = layout.group // max(layout.group // 32, 1)
     padded = math.ceil(rows / 16) * 16
-    packed = padded * cols // (2 if layout.bits <= 4 else 1)
+    packed = padded * packed_row_bytes(cols, *packing_of(layout.bits, group))
     groups = padded * (cols // group)
     if layout.scales.startswith("super"):
         scales = groups + groups // int(layout.scales.removeprefix("super")) * 2

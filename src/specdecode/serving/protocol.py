@@ -1,10 +1,15 @@
-"""OpenAI's shapes: the request bodies of /v1/completions and /v1/chat/completions, responses, stream chunks,
-and errors (``{"error": {"message", "type", "param", "code"}}``).
+"""OpenAI's request shapes: the bodies of /v1/completions and /v1/chat/completions, and errors
+(``{"error": {"message", "type", "param", "code"}}``); responses and stream chunks are ``responses``.
 
-Bodies are parsed strictly (a string where a number belongs is an error, not a coercion); unknown fields are
-ignored, as OpenAI's own server does. Fields we cannot honour (n > 1, echo, penalties) are refused with a 400
-rather than silently ignored. ``logprobs`` (and chat's ``top_logprobs``) are the target's own log-softmax,
-before temperature, top-k and top-p (``provenance``). Extensions: ``top_k``; ``speculative`` (``false``,
+Bodies are parsed strictly (a string where a number belongs is an error, not a coercion). Nothing is silently
+ignored: a field OpenAI defines that this server does not honour (``NOT_HONOURED``: ``response_format``, ``tools``,
+...) and any unknown field get a 400 naming the field, and values we cannot honour (``echo``, ``best_of`` > 1) too.
+Honoured: the sampling fields (``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias``, ``seed``, ``stop``), ``n`` up to ``MAX_CHOICES`` (choice i samples with its own seed,
+``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``;
+``user`` is accepted and does not change the answer. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
+log-softmax, before any warp (``provenance``). Extensions: ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM's
+meanings; the warps' order and definitions: ``params.SamplingParams``, ``warps``); ``speculative`` (``false``,
 ``true`` or ``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every
 chunk, as vLLM); ``include_sources`` (top level or in ``stream_options``: each choice or chunk lists its tokens'
 sources, ``tokens.sources_json``); ``usage`` also counts drafted and accepted tokens and, in the final usage,
@@ -13,18 +18,15 @@ what speculation did (``speculation``).
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..engine import GenerationOutput
 from ..provenance import MAX_TOP_LOGPROBS
-from .tokens import TokenRecord, chat_logprobs_json, completion_logprobs_json, sources_json
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 8
+MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
 MAX_GAMMA = 16
 MAX_SEED = 2**63
 SOURCES = "Each token's source (a draft guess accepted at its depth, or the target's own token) with its text."
@@ -52,10 +54,41 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# ---- OpenAI's fields this server does not honour -------------------------------------------------------------------
+# Each is refused with a 400 naming it (a null is taken as absent), never ignored. THE place to edit when one is
+# wired: the structured-output work removes "response_format" (and "tools", "tool_choice") from here and adds the
+# field to the request models below.
+NOT_HONOURED: dict[str, str] = {
+    "response_format": "response_format (structured output) is not supported yet: remove it",
+    "tools": "tools are not supported yet: remove them",
+    "tool_choice": "tool_choice is not supported (no tools): remove it",
+    "parallel_tool_calls": "parallel_tool_calls is not supported (no tools): remove it",
+    "functions": "functions are not supported: remove them",
+    "function_call": "function_call is not supported: remove it",
+    "audio": "audio output is not supported: remove it",
+    "modalities": "modalities are not supported (text only): remove it",
+    "prediction": "prediction (predicted outputs) is not supported: remove it (the server speculates on its own)",
+    "web_search_options": "web search is not supported: remove web_search_options",
+    "reasoning_effort": "reasoning_effort is not supported: remove it",
+    "service_tier": "service_tier is not supported: remove it",
+    "store": "store is not supported (nothing is stored): remove it",
+    "metadata": "metadata is not supported (nothing is stored): remove it",
+}
+
+
+def unknown_field_message(loc: list[str]) -> str:
+    """The 400's line for a field the request models do not take: an OpenAI field we do not honour, or unknown."""
+    if len(loc) == 1 and loc[0] in NOT_HONOURED:
+        return NOT_HONOURED[loc[0]]
+    return f"unknown field {'.'.join(loc)}: this server does not take it (its fields: /openapi.json)"
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable line (and the offending field) from pydantic's errors: ``invalid max_tokens: ...``."""
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "extra_forbidden" and loc:
+        return unknown_field_message(loc), loc[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the body is not valid JSON ({detail})", None
@@ -109,7 +142,7 @@ def documented(default: Any = None, description: str | None = None, **schema: An
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class SpeculativeOptions(_Strict):
@@ -131,6 +164,14 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """Fields both routes share."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """A field in ``NOT_HONOURED`` sent as null asks for nothing: drop it (any other value is refused)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in NOT_HONOURED and v is None)}
+        return data
+
     model: str | None = Field(None, description="The served model's id (another is a 404); default: it.")
     max_tokens: int | None = documented(minimum=1)
     temperature: float | None = documented(description="0 = greedy (default 1).", minimum=0)
@@ -149,15 +190,41 @@ class _Sampling(_Strict):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = documented(1, "One choice per request.", minimum=1, maximum=1)
+    n: int = documented(
+        1,
+        f"Choices (1..{MAX_CHOICES}); choice i samples with its own seed (choice_seed).",
+        minimum=1,
+        maximum=MAX_CHOICES,
+    )
     speculative: bool | SpeculativeOptions | None = Field(
         None, description="false: plain decoding; true or an object: speculate (default: the server's policy)."
     )
     include_sources: bool = Field(False, description=SOURCES)
-    presence_penalty: float | None = documented(description="Not supported: 0 or absent.", minimum=0, maximum=0)
-    frequency_penalty: float | None = documented(description="Not supported: 0 or absent.", minimum=0, maximum=0)
-    logit_bias: dict[str, float] | None = documented(description="Not supported: empty or absent.", maxProperties=0)
-    user: str | None = None
+    presence_penalty: float | None = documented(
+        description="Subtracted from the logit of every token generated so far (0 = off).", minimum=-2, maximum=2
+    )
+    frequency_penalty: float | None = documented(
+        description="Times each token's count among the generated tokens, subtracted from its logit (0 = off).",
+        minimum=-2,
+        maximum=2,
+    )
+    repetition_penalty: float | None = documented(
+        description="Extension (HF, vLLM): a token seen in the prompt or the output has a positive logit divided by "
+        "it, a negative one multiplied (1 = off).",
+        exclusiveMinimum=0,
+    )
+    min_p: float | None = documented(
+        description="Extension (vLLM): drop tokens less likely than min_p times the most likely (0 = off).",
+        minimum=0,
+        maximum=1,
+    )
+    logit_bias: dict[str, float] | None = documented(
+        description="Token id (as a string) to a value in [-100, 100] added to its logit before sampling.",
+        maxProperties=MAX_LOGIT_BIAS,
+        propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+    )
+    user: str | None = Field(None, description="Accepted; it does not change the answer.")
 
     def checked_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -166,8 +233,8 @@ class _Sampling(_Strict):
 
     def check(self) -> None:
         """Refuse values we cannot honour, each with a message naming the field."""
-        if self.n != 1:
-            raise APIError(400, f"n must be 1 (one choice per request), got {self.n}", "n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in 1..{MAX_CHOICES}, got {self.n}", "n")
         if self.temperature is not None and self.temperature < 0:
             raise APIError(400, f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -177,10 +244,16 @@ class _Sampling(_Strict):
         if self.seed is not None and not 0 <= self.seed < MAX_SEED:
             raise APIError(400, f"seed must be in [0, 2**63), got {self.seed}", "seed")
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported (it would change the target's distribution)", name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+            value = getattr(self, name)
+            if value is not None and not -2 <= value <= 2:
+                raise APIError(400, f"{name} must be in [-2, 2] (0 = off), got {value}", name)
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise APIError(
+                400, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}", "repetition_penalty"
+            )
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise APIError(400, f"min_p must be in [0, 1] (0 = off), got {self.min_p}", "min_p")
+        self.token_bias()
         stops = self.stop_strings()
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
@@ -192,6 +265,18 @@ class _Sampling(_Strict):
                 raise APIError(
                     400, f"speculative.gamma must be in 1..{MAX_GAMMA} or 'auto', got {gamma}", "speculative"
                 )
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with token ids as integers, each key and value checked."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise APIError(400, f"logit_bias keys must be token ids (digits), got {key!r}", "logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for {key}", "logit_bias")
+        return {int(key): value for key, value in bias.items()}
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -275,10 +360,23 @@ class TextPart(_Strict):
     text: str
 
 
+# Fields an assistant message carries back from an earlier answer (OpenAI's shape): as null they say nothing
+MESSAGE_NULLABLE = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """A message echoed back from an answer may hold ``MESSAGE_NULLABLE`` fields as null: drop those (any other
+        value is an unknown field, refused)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in MESSAGE_NULLABLE and v is None)}
+        return data
 
     def text(self) -> str:
         if self.content is None:
@@ -299,20 +397,24 @@ class ChatCompletionRequest(_Sampling):
 
     model_config = ConfigDict(json_schema_extra=_top_logprobs_need_logprobs)
     messages: list[ChatMessage] = documented(..., minItems=1)
-    max_completion_tokens: int | None = documented(description="Overrides max_tokens.", minimum=1)
+    max_completion_tokens: int | None = documented(
+        description="The most tokens each choice generates (OpenAI's successor of max_tokens; wins if both are set).",
+        minimum=1,
+    )
     logprobs: bool | None = Field(
         None, description="Each token's logprob (the target's own log-softmax, before temperature, top-k, top-p)."
     )
     top_logprobs: int | None = documented(
         description="With logprobs: this many most likely alternatives per token.", minimum=0, maximum=MAX_TOP_LOGPROBS
     )
-    tools: list[Any] | None = documented(description="Not supported: empty or absent.", maxItems=0)
 
     def checked_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             if self.max_completion_tokens < 1:
                 raise APIError(
-                    400, f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}", "max_tokens"
+                    400,
+                    f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                    "max_completion_tokens",
                 )
             return self.max_completion_tokens
         return super().checked_max_tokens()
@@ -328,149 +430,6 @@ class ChatCompletionRequest(_Sampling):
                 raise APIError(
                     400, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}", "top_logprobs"
                 )
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
 
     def logprob_alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-def finish_reason(output: GenerationOutput) -> str:
-    """OpenAI's words: ``stop`` (EOS or a stop string) or ``length`` (max_tokens)."""
-    return "length" if output.finish_reason == "length" else "stop"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, output: GenerationOutput | None = None) -> dict[str, Any]:
-    """Token counts; with the final output also drafted/accepted (and OpenAI's predicted-output details)."""
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if output is not None:
-        stats = output.stats
-        out["drafted_tokens"] = stats.drafted
-        out["accepted_tokens"] = stats.accepted
-        out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": stats.accepted,
-            "rejected_prediction_tokens": stats.drafted - stats.accepted,
-        }
-        out["speculation"] = {
-            "rounds": stats.rounds,
-            "tokens_per_round": stats.tokens_per_round,
-            "acceptance_by_depth": stats.per_position_rate,
-            "draft_seconds": stats.draft_seconds,
-            "verify_seconds": stats.verify_seconds,
-            "total_seconds": stats.total_seconds,
-        }
-    return out
-
-
-class Shape:
-    """Responses and stream chunks of one request, in the shape of its route; with ``sources`` or
-    ``logprobs`` (not None), each choice also carries its tokens' records (``tokens``)."""
-
-    def __init__(
-        self,
-        chat: bool,
-        model: str,
-        prompt_tokens: int,
-        sources: bool = False,
-        logprobs: int | None = None,
-        seed: int | None = None,
-    ) -> None:
-        self.chat = chat
-        self.seed = seed  # the request's seed, in every body and chunk (a run can be replayed)
-        self.model = model
-        self.prompt_tokens = prompt_tokens
-        self.sources = sources
-        self.logprobs = logprobs
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self._text_offset = 0  # completions' logprobs: where the next chunk's tokens start in the answer
-
-    @property
-    def wants_tokens(self) -> bool:
-        return self.sources or self.logprobs is not None
-
-    def _extras(self, choice: dict[str, Any], records: list[TokenRecord] | None) -> dict[str, Any]:
-        """Put the records' logprobs (in the route's shape) and sources into ``choice``."""
-        if records is None:
-            return choice
-        if self.logprobs is not None:
-            if self.chat:
-                choice["logprobs"] = chat_logprobs_json(records)
-            else:
-                choice["logprobs"] = completion_logprobs_json(records, self._text_offset)
-                self._text_offset += sum(len(r.text) for r in records)
-        if self.sources:
-            choice["sources"] = sources_json(records)
-        return choice
-
-    def _envelope(self, kind: str, choice: dict[str, Any], usage_: dict[str, Any] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-        if usage_ is not None:
-            body["usage"] = usage_
-        if self.seed is not None:
-            body["seed"] = self.seed
-        return body
-
-    def response(self, output: GenerationOutput, records: list[TokenRecord] | None = None) -> dict[str, Any]:
-        """The non-streaming body (``records``: every token's, when the request asked for them)."""
-        reason = finish_reason(output)
-        if self.chat:
-            message = {"role": "assistant", "content": output.text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
-        body = self._envelope(
-            "chat.completion" if self.chat else "text_completion",
-            self._extras(choice, records),
-            usage(self.prompt_tokens, len(output.token_ids), output),
-        )
-        body["seed"] = output.seed
-        return body
-
-    def chunk(
-        self,
-        text: str,
-        reason: str | None = None,
-        usage_: dict[str, Any] | None = None,
-        role: bool = False,
-        records: list[TokenRecord] | None = None,
-    ) -> str:
-        """One server-sent event: a text delta (chat: the first carries the role) with its tokens' ``records``,
-        or the finish reason."""
-        if self.chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            )
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        choice = self._extras(choice, records)
-        return sse(self._envelope("chat.completion.chunk" if self.chat else "text_completion", choice, usage_))
-
-    def usage_chunk(self, output: GenerationOutput) -> str:
-        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        body = self._envelope(
-            "chat.completion.chunk" if self.chat else "text_completion",
-            {},
-            usage(self.prompt_tokens, len(output.token_ids), output),
-        )
-        body["choices"] = []
-        return sse(body)
-
-
-def sse(body: dict[str, Any] | str) -> str:
-    """``data: <json>`` and a blank line (``[DONE]`` as is)."""
-    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-DONE = sse("[DONE]")

@@ -218,8 +218,11 @@ def with_forced(forced: list[int], draft: Draft) -> Draft:
 
 
 def cut_at_forbidden(constraint: Constraint, draft: Draft) -> tuple[Draft, torch.Tensor, int]:
-    """(the chain ``draft`` cut after its first token the grammar forbids, the masks of its rows [n + 1, V], n): the
-    target scores the n allowed tokens only; the forbidden one stays drafted, to be rejected with the residual of
-    its own row (dropping it instead would bias the law whenever the draft has a distribution)."""
+    """(the chain ``draft`` cut after its first token the grammar forbids, the masks of its rows [len + 1, V], n):
+    the target scores the n allowed tokens only; the forbidden one stays drafted, to be rejected with the residual
+    of its own row (dropping it instead would bias the law whenever the draft has a distribution). The row past it,
+    never reached, allows every token."""
     allowed, n = constraint.chain_masks(draft.tokens.tolist())
-    return (draft if n == len(draft) else draft.truncated(n + 1)), allowed, n
+    if n == len(draft):
+        return draft, allowed, n
+    return draft.truncated(n + 1), torch.cat([allowed, torch.ones_like(allowed[:1])]), n

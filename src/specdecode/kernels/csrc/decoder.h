@@ -218,26 +218,10 @@ static float group_scale(const Matrix& w, int64_t t, int64_t j, int64_t c) {
 // scale, so that w = scale·q exactly. The layouts are the ones described at Matrix.
 static void matrix_row_int8(const Matrix& w, int64_t n, int8_t* q, float* scale) {
   const bool quads = w.abits == 8 && SD_DOT8;
-  const int64_t t = n / kLanes, c = n % kLanes, g = w.g, half = g / 2;
-  const int64_t group_bytes = w.nibbles ? g * 8 : g * 16;
+  const int64_t t = n / kLanes, c = n % kLanes, g = w.g;
   for (int64_t j = 0; j < w.groups; ++j) {
-    const uint8_t* p = w.wp + (t * w.groups + j) * group_bytes;
-    for (int64_t i = 0; i < g; ++i) {
-      int u;
-      if (quads && w.nibbles) {
-        const uint8_t byte = p[(i / 8) * 64 + 4 * c + i % 4];
-        u = i % 8 < 4 ? byte & 15 : byte >> 4;
-      } else if (quads) {
-        u = p[(i / 4) * 64 + 4 * c + i % 4];
-      } else if (w.nibbles) {
-        const int64_t e = i < half ? i : i - half;
-        const uint8_t byte = p[(e / 2) * 32 + 2 * c + e % 2];
-        u = i < half ? byte & 15 : byte >> 4;
-      } else {
-        u = p[(i / 2) * 32 + 2 * c + i % 2];
-      }
-      q[j * g + i] = static_cast<int8_t>(u - w.sym);
-    }
+    const uint8_t* p = w.wp + (t * w.groups + j) * w.group_bytes();
+    for (int64_t i = 0; i < g; ++i) q[j * g + i] = static_cast<int8_t>(get_value(p, w.packing, quads, g, c, i) - w.sym);
     scale[j] = group_scale(w, t, j, c);
   }
 }

@@ -2,6 +2,22 @@
 // int8 for vpdpbusd), then integer dot products against each 16-output weight tile, unpacked once for a block
 // of rows, with each output's float accumulation over groups in one fixed order.
 //
+// tile_rows is one template per weight format and row count (tile_fn_of picks the instance from the Matrix, so the
+// inner loops hold no branch on either); its parameters:
+//   R          rows in this block, 1..kRowBlock: each row's 16 accumulators stay in registers, and each group of the
+//              tile is loaded and unpacked once for all R rows;
+//   G          the group size g (16 or 32): inputs per scale, the length of each exact integer dot product;
+//   PACKING    how the integers u are held (a Packing, Matrix::packing; layouts at Matrix in weights.h): one byte
+//              per weight; 4-bit nibbles, two to a byte; or 5-bit weights as nibbles plus a plane of their fifth
+//              bits, or-ed back into the unpacked nibbles (16 added where the bit is set) before the dot products;
+//   SCALES     how the scales and offsets are stored, a ScaleKind (Matrix::kind): float32, float16, or a K-quant's
+//              int8 multiplier per group times a float16 factor per super-block;
+//   SYMMETRIC  a symmetric type (Matrix::sym >= 0): w = s·(u − sym), so Σ w·x = s·d·(Σ u·xq − sym·Σ xq) and there
+//              are no offsets; else w = s·u + m, m the group's offset (Q4_1, Q5_1, K-quants), added as m·d·Σ xq;
+//   QUADS      the activations are int8 quads for vpdpbusd (the quad layout: SD_DOT8 builds, Matrix::abits == 8);
+//              else int16 pairs (int8 activations included, where vpdpbusd is missing: the same integer sums).
+// Every packing yields the same integers u in the same lanes, so the same sums and bitwise the same outputs.
+//
 // A part of the kernels' one translation unit: ops.cpp includes the parts in order.
 
 #pragma once
@@ -127,32 +143,32 @@ static inline VI vi_dot8(VI acc, __m512i w, int32_t quad) {
 }
 #endif
 
-// y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs. One instance per weight
-// format and row count, so the inner loops hold no branch on either (tile_fn_of picks it from the Matrix):
-//   R    rows in this block, 1..kRowBlock: each row's 16 accumulators stay in registers, and each group of the
-//        tile is loaded and unpacked once for all R rows;
-//   G    the group size g (16 or 32): inputs per scale, the length of each exact integer dot product;
-//   NIB  4-bit weights, two to a byte (Matrix::nibbles: the "nibbles" layout), else one byte per weight;
-//   SK   how the scales and offsets are stored, a ScaleKind (Matrix::kind): float32, float16, or a K-quant's int8
-//        multiplier per group times a float16 factor per super-block;
-//   SYM  a symmetric type (Matrix::sym >= 0): w = s·(u − sym), so Σ w·x = s·d·(Σ u·xq − sym·Σ xq) and there are no
-//        offsets; else w = s·u + m, m the group's offset (Q4_1, K-quants), added as m·d·Σ xq;
-//   A8   the activations are int8 quads for vpdpbusd (the quad layout: SD_DOT8 builds, Matrix::abits == 8); else
-//        int16 pairs (int8 activations included, where vpdpbusd is missing: the same integer sums).
-template <int R, int G, bool NIB, int SK, bool SYM, bool A8>
+#if SD_DOT8
+// Byte l of v (values below 16: nibbles) gets 16 added where bit l of the 64 little-endian bits at p is set.
+static inline __m512i high_bits8(__m512i v, const uint8_t* p) {
+  uint64_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8(16));
+}
+#endif
+
+// y[r, col0 + c] (+)= Σ_groups (s·(d·Σ u·xq − ...)) for R rows and one tile of 16 outputs (the template parameters
+// at the top of this file).
+template <int R, int G, int PACKING, int SCALES, bool SYMMETRIC, bool QUADS>
 static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                       int64_t ncols, const float* add, int64_t ldadd) {
   VF acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vf_zero();
   const int64_t groups = w.groups;
-  constexpr int64_t group_bytes = NIB ? G * 8 : G * 16;
+  constexpr bool kNibbles = PACKING != kPackBytes, kHigh = PACKING == kPackNibblesHighBits;
+  constexpr int64_t group_bytes = packed_group_bytes(PACKING, G);
   const uint8_t* wp = w.wp + t * groups * group_bytes;
   const int64_t sbase = t * groups * kLanes;
   const int64_t super_base = t * w.supers * kLanes;
   const int16_t* xrow[R];
   const int8_t* xrow8[R];
   for (int r = 0; r < R; ++r) {
-    if constexpr (A8) {
+    if constexpr (QUADS) {
       xrow8[r] = x.q8.data() + (r0 + r) * x.k;
     } else {
       xrow[r] = x.q.data() + (r0 + r) * x.k;
@@ -164,19 +180,24 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
     VI ia[R], ib[R];
     for (int r = 0; r < R; ++r) ia[r] = ib[r] = vi_zero();
     const int64_t k0 = j * G;
+    const uint8_t* plane = wp + G * 8;  // kHigh: the group's fifth bits, after its nibbles
     // Streaming weights from memory (one row: bandwidth-bound): fetch ~16 groups ahead of use.
     for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(wp + kPrefetchGroups * group_bytes + at);
-    __builtin_prefetch(static_cast<const char*>(w.sp) + (sbase + (j + kPrefetchGroups) * kLanes) * kScaleBytes<SK>);
-    if (!SYM)
-      __builtin_prefetch(static_cast<const char*>(w.op) + (sbase + (j + kPrefetchGroups) * kLanes) * kScaleBytes<SK>);
-    if constexpr (A8) {  // the quad layout: 16 lanes of 4 consecutive inputs per 64 bytes
+    __builtin_prefetch(static_cast<const char*>(w.sp) + (sbase + (j + kPrefetchGroups) * kLanes) * kScaleBytes<SCALES>);
+    if (!SYMMETRIC)
+      __builtin_prefetch(static_cast<const char*>(w.op) + (sbase + (j + kPrefetchGroups) * kLanes) * kScaleBytes<SCALES>);
+    if constexpr (QUADS) {  // the quad layout: 16 lanes of 4 consecutive inputs per 64 bytes
 #if SD_DOT8
-      if constexpr (NIB) {
+      if constexpr (kNibbles) {
         const __m512i mask = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
         for (int b = 0; b < G / 8; ++b) {
           const __m512i v = _mm512_loadu_si512(wp + b * 64);
-          const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+          __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+          if constexpr (kHigh) {
+            lo = high_bits8(lo, plane + b * 16);
+            hi = high_bits8(hi, plane + b * 16 + 8);
+          }
           for (int r = 0; r < R; ++r) ia[r] = vi_dot8(ia[r], lo, load_pair8(xrow8[r] + k0 + 8 * b));
           for (int r = 0; r < R; ++r) {
             if constexpr (kSplit) {
@@ -201,12 +222,16 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
         }
       }
 #endif
-    } else if constexpr (NIB) {
+    } else if constexpr (kNibbles) {
       constexpr int kQuarter = G / 4;
 #pragma GCC unroll 8
       for (int c = 0; c < kQuarter; ++c) {
         VW lo, hi;
         vw_nibbles(wp + c * 32, lo, hi);
+        if constexpr (kHigh) {
+          vw_high_bits(lo, plane + c * 8);
+          vw_high_bits(hi, plane + c * 8 + 4);
+        }
         for (int r = 0; r < R; ++r) ia[r] = vi_dot(ia[r], lo, load_pair(xrow[r] + k0 + 2 * c));
         for (int r = 0; r < R; ++r) {
           if constexpr (kSplit) {
@@ -234,16 +259,16 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
       for (int r = 0; r < R; ++r) ia[r] = vi_add(ia[r], ib[r]);
     wp += group_bytes;
     const int64_t si = sbase + j * kLanes;
-    const int64_t ssi = SK == kScaleSuper ? super_base + (j / w.per) * kLanes : 0;
-    const VF s = load_scales<SK>(w.sp, w.ssp, si, ssi);
-    if (SYM) {
+    const int64_t ssi = SCALES == kScaleSuper ? super_base + (j / w.per) * kLanes : 0;
+    const VF s = load_scales<SCALES>(w.sp, w.ssp, si, ssi);
+    if (SYMMETRIC) {
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * x.groups + j;
         const VI centred = vi_sub_const(ia[r], w.sym * x.sum[at]);
         acc[r] = vf_fma(vf_mul(vf_cvt(centred), vf_set(x.d[at])), s, acc[r]);
       }
     } else {
-      const VF off = load_scales<SK>(w.op, w.sop, si, ssi);
+      const VF off = load_scales<SCALES>(w.op, w.sop, si, ssi);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * x.groups + j;
         acc[r] = vf_fma(vf_mul(vf_cvt(ia[r]), vf_set(x.d[at])), s, acc[r]);
@@ -281,15 +306,17 @@ static void tile_rows(const Matrix& w, int64_t t, const QuantRows& x, int64_t r0
   }
 }
 
-// tile_rows for a block of `rows` rows (the flags as there), the matrix's group size chosen at run time.
-template <bool NIB, int SK, bool SYM, bool A8>
+// tile_rows for a block of `rows` rows (the parameters as there), the matrix's group size chosen at run time (the
+// high-bit packing comes in groups of 32 only).
+template <int PACKING, int SCALES, bool SYMMETRIC, bool QUADS>
 static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, int64_t r0, float* y, int64_t ldy,
                      int64_t ncols, const float* add, int64_t ldadd) {
   switch (rows) {
-#define SD_CASE(n)                                                              \
-  case n:                                                                       \
-    if (w.g == 16) return tile_rows<n, 16, NIB, SK, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd); \
-    return tile_rows<n, 32, NIB, SK, SYM, A8>(w, t, x, r0, y, ldy, ncols, add, ldadd);
+#define SD_CASE(n)                                                                                   \
+  case n:                                                                                            \
+    if (PACKING != kPackNibblesHighBits && w.g == 16)                                                \
+      return tile_rows<n, 16, PACKING, SCALES, SYMMETRIC, QUADS>(w, t, x, r0, y, ldy, ncols, add, ldadd); \
+    return tile_rows<n, 32, PACKING, SCALES, SYMMETRIC, QUADS>(w, t, x, r0, y, ldy, ncols, add, ldadd);
     SD_CASE(1)
     SD_CASE(2)
     SD_CASE(3)
@@ -311,19 +338,28 @@ static void tile_any(int rows, const Matrix& w, int64_t t, const QuantRows& x, i
 using TileFn = void (*)(int, const Matrix&, int64_t, const QuantRows&, int64_t, float*, int64_t, int64_t, const float*,
                         int64_t);
 
-// The tile function of a matrix's format: NIB, SK and SYM from its fields, A8 as the activations are packed.
-template <bool A8>
-static TileFn tile_fn_of(const Matrix& w) {
-  const int key = (w.nibbles ? 6 : 0) + w.kind * 2 + (w.sym >= 0 ? 1 : 0);
-  static const TileFn table[12] = {
-      tile_any<false, kScaleF32, false, A8>,   tile_any<false, kScaleF32, true, A8>,
-      tile_any<false, kScaleF16, false, A8>,   tile_any<false, kScaleF16, true, A8>,
-      tile_any<false, kScaleSuper, false, A8>, tile_any<false, kScaleSuper, true, A8>,
-      tile_any<true, kScaleF32, false, A8>,    tile_any<true, kScaleF32, true, A8>,
-      tile_any<true, kScaleF16, false, A8>,    tile_any<true, kScaleF16, true, A8>,
-      tile_any<true, kScaleSuper, false, A8>,  tile_any<true, kScaleSuper, true, A8>,
+template <int PACKING, bool QUADS>
+static TileFn tile_fn_of_packing(const Matrix& w) {
+  static const TileFn table[6] = {
+      tile_any<PACKING, kScaleF32, false, QUADS>,   tile_any<PACKING, kScaleF32, true, QUADS>,
+      tile_any<PACKING, kScaleF16, false, QUADS>,   tile_any<PACKING, kScaleF16, true, QUADS>,
+      tile_any<PACKING, kScaleSuper, false, QUADS>, tile_any<PACKING, kScaleSuper, true, QUADS>,
   };
-  return table[key];
+  return table[w.kind * 2 + (w.sym >= 0 ? 1 : 0)];
+}
+
+// The tile function of a matrix's format: PACKING, SCALES and SYMMETRIC from its fields, QUADS as the activations
+// are packed.
+template <bool QUADS>
+static TileFn tile_fn_of(const Matrix& w) {
+  switch (w.packing) {
+    case kPackNibbles:
+      return tile_fn_of_packing<kPackNibbles, QUADS>(w);
+    case kPackNibblesHighBits:
+      return tile_fn_of_packing<kPackNibblesHighBits, QUADS>(w);
+    default:
+      return tile_fn_of_packing<kPackBytes, QUADS>(w);
+  }
 }
 
 static TileFn tile_fn(const Matrix& w, const QuantRows& x) {

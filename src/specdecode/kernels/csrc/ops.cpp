@@ -89,13 +89,13 @@ std::string isa() {
 }  // namespace sd
 
 TORCH_LIBRARY(SD_NS, m) {
-  m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym, int abits, Tensor? supers=None, Tensor? super_offsets=None, int per=1) -> int",
+  m.def("register_matrix(Tensor packed, Tensor scales, Tensor? offsets, Tensor? bias, int n, int k, int g, bool nibbles, int sym, int abits, Tensor? supers=None, Tensor? super_offsets=None, int per=1, bool high_bits=False) -> int",
         &sd::register_matrix);
   m.def("register_layer(Tensor input_norm, int[] qkv, int[] o, Tensor post_norm, int[] gate_up, int[] down, Tensor? q_norm, Tensor? k_norm, Tensor? attn_out_norm, Tensor? mlp_out_norm, int window, int rope, bool gelu) -> int",
         &sd::register_layer);
   m.def("release(int matrix, int layer) -> ()", &sd::release);
   m.def("matrix_rows(int matrix, Tensor rows) -> Tensor[]", &sd::matrix_rows);
-  m.def("repack_rows(Tensor raw, str kind, int row0, int k, bool quads, Tensor(a!) packed, Tensor(b!) scales, Tensor(c!)? offsets, Tensor(d!)? supers, Tensor(e!)? super_offsets) -> ()", &sd::repack_rows);
+  m.def("repack_rows(Tensor raw, str kind, int row0, int k, bool quads, Tensor(a!) packed, Tensor(b!) scales, Tensor(c!)? offsets, Tensor(d!)? supers, Tensor(e!)? super_offsets, bool high_bits=False) -> ()", &sd::repack_rows);
   m.def("linear(Tensor x, int[] parts) -> Tensor", &sd::linear);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &sd::rms_norm);
   m.def("attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor meta, Tensor extra_offsets, Tensor extra_slots, int layer, int heads, int kv_heads, float scaling, int window=0) -> Tensor",

@@ -75,6 +75,13 @@ static inline void vw_nibbles(const uint8_t* p, VW& lo, VW& hi) {
 static inline VW vw_bytes(const uint8_t* p) {
   return {_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+// Lane l of w (values below 16: nibbles) gets 16 added where bit l of the 32 little-endian bits at p is set: the
+// fifth bits of 5-bit weights (weights.h's high-bit plane).
+static inline void vw_high_bits(VW& w, const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  w.v = _mm512_mask_add_epi16(w.v, _cvtu32_mask32(bits), w.v, _mm512_set1_epi16(16));
+}
 static inline void vf_lanes(VF a, float* out) { _mm512_storeu_ps(out, a.v); }
 static inline VI vi_quantize(VF a) { return {_mm512_cvtps_epi32(a.v)}; }
 static inline void vi_store16(int16_t* p, VI a) {
@@ -145,6 +152,18 @@ static inline VW vw_bytes(const uint8_t* p) {
   return {_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
 }
+static inline __m256i high_bits16(uint16_t bits) {  // lane l: 16 where bit l is set, else 0
+  const __m256i select = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                           static_cast<int16_t>(0x8000));
+  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi16(16));
+}
+static inline void vw_high_bits(VW& w, const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  w.a = _mm256_or_si256(w.a, high_bits16(static_cast<uint16_t>(bits)));
+  w.b = _mm256_or_si256(w.b, high_bits16(static_cast<uint16_t>(bits >> 16)));
+}
 static inline void vf_lanes(VF x, float* out) { vf_store(out, x); }
 static inline VI vi_quantize(VF x) { return vf_to_int(x); }
 static inline void vi_store16(int16_t* p, VI x) {
@@ -214,6 +233,9 @@ static inline void vw_nibbles(const uint8_t* p, VW& lo, VW& hi) {
   for (int i = 0; i < 32; ++i) { lo.v[i] = p[i] & 0x0F; hi.v[i] = p[i] >> 4; }
 }
 static inline VW vw_bytes(const uint8_t* p) { VW r; for (int i = 0; i < 32; ++i) r.v[i] = p[i]; return r; }
+static inline void vw_high_bits(VW& w, const uint8_t* p) {
+  for (int i = 0; i < 32; ++i) w.v[i] = static_cast<int16_t>(w.v[i] | (((p[i / 8] >> (i % 8)) & 1) << 4));
+}
 static inline void vf_lanes(VF a, float* out) { vf_store(out, a); }
 static inline VI vi_quantize(VF a) { return vf_to_int(a); }
 static inline void vi_store16(int16_t* p, VI a) { SD_LOOP p[i] = static_cast<int16_t>(a.v[i]); }

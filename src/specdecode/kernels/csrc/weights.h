@@ -20,22 +20,79 @@ namespace sd {
 
 // ------------------------------------------------------------------------------------------------ weights
 
-// One matrix [n outputs, k inputs] in tiles of 16 outputs; per tile, group after group of g inputs, in one of
-// two layouts. Pairs (int16 activations; int8 ones where vpdpbusd is missing):
+// One matrix [n outputs, k inputs] in tiles of 16 outputs; per tile, group after group of g inputs, packed in one of
+// three ways (Packing: bytes, nibbles, nibbles + high bits), each in one of two layouts. Pairs (int16 activations;
+// int8 ones where vpdpbusd is missing):
 //   nibbles: g/4 chunks of 32 bytes; byte 2c+j of chunk q holds u[c][2q+j] (low) and u[c][2(q+g/4)+j] (high);
 //   bytes:   g/2 chunks of 32 bytes; byte 2c+j of chunk p holds u[c][2p+j].
 // Quads (int8 activations on vpdpbusd builds, see quad_layout):
 //   nibbles: g/8 chunks of 64 bytes; byte 4c+j of chunk b holds u[c][8b+j] (low) and u[c][8b+4+j] (high);
 //   bytes:   g/4 chunks of 64 bytes; byte 4c+j of chunk q holds u[c][4q+j].
+// Nibbles + high bits (5-bit types, g = 32: 5/8 of a byte per weight): the nibbles layout of u & 15 (g·8 bytes),
+// then the group's plane of fifth bits (g·2 bytes): per nibble chunk of C bytes (C = 32 pairs, 64 quads), 2·C bits,
+// little-endian: bit l the fifth bit of byte l's low nibble, bit C + l of its high nibble (plane_bit).
 // scales and offsets (asymmetric types only), [tile][group][16], in one of three kinds (ScaleKind): f32; f16; or
 // a K-quant's two levels, int8 multipliers per group times f16 factors per super-block of `per` groups (supers and
 // super_offsets: [tile][super][16]): s = d·sc, both exact in float32, so bitwise the f32 kind's product.
+enum Packing : int { kPackBytes = 0, kPackNibbles = 1, kPackNibblesHighBits = 2 };
+
+// Bytes of one group of one tile (16 outputs × g inputs) packed as `packing`.
+constexpr int64_t packed_group_bytes(int packing, int64_t g) {
+  return packing == kPackBytes ? g * 16 : packing == kPackNibbles ? g * 8 : g * 10;
+}
+
+// Where input i (of a group of g) of output c of a tile sits in its group's bytes: the byte, and the shift of its
+// nibble (0: low, 4: high; bytes: 0).
+struct Slot {
+  int64_t byte;
+  int shift;
+};
+
+static inline Slot slot_of(int packing, bool quads, int64_t g, int64_t c, int64_t i) {
+  if (packing == kPackBytes) return quads ? Slot{(i / 4) * 64 + 4 * c + i % 4, 0} : Slot{(i / 2) * 32 + 2 * c + i % 2, 0};
+  if (quads) return {(i / 8) * 64 + 4 * c + i % 4, i % 8 < 4 ? 0 : 4};
+  const int64_t half = g / 2, e = i < half ? i : i - half;
+  return {(e / 2) * 32 + 2 * c + e % 2, i < half ? 0 : 4};
+}
+
+// The bit of a group's high-bit plane (which follows its g·8 nibble bytes) that holds the fifth bit of the nibble
+// at `s`.
+static inline int64_t plane_bit(Slot s, bool quads) {
+  const int64_t chunk = quads ? 64 : 32;
+  return (s.byte / chunk) * 2 * chunk + (s.shift != 0 ? chunk : 0) + s.byte % chunk;
+}
+
+// u (< 2^bits of the packing) written into / read from a group's zeroed bytes `group` at input i of output c.
+static inline void put_value(uint8_t* group, int packing, bool quads, int64_t g, int64_t c, int64_t i, uint8_t u) {
+  const Slot s = slot_of(packing, quads, g, c, i);
+  if (packing == kPackBytes) {
+    group[s.byte] = u;
+    return;
+  }
+  group[s.byte] |= static_cast<uint8_t>((u & 15) << s.shift);
+  if (packing == kPackNibblesHighBits && (u & 16) != 0) {
+    const int64_t bit = plane_bit(s, quads);
+    group[g * 8 + bit / 8] |= static_cast<uint8_t>(1 << (bit % 8));
+  }
+}
+
+static inline int get_value(const uint8_t* group, int packing, bool quads, int64_t g, int64_t c, int64_t i) {
+  const Slot s = slot_of(packing, quads, g, c, i);
+  if (packing == kPackBytes) return group[s.byte];
+  int u = (group[s.byte] >> s.shift) & 15;
+  if (packing == kPackNibblesHighBits) {
+    const int64_t bit = plane_bit(s, quads);
+    u |= ((group[g * 8 + bit / 8] >> (bit % 8)) & 1) << 4;
+  }
+  return u;
+}
+
 enum ScaleKind : int { kScaleF32 = 0, kScaleF16 = 1, kScaleSuper = 2 };
 
 struct Matrix {
   int64_t n = 0, k = 0, g = 0, tiles = 0, groups = 0;
   int64_t per = 1, supers = 0;  // kScaleSuper: groups per super-block, super-blocks per tile row
-  bool nibbles = false;
+  int packing = kPackBytes;  // a Packing
   int kind = kScaleF32;
   int32_t sym = -1;    // >= 0: w = s·(u − sym); < 0: w = s·u + offset
   int64_t abits = 16;  // the activations' bits: 16 (the default) or 8 (llama.cpp's numerics, twice the speed)
@@ -46,6 +103,7 @@ struct Matrix {
   const uint16_t* ssp = nullptr;  // kScaleSuper: the f16 factors of the scales and of the offsets
   const uint16_t* sop = nullptr;
   const float* bp = nullptr;
+  int64_t group_bytes() const { return packed_group_bytes(packing, g); }
 };
 
 struct Layer {
@@ -86,8 +144,9 @@ static std::shared_ptr<const Layer> layer_at(int64_t id) {
 int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                         const c10::optional<at::Tensor>& bias, int64_t n, int64_t k, int64_t g, bool nibbles,
                         int64_t sym, int64_t abits, const c10::optional<at::Tensor>& supers,
-                        const c10::optional<at::Tensor>& super_offsets, int64_t per) {
+                        const c10::optional<at::Tensor>& super_offsets, int64_t per, bool high_bits) {
   TORCH_CHECK(g == 16 || g == 32, "group size must be 16 or 32");
+  TORCH_CHECK(!high_bits || (nibbles && g == 32), "high bits come on nibbles in groups of 32");
   TORCH_CHECK(abits == 8 || abits == 16, "activation bits must be 8 or 16");
   TORCH_CHECK(k % g == 0 && n > 0, "bad matrix shape");
   auto m = std::make_shared<Matrix>();
@@ -96,12 +155,12 @@ int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, cons
   m->g = g;
   m->tiles = (n + kLanes - 1) / kLanes;
   m->groups = k / g;
-  m->nibbles = nibbles;
+  m->packing = high_bits ? kPackNibblesHighBits : nibbles ? kPackNibbles : kPackBytes;
   m->sym = static_cast<int32_t>(sym);
   m->abits = abits;
   m->packed = packed.contiguous();
   TORCH_CHECK(m->packed.scalar_type() == at::kByte, "packed weights must be uint8");
-  TORCH_CHECK(m->packed.numel() == m->tiles * kLanes * k / (nibbles ? 2 : 1), "packed weights have the wrong size");
+  TORCH_CHECK(m->packed.numel() == m->tiles * m->groups * m->group_bytes(), "packed weights have the wrong size");
   m->scales = scales.contiguous();
   const auto st = m->scales.scalar_type();
   TORCH_CHECK(st == at::kHalf || st == at::kFloat || (st == at::kChar && supers.has_value()),
@@ -151,18 +210,19 @@ int64_t register_matrix(const at::Tensor& packed, const at::Tensor& scales, cons
 struct BlockFormat {
   int64_t elements, bytes;  // per block
   int64_t g, per;           // kernel group; groups per super-block (1: one-level f16 scales)
-  bool nibbles, offsets;
+  int bits;                 // of u
+  bool offsets;
 };
 
 static BlockFormat block_format(const std::string& kind) {
-  if (kind == "Q4_0") return {32, 18, 32, 1, true, false};
-  if (kind == "Q4_1") return {32, 20, 32, 1, true, true};
-  if (kind == "Q5_0") return {32, 22, 32, 1, false, false};
-  if (kind == "Q5_1") return {32, 24, 32, 1, false, true};
-  if (kind == "Q8_0") return {32, 34, 32, 1, false, false};
-  if (kind == "Q4_K") return {256, 144, 32, 8, true, true};
-  if (kind == "Q5_K") return {256, 176, 32, 8, false, true};
-  if (kind == "Q6_K") return {256, 210, 16, 16, false, false};
+  if (kind == "Q4_0") return {32, 18, 32, 1, 4, false};
+  if (kind == "Q4_1") return {32, 20, 32, 1, 4, true};
+  if (kind == "Q5_0") return {32, 22, 32, 1, 5, false};
+  if (kind == "Q5_1") return {32, 24, 32, 1, 5, true};
+  if (kind == "Q8_0") return {32, 34, 32, 1, 8, false};
+  if (kind == "Q4_K") return {256, 144, 32, 8, 4, true};
+  if (kind == "Q5_K") return {256, 176, 32, 8, 5, true};
+  if (kind == "Q6_K") return {256, 210, 16, 16, 6, false};
   TORCH_CHECK(false, "no repacking for block type ", kind);
 }
 
@@ -235,26 +295,35 @@ static void decode_block(const std::string& kind, const uint8_t* b, uint8_t* u, 
 }
 
 // Rows of raw blocks ([rows, bytes per row], uint8) as output rows row0.. of a matrix whose tile-layout buffers are
-// given (packed zeroed for nibbles; scales/offsets f16, or int8 with f16 supers/super_offsets for K-quants).
+// given (packed zeroed; scales/offsets f16, or int8 with f16 supers/super_offsets for K-quants): 4-bit types as
+// nibbles, 5-bit ones as nibbles + high bits if `high_bits` (else bytes), wider ones as bytes. Threads split whole
+// tiles: outputs of one tile share bytes of the high-bit plane.
 void repack_rows(const at::Tensor& raw, const std::string& kind, int64_t row0, int64_t k, bool quads,
                  const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
-                 const c10::optional<at::Tensor>& supers, const c10::optional<at::Tensor>& super_offsets) {
+                 const c10::optional<at::Tensor>& supers, const c10::optional<at::Tensor>& super_offsets,
+                 bool high_bits) {
   const BlockFormat f = block_format(kind);
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "raw blocks: uint8 [rows, bytes]");
   TORCH_CHECK(k % f.elements == 0 && raw.size(1) == k / f.elements * f.bytes, "raw blocks: the wrong row size");
   TORCH_CHECK(f.offsets == offsets.has_value() && (f.per > 1) == supers.has_value(), "repack: the type's fields");
+  TORCH_CHECK(!high_bits || f.bits == 5, "high bits: 5-bit types only");
+  const int packing = f.bits <= 4 ? kPackNibbles : high_bits ? kPackNibblesHighBits : kPackBytes;
   const int64_t rows = raw.size(0), g = f.g, groups = k / g, blocks = k / f.elements, gpb = f.elements / g;
-  const int64_t group_bytes = f.nibbles ? g * 8 : g * 16, half = g / 2, n_supers = f.per > 1 ? groups / f.per : 0;
+  const int64_t group_bytes = packed_group_bytes(packing, g), n_supers = f.per > 1 ? groups / f.per : 0;
+  TORCH_CHECK(packed.numel() >= (row0 + rows + kLanes - 1) / kLanes * groups * group_bytes, "repack: packed too small");
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* pp = packed.data_ptr<uint8_t>();
   void* sp = scales.data_ptr();
   void* op = offsets.has_value() ? offsets->data_ptr() : nullptr;
   uint16_t* ssp = supers.has_value() ? reinterpret_cast<uint16_t*>(supers->data_ptr()) : nullptr;
   uint16_t* sop = super_offsets.has_value() ? reinterpret_cast<uint16_t*>(super_offsets->data_ptr()) : nullptr;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  if (rows == 0) return;
+  const int64_t first_tile = row0 / kLanes, end_tile = (row0 + rows - 1) / kLanes + 1;
+  at::parallel_for(first_tile, end_tile, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> u(f.elements);
     int8_t sc[16], mn[16];
     uint16_t hs = 0, hm = 0, sd = 0, sm = 0;
+    const int64_t r0 = std::max<int64_t>(t0 * kLanes - row0, 0), r1 = std::min<int64_t>(t1 * kLanes - row0, rows);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t n = row0 + r, t = n / kLanes, c = n % kLanes;
       for (int64_t bi = 0; bi < blocks; ++bi) {
@@ -263,18 +332,7 @@ void repack_rows(const at::Tensor& raw, const std::string& kind, int64_t row0, i
           const int64_t j = bi * gpb + gj, at = (t * groups + j) * kLanes + c;
           uint8_t* base = pp + (t * groups + j) * group_bytes;
           const uint8_t* v = u.data() + gj * g;
-          for (int64_t i = 0; i < g; ++i) {
-            if (quads && f.nibbles) {
-              base[(i / 8) * 64 + 4 * c + i % 4] |= static_cast<uint8_t>(v[i] << (i % 8 < 4 ? 0 : 4));
-            } else if (quads) {
-              base[(i / 4) * 64 + 4 * c + i % 4] = v[i];
-            } else if (f.nibbles) {
-              const int64_t e = i < half ? i : i - half;
-              base[(e / 2) * 32 + 2 * c + e % 2] |= static_cast<uint8_t>(v[i] << (i < half ? 0 : 4));
-            } else {
-              base[(i / 2) * 32 + 2 * c + i % 2] = v[i];
-            }
-          }
+          for (int64_t i = 0; i < g; ++i) put_value(base, packing, quads, g, c, i, v[i]);
           if (f.per > 1) {
             static_cast<int8_t*>(sp)[at] = sc[gj];
             if (op != nullptr) static_cast<int8_t*>(op)[at] = mn[gj];
