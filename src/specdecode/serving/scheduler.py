@@ -348,7 +348,7 @@ class Scheduler:
         except Exception as exc:
             self._fail(job, exc)
             return
-        drafted, accepted = len(pending.draft), stats.accepted - accepted_before
+        drafted, accepted = len(pending.draft) - pending.forced, stats.accepted - accepted_before  # forced: apart
         name = None
         if drafted:
             name = job.speculation.proposer
