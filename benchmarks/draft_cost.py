@@ -4,8 +4,9 @@ step at the same context, c = draft step / target step, and the planner's predic
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/draft_cost.py TARGET.gguf [--draft smollm2] [--context 500] [--reps 9]
 
-The target must share the draft's tokenizer (``benchmarks/synth_gguf.py`` writes SmolLM2-1.7B / Llama-8B shapes with
-the bundled SmolLM2 tokenizer and random weights: acceptance cannot be measured on those, so α is a parameter here).
+The target must share the draft's tokenizer (``specdecode bench --synthetic 1.7b,8b`` writes SmolLM2-1.7B / Llama-8B
+shapes with the bundled SmolLM2 tokenizer and random weights into ``<cache>/synthetic/``: acceptance cannot be
+measured on those, so α is a parameter here).
 Prints a Markdown table and one JSON line.
 """
 

@@ -9,13 +9,13 @@ import torch
 from helpers.models import LARGE_VOCAB, tiny_llama
 
 import specdecode as sd
-from specdecode.adaptive import AcceptanceMemory, AdaptiveGamma, CostModel
+from specdecode.control import AcceptanceHistory, AdaptiveGamma, PassCosts
 from specdecode.proposers.base import Draft
 
 
-def fixed_costs(step: float = 1.0, extra_per_token: float = 0.05, draft_per_token: float = 0.1) -> CostModel:
+def fixed_costs(step: float = 1.0, extra_per_token: float = 0.05, draft_per_token: float = 0.1) -> PassCosts:
     """v(k) = 1 + 0.05 (k-1) and c = 0.1 by default, frozen."""
-    return CostModel(step, extra_per_token, {"": draft_per_token}, fixed=True)
+    return PassCosts.line(step, extra_per_token, {"": draft_per_token})
 
 
 def test_useless_proposer_is_switched_off_then_probed_rarely():
@@ -65,7 +65,7 @@ def test_free_drafting_with_flat_verify_always_pays():
 def _tree_rounds(price_trees: bool) -> list[int]:
     """200 rounds of a proposer whose every tree has 32 nodes (33 verified rows, 2 steps of drafting) and whose
     first guess is accepted 3 times in 5; v(k) = 1 + 0.05 (k-1), so a tree round costs 4.6 steps."""
-    costs = CostModel(1.0, 0.05, {"": 0.1})  # as fixed_costs(), but learning trees (observe() is never called here)
+    costs = PassCosts({1: 1.0}, {"": 0.1}, slope=0.05)  # as fixed_costs(), but learning trees (no pass observed)
     controller = AdaptiveGamma(max_gamma=4, costs=costs)
     choices = []
     for i in range(200):
@@ -90,7 +90,7 @@ def test_trees_are_priced_at_their_size_and_switched_off_when_they_do_not_pay():
 def test_auto_opens_with_a_plain_round_to_measure_the_step():
     """Without a measured 1-token step every cost reads as free; a proposer that always drafts would never
     produce the plain round that measures it."""
-    costs = CostModel()
+    costs = PassCosts()
     controller = AdaptiveGamma(max_gamma=4, costs=costs)
     assert controller.choose() == 0
     costs.observe(verified=1, verify_seconds=0.01, drafted=0, draft_seconds=0.0)
@@ -98,7 +98,7 @@ def test_auto_opens_with_a_plain_round_to_measure_the_step():
 
 
 def test_cost_model_measures_linear_verify_cost_and_draft_cost():
-    costs = CostModel(smoothing=1.0)
+    costs = PassCosts(smoothing=1.0)
     costs.observe(verified=1, verify_seconds=0.02, drafted=0, draft_seconds=0.0)
     costs.observe(verified=5, verify_seconds=0.03, drafted=4, draft_seconds=0.008)
     assert abs(costs.verify_cost(5) - 1.5) < 1e-9
@@ -119,7 +119,7 @@ class RandomProposer:
         return Draft(torch.randint(0, self.vocab_size, (k,), generator=self.rng))
 
 
-def _auto_decoder(costs: CostModel) -> tuple[sd.LoadedModel, RandomProposer, sd.SpeculativeDecoder]:
+def _auto_decoder(costs: PassCosts) -> tuple[sd.LoadedModel, RandomProposer, sd.SpeculativeDecoder]:
     """A tiny target, a random proposer and a gamma="auto" decoder over them pricing rounds with ``costs``."""
     target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=3))
     proposer = RandomProposer(LARGE_VOCAB)
@@ -188,7 +188,7 @@ def test_auto_gamma_is_validated():
 
 
 def test_cost_model_keeps_a_step_in_verify_cost_that_a_line_would_hide():
-    costs = CostModel(smoothing=1.0)
+    costs = PassCosts(smoothing=1.0)
     costs.observe(verified=1, verify_seconds=0.040, drafted=0, draft_seconds=0.0)
     costs.observe(verified=3, verify_seconds=0.044, drafted=2, draft_seconds=0.0)
     costs.observe(verified=5, verify_seconds=0.068, drafted=4, draft_seconds=0.0)
@@ -203,7 +203,7 @@ def test_cost_model_keeps_a_step_in_verify_cost_that_a_line_would_hide():
 def test_gamma_grows_at_most_to_twice_the_deepest_measured_round():
     """An unmeasured v(k) reads as 1 (or the line), which made the first drafting round of a decoder γ = max;
     now a round reaches at most twice the deepest round already timed: 1, 2, 4, 8."""
-    costs = CostModel(smoothing=1.0)
+    costs = PassCosts(smoothing=1.0)
     controller = AdaptiveGamma(max_gamma=8, costs=costs)
     choices = []
     for _ in range(40):
@@ -216,9 +216,9 @@ def test_gamma_grows_at_most_to_twice_the_deepest_measured_round():
     assert choices[:5] == [0, 1, 2, 4, 8] and [g for g in choices[-10:] if g] == [8] * 9  # and a re-timing round
 
 
-def _memory_of(acceptance_pattern: list[int], rounds: int = 200) -> AcceptanceMemory:
+def _memory_of(acceptance_pattern: list[int], rounds: int = 200) -> AcceptanceHistory:
     """A decoder's memory after ``rounds`` of γ = 1 accepting as the pattern says."""
-    memory = AcceptanceMemory(8)
+    memory = AcceptanceHistory()
     for i in range(rounds):
         memory.observe(1, acceptance_pattern[i % len(acceptance_pattern)])
     return memory
@@ -229,12 +229,12 @@ def test_a_new_request_starts_from_the_decoders_memory():
     useless = AdaptiveGamma(8, costs, _memory_of([0]))
     assert useless.choose() == 0  # not a round at the 1/2 prior
     good = AdaptiveGamma(8, costs, _memory_of([1, 1, 0, 0, 0]))  # 40% accepted
-    assert abs(good.acceptance()[0] - 0.4) < 0.02
+    assert abs(good.acceptance.estimate(8)[0] - 0.4) < 0.02
     assert good.choose() >= 1
     assert AdaptiveGamma(8, costs).choose() >= 1  # no memory: the Beta(1, 1) prior drafts
 
 
-def _drafting_rounds_after_a_dip(memory: AcceptanceMemory | None) -> int:
+def _drafting_rounds_after_a_dip(memory: AcceptanceHistory | None) -> int:
     """30 rounds in which every guess is rejected, then 100 at the proposer's usual 40%: the rounds of those
     100 that drafted."""
     controller = AdaptiveGamma(8, fixed_costs(), memory)
@@ -260,7 +260,7 @@ def test_engine_carries_acceptance_across_requests():
     target, proposer, decoder = _auto_decoder(fixed_costs())
     params = sd.SamplingParams(max_new_tokens=60)
     decoder.generate(list(range(10)), params)
-    assert decoder.acceptance_memories[""].acceptance(1)[0] < 0.15
+    assert decoder.acceptance_memories[""].estimate(1)[0] < 0.15
     first = list(proposer.asked)
     proposer.asked.clear()
     out = decoder.generate(list(range(3, 13)), params)
@@ -273,7 +273,7 @@ def _drafting_share(price_catch_up: bool) -> float:
     """300 rounds of a proposer accepted 2 times in 5 at γ = 1, v(2) = 1, drafting 0.15 of a step, that first
     re-reads each token of a plain stretch (or the prompt's 40) at 0.1 of a step apiece (an EAGLE head's or a
     draft model's cache catching up): the share of rounds that drafted."""
-    costs = CostModel(smoothing=0.2)
+    costs = PassCosts(smoothing=0.2)
     controller = AdaptiveGamma(8, costs)
     missed, drafted = 40, 0
     for i in range(300):
@@ -296,7 +296,7 @@ def test_catching_up_after_plain_rounds_is_not_priced_as_drafting():
 
 
 @dataclass
-class RecordingCosts(CostModel):
+class RecordingCosts(PassCosts):
     """A learning cost model that records what the engine tells it, (drafted, draft seconds) per round, and learns
     from synthetic times instead (v(k) = 1 + 0.05 (k - 1), c = 0.1), so its decisions do not depend on the clock."""
 
@@ -326,25 +326,25 @@ def test_engine_does_not_price_drafting_in_a_round_that_follows_a_plain_one():
 def test_a_time_measured_again_after_n_rounds_keeps_a_fading_weight():
     """(1 - smoothing)^n, at least 1/2: a 2-token time last taken before a 30-round plain stretch moves halfway to a
     new one (not a fifth of the way), and one measured in consecutive rounds a fifth."""
-    costs = CostModel(smoothing=0.2)
+    costs = PassCosts(smoothing=0.2)
     costs.observe(1, 0.010, 0, 0.0)
     costs.observe(2, 0.012, 1, 0.001)
     for _ in range(30):  # forward times fall by a fifth during a plain stretch
         costs.observe(1, 0.008, 0, 0.0)
     costs.observe(2, 0.0084, 1, 0.001)
-    assert abs(costs.verify_seconds[2] - 0.0102) < 1e-9  # (0.012 + 0.0084) / 2
+    assert abs(costs.seconds[2] - 0.0102) < 1e-9  # (0.012 + 0.0084) / 2
     assert abs(costs.verify_cost(2) - 1.275) < 1e-3  # not (0.8 * 0.012 + 0.2 * 0.0084) / 0.008 = 1.41
     costs.observe(2, 0.0084, 1, 0.001)  # the next round: the usual moving average
-    assert abs(costs.verify_seconds[2] - (0.8 * 0.0102 + 0.2 * 0.0084)) < 1e-9
+    assert abs(costs.seconds[2] - (0.8 * 0.0102 + 0.2 * 0.0084)) < 1e-9
     costs.observe(1, 0.008, 0, 0.0)
     costs.observe(2, 0.0084, 1, 0.001)  # two rounds later: 0.8^2 kept
-    assert abs(costs.verify_seconds[2] - (0.64 * (0.8 * 0.0102 + 0.2 * 0.0084) + 0.36 * 0.0084)) < 1e-9
+    assert abs(costs.seconds[2] - (0.64 * (0.8 * 0.0102 + 0.2 * 0.0084) + 0.36 * 0.0084)) < 1e-9
 
 
 def _drifting_stretch(refresh_every: int) -> tuple[list[int], float]:
     """300 rounds of an always-right proposer while every forward gets slower (step 10 ms -> 13 ms, v(k) = 1 + 0.05
     (k - 1) throughout): the γ chosen each round and v(9) as the controller reads it at the end."""
-    costs = CostModel(smoothing=0.2)
+    costs = PassCosts(smoothing=0.2)
     controller = AdaptiveGamma(8, costs, refresh_every=refresh_every)
     choices = []
     for i in range(300):
@@ -369,7 +369,7 @@ def _drafting_share_at(rate: float, optimism: float) -> float:
     """400 rounds of a proposer whose first guess is accepted with probability ``rate`` (seeded draws, γ <= 1,
     γ1 costing 1.21 steps: break-even at a_1 = 0.21), decoded with a decoder's memory: the share that drafted."""
     draws = random.Random(0)
-    controller = AdaptiveGamma(1, fixed_costs(draft_per_token=0.16), AcceptanceMemory(1), optimism=optimism)
+    controller = AdaptiveGamma(1, fixed_costs(draft_per_token=0.16), AcceptanceHistory(), optimism=optimism)
     drafted = 0
     for _ in range(400):
         if controller.choose():
@@ -387,14 +387,14 @@ def test_optimism_keeps_a_paying_proposer_drafting_through_chance_dips_and_a_use
 def test_a_lone_timing_spike_does_not_move_an_estimate_but_a_lasting_change_does():
     """Each time goes through the median of the estimate's last 3 (within RECENT_ROUNDS rounds): a forward that once
     takes 3x its usual time leaves the step where it was; a slowdown seen twice in a row moves it."""
-    costs = CostModel(smoothing=0.5)
+    costs = PassCosts(smoothing=0.5)
     for _ in range(3):
         costs.observe(1, 0.010, 0, 0.0)
     costs.observe(1, 0.030, 0, 0.0)  # a lone spike: the median of (10, 10, 30) ms
     assert costs.step_seconds == 0.010
     costs.observe(2, 0.011, 1, 0.001)
     costs.observe(2, 0.033, 1, 0.001)  # two times only: the lower is taken
-    assert abs(costs.verify_seconds[2] - 0.011) < 1e-12
+    assert abs(costs.seconds[2] - 0.011) < 1e-12
     for _ in range(2):
         costs.observe(1, 0.020, 0, 0.0)  # the step doubles and stays doubled
     assert costs.step_seconds > 0.012

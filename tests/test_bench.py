@@ -36,9 +36,9 @@ from specdecode.bench.metrics import (
     question_tokens_per_second,
     ratio,
 )
-from specdecode.bench.quirk import relative_curve
 from specdecode.bench.report import machine_info, write_outputs
 from specdecode.bench.runner import BenchConfig, references, rotation, run_bench
+from specdecode.bench.verify_curve import relative_curve
 from specdecode.bench.workloads import (
     WorkItem,
     build_prompt,
@@ -486,3 +486,18 @@ def test_llamacpp_methods_on_the_bundled_model():
         assert 1 <= len(gen.token_ids) <= 12 and gen.seconds > 0 and gen.stats is None
         assert all(0 <= t < target.vocab_size for t in gen.token_ids)
         assert method.generate(prompt, params).token_ids == gen.token_ids  # no state leaks between calls
+
+
+def test_quirk_is_a_deprecated_alias_of_verify_curve():
+    """``bench --verify-curve`` (and ``--verify-curve-repeats``) keep their old names ``--quirk``/``--quirk-repeats``:
+    each reaches the option (refused with --synthetic, which measures its own files, under its new name)."""
+    app = typer.Typer()
+    app.command()(bench)
+    for flag in ("--verify-curve", "--quirk"):
+        result = CliRunner().invoke(app, ["--synthetic", "360m", flag])
+        assert result.exit_code == 2 and "takes no --verify-curve" in result.output, result.output
+    for flag in ("--verify-curve-repeats", "--quirk-repeats"):
+        result = CliRunner().invoke(app, ["--verify-curve", flag, "0", "--proposer", "lookup"])
+        assert result.exit_code == 2 and "--verify-curve-repeats must be >= 1" in result.output, result.output
+    result = CliRunner().invoke(app, ["--synthetic", "360m", "--quirky"])
+    assert result.exit_code == 2  # the control: an unknown flag is refused by the parser

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from helpers.models import LARGE_VOCAB, tiny_llama, train_word_head, word_target
 from helpers.tokenizers import WORDS
 
 import specdecode as sd
-from specdecode.proposers.eagle import EagleProposer
+from specdecode.proposers.eagle import EagleProposer, EagleSettings
 
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[3, 17, 5, 9], [1], [60, 2, 2, 2, 7, 33, 12, 40, 8]]
@@ -125,6 +126,31 @@ def test_needs_the_target_features_and_a_head(large_target, head_dir):
         EagleProposer(large_target, head=head_dir, tree_nodes=0)
     with pytest.raises(ValueError, match="int8=False"):
         EagleProposer(large_target, head=head_dir, dtype=torch.float32)
+
+
+def test_the_keyword_knobs_and_the_settings_dataclass_build_the_same_proposer(large_target, head_dir):
+    """``EagleProposer(target, head, tree_nodes=4, ...)`` (DESIGN.md's keyword constructor) is
+    ``EagleProposer(target, head, settings=EagleSettings(tree_nodes=4, ...))``; the settings are frozen and checked."""
+    knobs = {"tree_nodes": 4, "branching": 2, "dtype": torch.float32, "int8": False}
+    by_keywords = EagleProposer(large_target, head=head_dir, **knobs)
+    by_settings = EagleProposer(large_target, head=head_dir, settings=EagleSettings(**knobs))
+    assert by_keywords.settings == by_settings.settings == EagleSettings(**knobs)
+    context = [3, 17, 5, 9]
+    for proposer in (by_keywords, by_settings):
+        runner = large_target.new_runner()
+        runner.capture_hidden = True
+        runner.prefill(torch.tensor(context[:-1]))
+        proposer.observe_target([runner.hidden])
+    drafts = [p.propose(context, 3, GREEDY, torch.Generator()) for p in (by_keywords, by_settings)]
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].parents, drafts[1].parents)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        by_settings.settings.tree_nodes = 8  # type: ignore[misc]
+    with pytest.raises(ValueError, match="no setting 'tree_node'; the settings are tree_nodes, depth"):
+        EagleProposer(large_target, head=head_dir, tree_node=4)
+    with pytest.raises(ValueError, match="not both"):
+        EagleProposer(large_target, head=head_dir, settings=EagleSettings(), tree_nodes=4)
+    with pytest.raises(ValueError, match="branching"):
+        EagleSettings(branching=0)
 
 
 def test_int8_drafting_guesses_like_the_dense_head(large_target, head_dir):

@@ -7,7 +7,7 @@ target probabilities leave ~1e-8: tests/test_enumeration.py), each with a contro
 tokens asked about are decided, and it refuses ``gamma="auto"`` (which times passes); ``output_law`` here runs every
 request to its end and takes the engine's own output (token ids and text), so that what is tested is the engine's cut
 at an EOS or a stop string, bonus dropped — and it runs ``gamma="auto"`` with a fixed cost model
-(``CostModel(fixed=True)``, as tests/test_adaptive.py injects costs) and a fresh acceptance memory per run (each run is
+(``PassCosts.line``, as tests/test_adaptive.py injects costs) and a fresh acceptance memory per run (each run is
 the decoder's first request), so each round's length is a function of the earlier decisions only. The Enumerator
 checks that itself: a decision met with another branch count than in an earlier run raises. These laws run through the
 torch verification path (the Enumerator is not a ``torch.Generator``); the compiled kernels' own laws are in
@@ -29,7 +29,7 @@ import specdecode as sd
 import specdecode.engine
 import specdecode.output
 import specdecode.verify
-from specdecode.adaptive import AcceptanceMemory, CostModel
+from specdecode.control import AcceptanceHistory, PassCosts
 from specdecode.enumeration import Enumerator, engine_law, prefix_law, total_variation
 
 WARPS = {
@@ -64,7 +64,7 @@ def output_law(decoder: sd.SpeculativeDecoder, prompt: list[int], params: sd.Sam
             assert runs <= max_runs, "too many decisions to enumerate"
             script = scripts.pop()
             choices = Enumerator(script, wanted=1 << 30, eos=())
-            decoder.acceptance_memories = {"": AcceptanceMemory(decoder.max_gamma)}
+            decoder.acceptance_memories = {"": AcceptanceHistory()}
             request = decoder._start(prompt, params, None, None)
             request.generator = choices
             while not request.done:
@@ -111,7 +111,7 @@ def residual_mixed(monkeypatch) -> None:
 
 def auto_decoder(target: sd.LoadedModel) -> sd.SpeculativeDecoder:
     decoder = sd.SpeculativeDecoder(target, sd.PromptLookupProposer(), gamma="auto", max_gamma=4)
-    decoder.costs = CostModel(1.0, 0.05, {"": 0.1}, fixed=True)  # v(k) = 1 + 0.05 (k − 1), c = 0.1: no clock
+    decoder.costs = PassCosts.line(1.0, 0.05, {"": 0.1})  # v(k) = 1 + 0.05 (k − 1), c = 0.1: no clock
     return decoder
 
 

@@ -140,15 +140,15 @@ def test_a_process_that_finds_the_dense_copy_being_built_waits_and_reads_it(tmp_
     import time
 
     from specdecode.cache import exclusive
-    from specdecode.models import loader
+    from specdecode.models import gguf_cache
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     gguf_file = tmp_path / "tiny.gguf"
     _write(gguf_file)
-    folder, builds, found = loader._dense_folder(gguf_file), [], []
-    monkeypatch.setattr(loader, "_build_dense_copy", lambda gguf_path, out: builds.append(out))
-    second = threading.Thread(target=lambda: found.append(loader._dense_cache(gguf_file)))
-    with exclusive(loader._build_lock(folder), "a test's build"):
+    folder, builds, found = gguf_cache.dense_folder(gguf_file), [], []
+    monkeypatch.setattr(gguf_cache, "_build_dense_copy", lambda gguf_path, out: builds.append(out))
+    second = threading.Thread(target=lambda: found.append(gguf_cache.dense_cache(gguf_file)))
+    with exclusive(gguf_cache.build_lock(folder), "a test's build"):
         second.start()
         said, deadline = "", time.monotonic() + 60
         while "waiting" not in said and time.monotonic() < deadline:

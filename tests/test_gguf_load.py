@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import specdecode as sd
 from specdecode import kernels
 from specdecode.errors import ModelNotAvailable
-from specdecode.models import loader
+from specdecode.models import gguf_cache, loader
 from specdecode.models.quantize import Quantization, quantize_model
 
 pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
@@ -96,7 +96,7 @@ def _logits(loaded: sd.LoadedModel, ids: torch.Tensor) -> torch.Tensor:
 
 def _earlier_path(path: Path) -> sd.LoadedModel:
     """What load_model did before: a float32 dense copy on disk, loaded, then its linears swapped for the blocks."""
-    model = AutoModelForCausalLM.from_pretrained(loader._dense_cache(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(gguf_cache.dense_cache(path), dtype=torch.float32).eval()
     formats = quantize_model(model, Quantization("gguf"), path)
     loaded = loader._wrap(model, None, path.name, "auto")
     loaded.quantization, loaded.formats = "gguf", formats
@@ -196,7 +196,7 @@ def test_an_untied_head_runs_its_own_blocks_and_the_dense_load_dequantizes_the_s
     ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(3))
     quantized, reference = _logits(loaded, ids), _logits(dense, ids)
     assert (quantized - reference).norm() / reference.norm() < 2e-3  # int16 activations, a float16 cache
-    earlier = AutoModelForCausalLM.from_pretrained(loader._dense_cache(path), dtype=torch.float32)
+    earlier = AutoModelForCausalLM.from_pretrained(gguf_cache.dense_cache(path), dtype=torch.float32)
     for name, param in earlier.state_dict().items():  # the dense load holds the earlier dense copy's weights
         assert torch.equal(dense.model.state_dict()[name], param), name
 

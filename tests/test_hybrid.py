@@ -12,7 +12,7 @@ from helpers.models import LARGE_VOCAB, word_target
 from test_eagle import head_dir as head_dir  # the fixture: a head trained for tiny_llama(64, seed=10)
 
 import specdecode as sd
-from specdecode.adaptive import CostModel, HybridGamma
+from specdecode.control import HybridGamma, PassCosts
 from specdecode.exactness import check_exactness
 from specdecode.factory import lookup_hybrid
 from specdecode.proposers import EagleProposer, HybridProposer, PromptLookupProposer, SuffixHistory, SuffixProposer
@@ -111,6 +111,8 @@ def test_settings_are_validated():
 class ScriptedSides:
     """A two-sided proposer for ``HybridGamma``: ``preview`` offers the sides of ``script`` in turn."""
 
+    copier_sizes_its_drafts = False
+
     def __init__(self, script: list[tuple[str, int]]) -> None:
         self.script, self.turn, self.last_side = script, 0, None
 
@@ -129,7 +131,7 @@ def two_sided_rounds(
     drafts. The γ chosen for each side's rounds."""
     proposer = ScriptedSides([("copy", 6), ("model", 1)])
     proposer.copier_sizes_its_drafts = sized
-    costs = CostModel(1.0, 0.05, {"copy": 0.01, "model": 0.3}, fixed=True)
+    costs = PassCosts.line(1.0, 0.05, {"copy": 0.01, "model": 0.3})
     controller = HybridGamma.for_request(proposer, [], 8, costs, {})
     chosen: dict[str, list[int]] = {"copy": [], "model": []}
     for i in range(rounds):
@@ -163,7 +165,7 @@ def test_a_copier_that_sizes_its_own_drafts_is_taken_as_offered():
 
 def test_a_side_round_after_another_sides_round_is_no_drafting_price():
     proposer = ScriptedSides([("copy", 4), ("model", 1), ("model", 1), ("copy", 4), ("copy", 4)])
-    controller = HybridGamma.for_request(proposer, [], 8, CostModel(1.0, 0.05, {}, fixed=True), {})
+    controller = HybridGamma.for_request(proposer, [], 8, PassCosts.line(1.0, 0.05, {}), {})
     seen = []
     for _ in range(5):
         gamma = controller.choose()
@@ -181,7 +183,7 @@ def test_gamma_auto_in_the_engine_rests_a_useless_model_and_still_copies(large_t
     model = CountingModel()  # guesses token 1: almost never the target's
     hybrid = HybridProposer(model, model_gamma=8)
     decoder = sd.SpeculativeDecoder(large_target, hybrid, gamma="auto", max_gamma=5)
-    decoder.costs = CostModel(1.0, 0.05, {"copy": 0.0, "model": 0.1}, fixed=True)
+    decoder.costs = PassCosts.line(1.0, 0.05, {"copy": 0.0, "model": 0.1})
     prompt, params = [3, 4, 5, 3, 4, 5, 3, 4], sd.SamplingParams(max_new_tokens=120)
     out = decoder.generate(prompt, params)
     assert out.token_ids == sd.autoregressive_generate(large_target, prompt, params).token_ids

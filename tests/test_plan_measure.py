@@ -29,7 +29,7 @@ def test_measure_runs_end_to_end_on_a_tiny_model():
     target = sd.load_model(tiny_llama(LARGE_VOCAB, seed=11))
     pattern = [5, 6, 7, 8, 9, 10, 11, 12]
     items = [WorkItem(i, "summarization", [pattern * 3 + [i]]) for i in range(2)]
-    found = measure(target, "lookup", None, items, gammas=(1, 2), max_new_tokens=12, quirk_repeats=1)
+    found = measure(target, "lookup", None, items, gammas=(1, 2), max_new_tokens=12, curve_repeats=1)
     assert [p.gamma for p in found.predictions] == list(range(1, 17))
     assert {p.gamma for p in found.predictions if p.measured is not None} == {1, 2}
     assert 0.0 <= found.alpha <= 1.0 and found.cost >= 0.0

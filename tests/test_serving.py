@@ -621,7 +621,7 @@ def test_bench_serve_rotates_the_policy_order_and_starts_each_run_fresh(target):
         scheduler = running.app.state.server.scheduler
         assert scheduler._acceptance  # learned from that request
         scheduler.forget_learned()
-        assert not scheduler._acceptance and not scheduler._draft_seconds
+        assert not scheduler._acceptance and not scheduler.policy.costs.draft_token_seconds
 
 
 @pytest.mark.parametrize("scope", ["global", "request"])
@@ -662,8 +662,8 @@ def test_a_round_after_one_its_proposer_did_not_draft_is_not_a_drafting_price(ta
         answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()
         assert answer["choices"][0]["text"] == plain_text(target, target.encode(REPEATING), 16)
         scheduler = running.app.state.server.scheduler
-        assert "catches-up" in scheduler._acceptance and "catches-up" not in scheduler._draft_seconds
-        assert "lookup" not in scheduler._draft_seconds  # no request drafted with it
+        assert "catches-up" in scheduler._acceptance and "catches-up" not in scheduler.policy.costs.draft_token_seconds
+        assert "lookup" not in scheduler.policy.costs.draft_token_seconds  # no request drafted with it
         body["speculative"] = {"proposer": "lookup"}
         assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).status_code == 200
-        assert scheduler._draft_seconds["lookup"] < 0.05  # rounds in a row: priced
+        assert scheduler.policy.costs.draft_token_seconds["lookup"] < 0.05  # rounds in a row: priced

@@ -5,26 +5,23 @@ from __future__ import annotations
 
 import pytest
 
+from specdecode.control import PRIOR_WEIGHT, AcceptanceHistory, PassCosts, RequestAcceptance
 from specdecode.planner import expected_tokens_per_position
-from specdecode.serving.policy import (
-    Acceptance,
-    Candidate,
-    PassCosts,
-    SpeculationPolicy,
-    blended_acceptance,
-)
+from specdecode.serving.policy import Candidate, SpeculationPolicy
 
 
 def test_pass_costs_interpolate_and_extrapolate_what_they_measured():
     costs = PassCosts()
-    assert costs.estimate(7) == 1.0  # nothing measured: optimistic, so speculation gets tried
-    costs.observe(4, 0.010)
-    assert costs.estimate(1) == 0.010 and costs.estimate(40) == 0.010  # one point: flat
-    costs.observe(12, 0.030)
-    assert costs.estimate(8) == pytest.approx(0.020)  # between measured counts: linear
-    assert costs.estimate(20) == pytest.approx(0.050)  # past them: the line through the extremes
-    assert costs.estimate(2) == pytest.approx(0.005)
-    costs.observe(4, 0.020)
+    assert costs.pass_seconds(7) == 1.0  # nothing measured: optimistic, so speculation gets tried
+    costs.observe_pass(4, 0.010)
+    assert costs.pass_seconds(1) == 0.010 and costs.pass_seconds(40) == 0.010  # one point: flat
+    costs.observe_pass(12, 0.030)
+    assert costs.pass_seconds(8) == pytest.approx(0.020)  # between measured counts: linear
+    assert costs.pass_seconds(20) == pytest.approx(0.050)  # past them: the line through the extremes
+    assert costs.pass_seconds(2) == pytest.approx(0.005)
+    costs.observe_pass(4, 0.020)  # 2 rounds after the last time at 4 rows: a lone time, the median of two is 10 ms
+    assert costs.seconds[4] == pytest.approx(0.010)
+    costs.observe_pass(4, 0.020)  # the median of three (10, 20, 20): the moving average moves, keeping 0.8
     assert costs.seconds[4] == pytest.approx(0.8 * 0.010 + 0.2 * 0.020)  # moving average
 
 
@@ -35,7 +32,7 @@ def _candidates(n: int, rate: float, cap: int = 4) -> list[Candidate]:
 def _costs(seconds) -> PassCosts:
     costs = PassCosts()
     for rows in range(1, 200):
-        costs.observe(rows, seconds(rows))
+        costs.observe_pass(rows, seconds(rows))
     return costs
 
 
@@ -71,15 +68,19 @@ def test_auto_probes_speculation_ever_more_rarely_while_plain_steps_win():
     assert probes == [3, 11, 27, 59]  # after 4, 8, 16, 32 plain steps
 
 
-def test_blended_acceptance_starts_from_the_server_wide_estimate():
-    prior = Acceptance()
+def test_a_request_starts_from_the_server_wide_estimate():
+    memory = AcceptanceHistory()
     for _ in range(200):
-        prior.observe(drafted=2, accepted=1)  # position 1 always accepted, position 2 always rejected
-    assert prior.rate(0) > 0.95 and prior.rate(1) < 0.05 and prior.rate(5) == 0.5
-    fresh = blended_acceptance([], [], prior, 2)
-    assert fresh == pytest.approx((prior.rate(0), prior.rate(1)))
-    seen = blended_acceptance([0, 0], [100, 0], prior, 2)  # this request: position 1 rejected 100 times
-    assert seen[0] < 0.05 and seen[1] == pytest.approx(prior.rate(1))
+        memory.observe(drafted=2, accepted=1)  # position 1 always accepted, position 2 always rejected
+    prior = memory.estimate(6)
+    assert prior[0] > 0.95 and prior[1] < 0.05 and prior[5] == prior[1]  # unreached: like the depth above
+    fresh = RequestAcceptance(memory)
+    assert fresh.estimate(2) == pytest.approx(prior[:2])
+    seen = RequestAcceptance(AcceptanceHistory(accepted=list(memory.accepted), reached=list(memory.reached)))
+    seen.own = AcceptanceHistory(1.0, [0.0, 0.0], [100.0, 0.0])  # this request: position 1 rejected 100 times
+    estimate = seen.estimate(2)
+    assert estimate[0] == pytest.approx(PRIOR_WEIGHT * prior[0] / (100 + PRIOR_WEIGHT)) and estimate[0] < 0.08
+    assert estimate[1] == pytest.approx(prior[1])
 
 
 class Machine:
@@ -99,6 +100,6 @@ def test_closed_loop_turns_speculation_off_under_load(batch, low, high):
     speculating = 0
     for _ in range(300):
         plan = policy.plan(_candidates(batch, 0.7, cap=4))
-        policy.costs.observe(plan.rows, machine.seconds(plan.rows))
+        policy.costs.observe_pass(plan.rows, machine.seconds(plan.rows))
         speculating += plan.speculating
     assert low <= speculating / 300 <= high

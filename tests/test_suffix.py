@@ -21,7 +21,7 @@ from helpers.models import SMALL_VOCAB
 
 import specdecode as sd
 import specdecode.engine
-from specdecode.adaptive import CostModel
+from specdecode.control import PassCosts
 from specdecode.exactness import check_exactness
 from specdecode.proposers.suffix import MAGIC, SuffixCacheError, SuffixHistory, SuffixProposer
 from specdecode.proposers.suffix_index import ORDERS, SuffixIndex, suffix_hashes
@@ -172,13 +172,13 @@ def test_the_measured_verify_cost_caps_the_tree():
     for follower in (5, 6, 7, 8):
         history.add([1, 2, follower])
     proposer = SuffixProposer(history, min_probability=0.1, recency=1.0, tree_nodes=8)
-    costs = CostModel()
+    costs = PassCosts()
     proposer.bind_target("vocabulary", costs)
     assert len(propose(proposer, [1, 2])) == 4  # nothing measured yet: only the threshold and the cap
     costs.observe(1, 0.010, 0, 0.0)
     costs.observe(5, 0.030, 4, 0.0)  # v(2) = 1.5: a guess of P = 1/4 lowers (1 + P) / v
     assert len(propose(proposer, [1, 2])) == 0
-    costs.verify_seconds, costs.extra_token_seconds = {1: 0.010}, 0.0001  # nearly free rows: all four pay
+    costs.seconds = {1: 0.010, 5: 0.0104}  # nearly free rows: all four pay
     assert len(propose(proposer, [1, 2])) == 4
 
 

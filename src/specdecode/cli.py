@@ -7,6 +7,7 @@ import typer
 from .commands import friendly, quiet_transformers
 from .commands.bench import bench
 from .commands.bench_serve import bench_serve
+from .commands.chat import chat
 from .commands.check_exact import check_exact
 from .commands.demo import demo
 from .commands.generate import generate
@@ -27,6 +28,7 @@ app = typer.Typer(
 )
 for _name, _command in (
     ("generate", generate),
+    ("chat", chat),
     ("demo", demo),
     ("plan", plan),
     ("bench", bench),

@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-import functools
-import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from .adaptive import AcceptanceMemory, AdaptiveGamma, CostModel, HybridGamma
-from .keyed_noise import KeyedNoise
+from .control import AcceptanceHistory, AdaptiveGamma, HybridGamma, PassCosts
 from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
-from .output import OutputSink
 from .params import SamplingParams
-from .proposers.base import EMPTY_DRAFT, CoupledProposer, Draft, Proposer
+from .prefix_reuse import HeldPrefix, held_after, reusable_length
+from .proposers.base import EMPTY_DRAFT, Draft, Proposer, as_proposer
 from .proposers.prompt_lookup import PromptLookupProposer
-from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
+from .provenance import round_sources
+from .request import GenerationOutput, Request, TextCallback
+from .request import check_context_window as check_context_window  # re-exported (moved to request.py)
+from .request import fresh_seed as fresh_seed  # re-exported (moved to request.py)
 from .sampling import probs_from_logits
-from .stats import DecodeStats
-from .structured import Constraint, cut_at_forbidden, mask_logits, with_forced
+from .structured import cut_at_forbidden, with_forced
 from .tree import attention_mask, children, depths, prune_depth
 from .verify import (
     coupled_verify,
@@ -32,25 +31,8 @@ from .verify import (
     tree_speculative_sample,
 )
 from .vocab import check_vocabularies, vocabulary_fingerprint
-from .warps import RowContexts, target_logits
 
-TextCallback = Callable[[str], None]
 FORCED_PER_ROUND = 32  # tokens a grammar forces that one round drafts for free, at most
-
-
-@dataclass
-class GenerationOutput:
-    """Result of one request: generated ids (EOS included if it ended generation), text, seed and stats;
-    per token its source (an accepted guess or the target's own) and, if asked for, its logprobs."""
-
-    token_ids: list[int]
-    text: str
-    seed: int
-    stats: DecodeStats
-    finish_reason: str
-    prompt_ids: list[int]
-    sources: list[TokenSource] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -67,155 +49,11 @@ class Round:
     allowed: torch.Tensor | None = None
     forced: int = 0
 
-
-def fresh_seed() -> int:
-    """A seed from the OS's entropy, in [0, 2**63)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
-
-
-def check_context_window(target: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse a request that would run past the positions the model was trained on, or past the tokens its KV cache
-    may hold (``max_context``): prompt + new ≤ ``target.context_window``."""
-    window = target.context_window
-    if window is None or prompt_tokens + max_new_tokens <= window:
-        return
-    fix = (
-        f"lower max_new_tokens to at most {window - prompt_tokens} or shorten the prompt"
-        if prompt_tokens < window
-        else f"shorten the prompt so that prompt + max_new_tokens is at most {window}"
-    )
-    raise ValueError(
-        f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) is "
-        f"{prompt_tokens + max_new_tokens} tokens, past {_limit(target, window)}: {fix}"
-    )
-
-
-def _limit(target: LoadedModel, window: int) -> str:
-    """What caps a sequence of ``target`` at ``window`` tokens, in words."""
-    if target.max_context == window:
-        return f"the {window} tokens a sequence may hold (max_context, --max-context)"
-    return f"{target.name}'s context window of {window} positions (max_position_embeddings)"
-
-
-def _check_logprobs(logprobs: int | None) -> None:
-    if logprobs is not None and (
-        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
-    ):
-        raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {logprobs!r}")
-
-
-class Request:
-    """Per-request state shared by both loops (and the server's scheduler): context, output sink, generator,
-    stats, stream callback; each kept token's source and (``logprobs`` not None: with that many alternatives)
-    its logprobs."""
-
-    def __init__(
-        self,
-        target: LoadedModel,
-        prompt: str | list[int],
-        params: SamplingParams,
-        on_text: TextCallback | None,
-        logprobs: int | None = None,
-    ) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        _check_logprobs(logprobs)
-        if params.stop and target.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model was loaded without one")
-        if params.logit_bias and params.logit_bias[-1][0] >= target.vocab_size:
-            raise ValueError(
-                f"logit_bias names token {params.logit_bias[-1][0]}, past the vocabulary ({target.vocab_size} tokens)"
-            )
-        self.prompt_ids = target.encode(prompt)
-        check_context_window(target, len(self.prompt_ids), params.max_new_tokens)
-        self.context = list(self.prompt_ids)
-        self.params = params
-        self.seed = fresh_seed() if params.seed is None else params.seed
-        self.generator = torch.Generator().manual_seed(self.seed)
-        self.noise = KeyedNoise(self.seed)
-        self.sink = OutputSink(target.decode, target.eos_token_ids, params.max_new_tokens, params.stop)
-        self.stats = DecodeStats()
-        self.on_text = on_text
-        self.controller: AdaptiveGamma | HybridGamma | None = None
-        self.started = time.perf_counter()
-        # The target's verified features, in position order (rows of passes over a capture_hidden runner).
-        self.target_hidden: list[torch.Tensor] = []
-        self.sources: list[TokenSource] = []
-        self.top_logprobs = logprobs
-        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
-        self.constraint: Constraint | None = None
-        if params.grammar is not None:
-            self.constraint = Constraint(params.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids)
-
-    def prefill(self, runner) -> None:
-        """Fill the cache with every prompt token but the last, which leads the first round."""
-        t0 = time.perf_counter()
-        runner.reset()
-        if len(self.context) > 1:
-            runner.prefill(torch.tensor(self.context[:-1], dtype=torch.int64))
-            self.keep_hidden(runner, slice(None))
-        self.stats.prefill_seconds += time.perf_counter() - t0
-
-    def keep_hidden(self, runner, rows: slice | list[int]) -> None:
-        """Record the features of the last pass's ``rows`` (verified tokens) if the runner captures them."""
-        if getattr(runner, "capture_hidden", False):
-            self.target_hidden.append(runner.hidden[rows])
-
-    def emit(self, tokens: list[int], sources: list[TokenSource], rows: torch.Tensor) -> int:
-        """Append tokens up to the first stop condition, with their ``sources`` and (if asked) the logprobs
-        from ``rows``, the target's logits row that chose each token; stream new text; return how many were
-        kept."""
-        if self.constraint is not None:  # the grammar's end ends the output; what the sink cuts, it forgets
-            tokens = tokens[: self.constraint.advance(tokens)]
-        kept = self.sink.push(tokens)
-        if self.constraint is not None:
-            self.constraint.rollback(len(tokens) - kept)
-            if self.constraint.ended and self.sink.finish_reason is None:
-                self.sink.finish_reason = "stop"
-        self.context.extend(self.sink.token_ids[len(self.sink.token_ids) - kept :])
-        self.sources.extend(sources[:kept])
-        if self.logprobs is not None:
-            self.logprobs.extend(token_logprobs(rows[:kept], tokens[:kept], self.top_logprobs))
-        if self.on_text is not None:
-            delta = self.sink.take_delta()
-            if delta:
-                self.on_text(delta)
-        return kept
-
-    def target_logits(
-        self,
-        logits: torch.Tensor,
-        draft_tokens: torch.Tensor | None = None,
-        parents: torch.Tensor | None = None,
-        allowed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The target's ``logits`` of a pass over the newest context token and ``draft_tokens`` (a tree: with
-        ``parents``; None: a plain step), each row warped with its own context (``warps.target_logits``), then
-        masked by the grammar: ``allowed`` [rows, V], a round's masks (``Round.allowed``); a plain step under a
-        grammar takes its current mask."""
-        if draft_tokens is None and self.constraint is not None:
-            allowed = self.constraint.mask().unsqueeze(0)
-        drafted = torch.zeros(0, dtype=torch.int64) if draft_tokens is None else draft_tokens
-        rows = RowContexts(self.context, len(self.prompt_ids), drafted, parents)
-        return mask_logits(target_logits(logits, self.params, rows), allowed)
-
-    @property
-    def done(self) -> bool:
-        return self.sink.finish_reason is not None
-
-    def finish(self) -> GenerationOutput:
-        self.stats.generated = len(self.sink.token_ids)
-        self.stats.total_seconds = time.perf_counter() - self.started
-        return GenerationOutput(
-            list(self.sink.token_ids),
-            self.sink.text,
-            self.seed,
-            self.stats,
-            self.sink.finish_reason or "length",
-            self.prompt_ids,
-            list(self.sources),
-            None if self.logprobs is None else list(self.logprobs),
-        )
+    def score(self, runner: ModelRunner) -> torch.Tensor:
+        """The target's logits for the chunk: one pass of ``runner`` (a tree with its positions and mask)."""
+        if self.positions is None:
+            return runner.forward(self.tokens)
+        return runner.forward(self.tokens, positions=self.positions, attn_mask=self.attn_mask)
 
 
 class SpeculativeDecoder:
@@ -223,7 +61,7 @@ class SpeculativeDecoder:
 
     ``gamma="auto"`` (the default) chooses each round's draft length (≤ ``max_gamma``) from the acceptance and
     step costs measured so far, and 0 — a plain round — where speculation does not pay, probing with one guess
-    at doubling intervals (``adaptive``), so a proposer that is never right costs little over plain decoding.
+    at doubling intervals (``control``), so a proposer that is never right costs little over plain decoding.
     An integer drafts that many tokens every round (fewer only near the token budget), paying or not.
 
     Cache invariant between rounds: the target's cache holds every context token but the newest, which
@@ -257,41 +95,49 @@ class SpeculativeDecoder:
         self.gamma = gamma
         self.max_gamma = max_gamma
         self.mode = mode
-        self.costs = CostModel()
+        self.costs = PassCosts()
         # gamma="auto": acceptance carried across requests, per drafter ("" the proposer, a hybrid's sides)
-        self.acceptance_memories: dict[str, AcceptanceMemory] = {"": AcceptanceMemory(max_gamma)}
+        self.acceptance_memories: dict[str, AcceptanceHistory] = {"": AcceptanceHistory()}
         self.last_output: GenerationOutput | None = None
+        # What the runner holds after the last generate/stream: a prompt that extends it prefills only the rest.
+        # Emptied while a request runs (an abandoned stream reuses nothing).
+        self._held = HeldPrefix()
+        self._target_runner: ModelRunner | None = None  # for generate/stream, allocated on first use
         self.use_proposer(PromptLookupProposer() if proposer is None else proposer)
 
-    def use_proposer(self, proposer: Proposer) -> None:
+    def use_proposer(self, proposer: Proposer | object) -> None:
         """Draft with ``proposer`` from the next request on, keeping what this decoder has measured (the target's
         costs, ``gamma="auto"``'s acceptance memory) and its runner, as a long-lived decoder does."""
-        draft_model = getattr(proposer, "model", None)
-        if isinstance(draft_model, LoadedModel):
-            check_vocabularies(self.target, draft_model)
-        self.proposer = proposer
-        if "_runner" in self.__dict__:  # allocated: an EAGLE head reads the features it captures
-            self._runner.capture_hidden = getattr(proposer, "needs_target_hidden", False)
-        self.bind_proposer(proposer)
+        self.proposer = self.bind_proposer(proposer)
+        if self._target_runner is not None:  # an EAGLE head reads the features it captures
+            self._target_runner.capture_hidden = self.proposer.needs_target_hidden
 
-    def bind_proposer(self, proposer: Proposer | None) -> None:
-        """Give a proposer that asks for them (``bind_target``) the target's vocabulary and the measured costs."""
-        bind = getattr(proposer, "bind_target", None)
-        if bind is not None:
-            bind(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
+    def forget_cache(self) -> None:
+        """Reuse nothing the runner holds: the next request prefills its whole prompt (a cold start, as timed)."""
+        self._held = HeldPrefix()
+
+    def bind_proposer(self, proposer: Proposer | object) -> Proposer:
+        """The entry point of a proposer: adapted if duck-typed (``as_proposer``), its draft model's vocabulary
+        checked against the target's, given the target's vocabulary and the measured costs (``bind_target``)."""
+        proposer = as_proposer(proposer)
+        draft_model = proposer.vocabulary_model()
+        if draft_model is not None:
+            check_vocabularies(self.target, draft_model)
+        proposer.bind_target(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
+        return proposer
 
     def end_request(self, request: Request, proposer: Proposer | None) -> None:
-        """Tell a proposer that remembers requests (``end_request``) that ``request`` ended."""
-        remember = getattr(proposer, "end_request", None)
-        if remember is not None:
-            remember(request.context)
+        """Tell ``proposer`` (a suffix proposer remembers requests) that ``request`` ended."""
+        if proposer is not None:
+            proposer.end_request(request.context)
 
-    @functools.cached_property
+    @property
     def _runner(self) -> ModelRunner:
         """The target's runner for generate/stream, allocated on first use (the server brings its own)."""
-        runner = self.target.new_runner()
-        runner.capture_hidden = getattr(self.proposer, "needs_target_hidden", False)  # an EAGLE head reads them
-        return runner
+        if self._target_runner is None:
+            self._target_runner = self.target.new_runner()
+            self._target_runner.capture_hidden = self.proposer.needs_target_hidden  # an EAGLE head reads them
+        return self._target_runner
 
     def generate(
         self,
@@ -307,6 +153,7 @@ class SpeculativeDecoder:
         while not request.done:
             self._round(request)
         self.end_request(request, self.proposer)
+        self._held = held_after(request, self._runner)
         return request.finish()
 
     def stream(
@@ -321,31 +168,41 @@ class SpeculativeDecoder:
             yield from chunks
             chunks.clear()
         self.end_request(request, self.proposer)
+        self._held = held_after(request, self._runner)
         self.last_output = request.finish()
 
     def _start(
         self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None, logprobs: int | None
     ) -> Request:
         request = Request(self.target, prompt, params, on_text, logprobs)
-        if self.gamma == "auto" and getattr(self.proposer, "chooses_length", False):
+        if self.gamma == "auto" and self.proposer.chooses_length:
             request.controller = HybridGamma.for_request(
                 self.proposer, request.context, self.max_gamma, self.costs, self.acceptance_memories
             )
         elif self.gamma == "auto":
             request.controller = AdaptiveGamma(self.max_gamma, self.costs, self.acceptance_memories[""])
-        request.prefill(self._runner)
+        self._prefill_reusing(request)
         return request
+
+    def _prefill_reusing(self, request: Request) -> None:
+        """Prefill ``request`` on this decoder's runner, keeping the entries of the longest prefix its context
+        shares with what the runner holds from the last request (a chat's next turn): only the rest is
+        prefilled, bitwise as a full prefill (``exact_prefix_reuse``; other runners always prefill in full).
+
+        The proposers' own state is not handed over: a draft model's cache keeps its own longest common prefix
+        (``DraftModelProposer``), an EAGLE head re-reads the target's features (the reused prefix's come from
+        ``HeldPrefix``) and catches its one-layer cache up at its first draft, lookup and suffix proposers
+        read the context."""
+        held, self._held = self._held, HeldPrefix()
+        request.prefill(self._runner, reusable_length(self._runner, held, request.context), held.hidden)
 
     def _round(self, request: Request) -> None:
         controller = request.controller
         k = min(self.gamma if controller is None else controller.choose(), request.sink.remaining - 1)
-        pending = self.draft(request, self.proposer, k)
+        this_round = self.draft(request, self.proposer, k)
         started = time.perf_counter()
-        if pending.positions is None:
-            logits = self._runner.forward(pending.tokens)
-        else:
-            logits = self._runner.forward(pending.tokens, positions=pending.positions, attn_mask=pending.attn_mask)
-        self.settle(request, pending, logits, self._runner, started)
+        logits = this_round.score(self._runner)
+        self.verify_round(request, this_round, logits, self._runner, started)
 
     def draft(self, request: Request, proposer: Proposer | None, k: int) -> Round:
         """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step); a
@@ -357,11 +214,11 @@ class SpeculativeDecoder:
         if request.constraint is not None:
             forced = request.constraint.forced(min(FORCED_PER_ROUND, request.sink.remaining - 1))
             context, k = context + forced, min(k, request.sink.remaining - 1 - len(forced))
-        if getattr(proposer, "needs_target_hidden", False):  # an EAGLE head: the features verified so far
+        if proposer is not None and proposer.needs_target_hidden:  # an EAGLE head: the features verified so far
             proposer.observe_target(request.target_hidden)
         if proposer is None:
             draft = EMPTY_DRAFT
-        elif self.mode == "reproducible" and isinstance(proposer, CoupledProposer):
+        elif self.mode == "reproducible" and proposer.couples_with_keyed_noise:
             draft = proposer.propose_coupled(context, k, params, request.noise)
         else:
             draft = proposer.propose(context, k, params, request.generator)
@@ -385,19 +242,19 @@ class SpeculativeDecoder:
             allowed = request.constraint.tree_masks(draft.tokens.tolist(), draft.parents.tolist())
         return Round(draft, tokens, time.perf_counter() - t0, positions, mask, allowed, len(forced))
 
-    def settle(
-        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    def verify_round(
+        self, request: Request, this_round: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
         """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
         ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
-        logits = every_row(pending, logits)
-        if pending.positions is not None:
-            self._settle_tree(request, pending, logits, runner, started)
+        logits = every_row(this_round, logits)
+        if this_round.positions is not None:
+            self._verify_tree_round(request, this_round, logits, runner, started)
             return
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
-        draft = pending.draft
+        draft = this_round.draft
         n_drafted = len(draft)
-        warped = request.target_logits(logits, draft.tokens, allowed=pending.allowed)
+        warped = request.target_logits(logits, draft.tokens, allowed=this_round.allowed)
         if params.greedy:
             n_accepted, token = greedy_verify(warped, draft.tokens)
         elif self.mode == "reproducible":
@@ -407,31 +264,31 @@ class SpeculativeDecoder:
             target_probs = probs_from_logits(warped, params)
             n_accepted, token = speculative_sample(target_probs, draft.probs, draft.tokens, request.generator)
         t2 = time.perf_counter()
-        stats.draft_seconds += pending.draft_seconds
+        stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
-        guessed, kept = n_drafted - pending.forced, n_accepted - pending.forced  # forced tokens: counted apart
-        stats.forced += pending.forced
+        guessed, kept = n_drafted - this_round.forced, n_accepted - this_round.forced  # forced: counted apart
+        stats.forced += this_round.forced
         stats.record_round(guessed, kept)
         if controller is not None:
             controller.observe(guessed, kept)
-            draft_price = None if controller.catching_up else pending.draft_seconds
-            self.costs.observe(len(pending.tokens), t2 - started, guessed, draft_price, controller.drafter)
+            draft_price = None if controller.catching_up else this_round.draft_seconds
+            self.costs.observe(len(this_round.tokens), t2 - started, guessed, draft_price, controller.drafter)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
         request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
         runner.rollback_to(len(context) - 1)
 
-    def _settle_tree(
-        self, request: Request, pending: Round, logits: torch.Tensor, runner: ModelRunner, started: float
+    def _verify_tree_round(
+        self, request: Request, this_round: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
-        """``settle`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
+        """``verify_round`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
-        draft = pending.draft
-        warped = request.target_logits(logits, draft.tokens, draft.parents, pending.allowed)
+        draft = this_round.draft
+        warped = request.target_logits(logits, draft.tokens, draft.parents, this_round.allowed)
         if params.greedy:
             accepted, token = tree_greedy_verify(warped, draft.tokens, draft.parents)
         elif self.mode == "reproducible":
-            target_tokens = request.noise.tokens_at(warped, params, (pending.positions + 1).tolist())
+            target_tokens = request.noise.tokens_at(warped, params, (this_round.positions + 1).tolist())
             accepted, token = tree_coupled_verify(target_tokens, draft.tokens, draft.parents)
         else:
             target_probs = probs_from_logits(warped, params)
@@ -442,16 +299,16 @@ class SpeculativeDecoder:
         kids = children(draft.parents)  # kids[0]: the root's children, kids[i + 1]: node i's
         rejected = bool(kids[accepted[-1] + 1 if accepted else 0])  # the path stopped at a fork
         siblings = sum(node != kids[int(draft.parents[node]) + 1][0] for node in accepted)
-        nodes_per_depth = torch.bincount(pending.positions[1:] - pending.positions[0])[1:].tolist()
-        stats.draft_seconds += pending.draft_seconds
+        nodes_per_depth = torch.bincount(this_round.positions[1:] - this_round.positions[0])[1:].tolist()
+        stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
-        stats.forced += pending.forced  # the forced chain leads the tree: counted apart
-        kept = len(accepted) - pending.forced
-        stats.record_tree_round(nodes_per_depth[pending.forced :], kept, rejected, siblings)
+        stats.forced += this_round.forced  # the forced chain leads the tree: counted apart
+        kept = len(accepted) - this_round.forced
+        stats.record_tree_round(nodes_per_depth[this_round.forced :], kept, rejected, siblings)
         if controller is not None:
             controller.observe(kept + rejected, kept)
-            controller.observe_tree(len(draft) + 1, pending.draft_seconds)
-            draft_price = None if controller.catching_up else pending.draft_seconds
+            controller.observe_tree(len(draft) + 1, this_round.draft_seconds)
+            draft_price = None if controller.catching_up else this_round.draft_seconds
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price, controller.drafter)
         start = len(context)  # node i sits at slot start + i
         path_rows = [0] + [node + 1 for node in accepted]  # the rows that chose the emitted tokens
@@ -462,11 +319,11 @@ class SpeculativeDecoder:
         runner.retain(start, [start + node for node in accepted])
 
 
-def every_row(pending: Round, logits: torch.Tensor) -> torch.Tensor:
+def every_row(this_round: Round, logits: torch.Tensor) -> torch.Tensor:
     """The target's ``logits`` with a row for every draft token and the bonus. A chain cut after a token the grammar
     forbids scored no row past it: a copy of the last row stands there, never read (every rule rejects the
     forbidden token, its masked target probability being 0)."""
-    missing = len(pending.draft) + 1 - logits.shape[0]
+    missing = len(this_round.draft) + 1 - logits.shape[0]
     return logits if missing <= 0 else torch.cat([logits, logits[-1:].expand(missing, -1)])
 
 

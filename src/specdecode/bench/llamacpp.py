@@ -104,7 +104,7 @@ def _method(spec: MethodSpec, llama, path: str, threads: int, eos: frozenset[int
 
 
 def llamacpp_verify_forward(gguf: str | Path, threads: int, max_k: int):
-    """A factory for ``quirk.measure_verify_curves``: llama.cpp on ``gguf`` with every row's logits computed
+    """A factory for ``verify_curve.measure_verify_curves``: llama.cpp on ``gguf`` with every row's logits computed
     (``logits_all``, as our verify pass does), its cache reset to the context after each forward."""
     try:
         import llama_cpp

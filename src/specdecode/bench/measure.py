@@ -13,8 +13,8 @@ from ..models.loader import LoadedModel
 from ..planner import MAX_GAMMA, VerifyCost, expected_tokens_per_position, speedup
 from .methods import PLAIN, build_methods
 from .metrics import OVERALL, merged_stats
-from .quirk import measure_verify_cost
 from .runner import BenchConfig, BenchResult, run_bench
+from .verify_curve import measure_verify_cost
 from .workloads import WorkItem
 
 
@@ -65,11 +65,11 @@ def measure(
     items: Sequence[WorkItem],
     gammas: Sequence[int] = (2, 4, 8),
     max_new_tokens: int = 128,
-    quirk_repeats: int = 3,
+    curve_repeats: int = 3,
     on_progress: Callable[[str], None] | None = None,
 ) -> Measurement:
     """Measure v(k) for k ≤ 17, then run plain and ``proposer`` at ``gammas``; predict γ = 1..16."""
-    verify_cost = measure_verify_cost(target, MAX_GAMMA + 1, repeats=quirk_repeats)
+    verify_cost = measure_verify_cost(target, MAX_GAMMA + 1, repeats=curve_repeats)
     curve = VerifyCost.from_json({str(k): v for k, v in verify_cost.items()})
     methods = build_methods(target, [proposer], gammas, draft, transformers=False)
     if len(methods) < 2:

@@ -183,11 +183,42 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]
 
 def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Sequence[str]) -> str:
     """report.md: setup, the overall table, speedup by subtask, per-position acceptance, costs, figures."""
+    specs = {m.name: m for m in result.methods}
+    lines = _setup_lines(result, machine, setup)
+    lines += ["## Overall", ""]
+    lines += _md_table(COLUMNS, [_row(m, row, specs) for m, row in result.aggregates[OVERALL].items()])
+    lines += _by_subtask_lines(result)
+    lines += _acceptance_lines(result)
+    lines += _pass_time_lines(result)
+    for subtask in _subtasks(result):
+        lines += [f"## {subtask}", ""]
+        lines += _md_table(COLUMNS, [_row(m, row, specs) for m, row in result.aggregates[subtask].items()])
+    lines += _verify_cost_lines(result)
+    notes = [m for m in result.methods if m.description]
+    lines += ["## Methods", ""] + [f"- `{m.name}`: {m.description}" for m in notes] + [""]
+    if str(setup.get("draft") or "").startswith("skip:"):
+        lines += [
+            "`skip:...` drafts with the target minus the listed layers (a skip set chosen by `tune-skip`), sharing",
+            "the target's weights.",
+            "",
+        ]
+    if str(setup.get("draft") or "").startswith("self:"):
+        lines += [
+            "`self:N` drafts with the target's own first N layers and its LM head, untrained: a stand-in",
+            "for a real draft model, to exercise the draft-model path.",
+            "",
+        ]
+    if figures:
+        lines += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in figures] + [""]
+    return "\n".join(lines)
+
+
+def _setup_lines(result: BenchResult, machine: dict, setup: dict) -> list[str]:
+    """The report's title, its setup (command, models, weights, workload, sampling, machine) and how to read it."""
     cfg = result.config
     sampling = "greedy" if cfg.greedy else f"temperature {cfg.temperature} (seeded; no identity check)"
     n_questions = len({(r.subtask, r.question_id) for r in result.records})
-    specs = {m.name: m for m in result.methods}
-    lines = [
+    return [
         "# specdecode bench",
         "",
         f"- command: `{machine['command']}`",
@@ -209,7 +240,7 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         "drafted; α = accepted / (accepted + rejections); c = draft seconds per drafted token / target",
         "seconds per 1-token step (from our plain decode of the same setting); predicted × is the",
         "planner's E(α, γ) / (v(γ+1) + γc) with "
-        + ("the measured verify-cost curve v;" if result.verify_cost else "v = 1 (no --quirk curve measured);"),
+        + ("the measured verify-cost curve v;" if result.verify_cost else "v = 1 (no --verify-curve measured);"),
         "it ignores prefill and loop overhead and assumes γ drafted tokens every round (prompt lookup often",
         "drafts fewer). decode × = speedup over our plain decode with prefill time left out (what the planner",
         "models); predicted (k̄) × = tokens/pass / (v(k̄+1) + k̄c) with k̄ the mean drafted tokens per pass, the",
@@ -218,13 +249,15 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         "methods not expected to match it (llama.cpp, or other weights), how many turns equal it anyway.",
         "other time = share of wall time outside prefill, draft and verify.",
         "",
-        "## Overall",
-        "",
     ]
-    lines += _md_table(COLUMNS, [_row(m, row, specs) for m, row in result.aggregates[OVERALL].items()])
+
+
+def _by_subtask_lines(result: BenchResult) -> list[str]:
+    """Speedup over our plain decode and over transformers' (when run), and tokens/s, per subtask."""
     subtasks = _subtasks(result)
     methods = list(result.aggregates[OVERALL])
     ours_plain = any(m.ours_plain for m in result.methods)
+    lines: list[str] = []
     for title, present, key in (
         ("our plain decode (same setting)", ours_plain, "speedup_vs_plain"),
         (HF_PLAIN, HF_PLAIN in methods, "speedup_vs_hf_plain"),
@@ -243,6 +276,12 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         for m in methods
     ]
     lines += _md_table(["method", *subtasks, OVERALL], rows)
+    return lines
+
+
+def _acceptance_lines(result: BenchResult) -> list[str]:
+    """Conditional acceptance by draft position, for the methods that draft."""
+    lines: list[str] = []
     speculative = {m: row for m, row in result.aggregates[OVERALL].items() if row["per_position"]}
     if speculative:
         width = max(len(row["per_position"]) for row in speculative.values())
@@ -257,6 +296,12 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
             for m, row in speculative.items()
         ]
         lines += _md_table(["method", *(str(i + 1) for i in range(width))], rows)
+    return lines
+
+
+def _pass_time_lines(result: BenchResult) -> list[str]:
+    """Drafted tokens, draft and verify milliseconds per target pass, and the verify pass over a plain step."""
+    lines: list[str] = []
     split = {m: row for m, row in result.aggregates[OVERALL].items() if row.get("verify_ms_per_pass") is not None}
     if split:
         lines += [
@@ -280,12 +325,15 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
         ]
         header = ["method", "drafted/pass", "tokens/pass", "draft ms/pass", "verify ms/pass", "verify ÷ plain step"]
         lines += _md_table(header, rows)
-    for subtask in subtasks:
-        lines += [f"## {subtask}", ""]
-        lines += _md_table(COLUMNS, [_row(m, row, specs) for m, row in result.aggregates[subtask].items()])
+    return lines
+
+
+def _verify_cost_lines(result: BenchResult) -> list[str]:
+    """The measured verify-cost curve v(k), ours and any peer's, in milliseconds and relative to k = 1."""
+    lines: list[str] = []
     if result.verify_cost:
         lines += [
-            "## Verify cost v(k) (--quirk)",
+            "## Verify cost v(k) (--verify-curve)",
             "",
             "Forward time for k new tokens on a ~500-token cache, relative to k = 1 (medians).",
             "",
@@ -298,23 +346,7 @@ def markdown_report(result: BenchResult, machine: dict, setup: dict, figures: Se
             if engine != "ours":
                 rows.append([f"{name}, v(k)", *(f"{ms[k] / ms[1]:.2f}" for k in ks)])
         lines += _md_table(["k", *map(str, ks)], rows)
-    notes = [m for m in result.methods if m.description]
-    lines += ["## Methods", ""] + [f"- `{m.name}`: {m.description}" for m in notes] + [""]
-    if str(setup.get("draft") or "").startswith("skip:"):
-        lines += [
-            "`skip:...` drafts with the target minus the listed layers (a skip set chosen by `tune-skip`), sharing",
-            "the target's weights.",
-            "",
-        ]
-    if str(setup.get("draft") or "").startswith("self:"):
-        lines += [
-            "`self:N` drafts with the target's own first N layers and its LM head, untrained: a stand-in",
-            "for a real draft model, to exercise the draft-model path.",
-            "",
-        ]
-    if figures:
-        lines += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in figures] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def _weights_lines(result: BenchResult, setup: dict) -> list[str]:

@@ -55,7 +55,7 @@ class BenchResult:
     records: list[TurnRecord]
     aggregates: dict[str, dict[str, dict]]
     verify_cost: dict[int, float] | None = None
-    verify_milliseconds: dict[str, dict[int, float]] | None = None  # --quirk: median ms per engine (ours, peers)
+    verify_milliseconds: dict[str, dict[int, float]] | None = None  # --verify-curve: median ms per engine (ours, peers)
 
     @property
     def baselines(self) -> list[str]:

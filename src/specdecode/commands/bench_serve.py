@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -69,24 +70,36 @@ def _sharegpt_turns(limit: int, seed: int) -> list[str]:
     return turns[:limit]
 
 
+ProposerOption = Annotated[ProposerChoice, typer.Option(help="Proposer of the speculating policies.")]
+DraftOption = Annotated[
+    str | None, typer.Option(help="Draft model for --proposer draft (path, self:N or skip:SKIP.json).")
+]
+GammaOption = Annotated[str, typer.Option(help="Draft tokens per round (always drafts all; auto may draft fewer).")]
+PromptsOption = Annotated[
+    str | None,
+    typer.Option(help="FastChat JSONL (e.g. Spec-Bench's question.jsonl), 'sharegpt', or the built-in set."),
+]
+SuffixScopeOption = Annotated[
+    str,
+    typer.Option(
+        help="--proposer suffix or eagle+suffix: global (the history keeps every finished request, so from the "
+        "second run on it has seen the prompts: repeated traffic) or request (each request's own tokens only: "
+        "fresh prompts)."
+    ),
+]
+
+
 def bench_serve(
     clients: Annotated[str, typer.Option(help="Comma list of concurrent streaming clients.")] = "1,4,16",
     duration: Annotated[float, typer.Option(help="Seconds of load per (clients, policy) run.")] = 60.0,
     repeats: Annotated[int, typer.Option(help="Runs per (clients, policy), the policy order rotated (noise).")] = 1,
     out: Annotated[Path, typer.Option(help="Output folder (report, JSON, plots).")] = Path("bench-serve-out"),
     target: Annotated[str, typer.Option(help="Target model: a bundled name, HF folder or .gguf.")] = "smollm2",
-    proposer: Annotated[ProposerChoice, typer.Option(help="Proposer of the speculating policies.")] = (
-        ProposerChoice.lookup
-    ),
-    draft: Annotated[
-        str | None, typer.Option(help="Draft model for --proposer draft (path, self:N or skip:SKIP.json).")
-    ] = None,
-    gamma: Annotated[str, typer.Option(help="Draft tokens per round (always drafts all; auto may draft fewer).")] = "3",
+    proposer: ProposerOption = ProposerChoice.lookup,
+    draft: DraftOption = None,
+    gamma: GammaOption = "3",
     policies: Annotated[str, typer.Option(help="Comma list of policies: always, never, auto.")] = "always,never,auto",
-    prompts: Annotated[
-        str | None,
-        typer.Option(help="FastChat JSONL (e.g. Spec-Bench's question.jsonl), 'sharegpt', or the built-in set."),
-    ] = None,
+    prompts: PromptsOption = None,
     categories: Annotated[str | None, typer.Option(help="Comma list of subtasks to keep (FastChat prompts).")] = None,
     limit: Annotated[int | None, typer.Option(help="At most N prompts per subtask (sharegpt: N prompts).")] = None,
     max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 128,
@@ -94,70 +107,132 @@ def bench_serve(
     max_batch: Annotated[int | None, typer.Option(help="Server's max batch (default: the most clients).")] = None,
     warmup: Annotated[float, typer.Option(help="Seconds of untimed load before the runs.")] = 5.0,
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
-    suffix_scope: Annotated[
-        str,
-        typer.Option(
-            help="--proposer suffix or eagle+suffix: global (the history keeps every finished request, so from the "
-            "second run on it has seen the prompts: repeated traffic) or request (each request's own tokens only: "
-            "fresh prompts)."
-        ),
-    ] = "global",
+    suffix_scope: SuffixScopeOption = "global",
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
 ) -> None:
     """Load an in-process server with N streaming clients under each policy; report tokens/s, TTFT, ITL."""
+    options = BenchServeOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
     console = Console(stderr=True)
     with usage_errors():
-        from specdecode.bench.workloads import default_items, load_items, select_items
-
-        counts = _ints(clients, "--clients")
-        chosen = _policies(policies)
-        gamma_value = parse_gamma(gamma)
-        parse_quantization(quantization)
-        if duration <= 0 or warmup < 0 or repeats < 1 or max_tokens < 1:
-            raise ValueError("--duration must be > 0, --warmup >= 0, --repeats >= 1 and --max-tokens >= 1")
-        if proposer is ProposerChoice.none:
-            raise ValueError("--proposer none leaves nothing to compare: choose lookup or draft")
-        if suffix_scope not in ("global", "request"):
-            raise ValueError(f"--suffix-scope must be global or request, got {suffix_scope!r}")
-        if prompts == "sharegpt":
-            turns = _sharegpt_turns(limit or SHAREGPT_PROMPTS, seed=0)
-        else:
-            items = load_items(prompts) if prompts else default_items()
-            items = select_items(items, [c for c in (categories or "").split(",") if c] or None, limit)
-            turns = [item.turns[0] for item in items if isinstance(item.turns[0], str)]
-        if not turns:
-            raise ValueError("no text prompts to send")
-        out.mkdir(parents=True, exist_ok=True)
-
+        plan = _planned(options)
     import torch
 
-    from specdecode.bench.report import machine_info
-    from specdecode.bench.serve_load import combine, run_load, scrape, server_side, write_report
-    from specdecode.commands import load
-    from specdecode.serving.app import Server, ServerConfig, create_app
-    from specdecode.serving.local import LocalServer
-    from specdecode.serving.policy import SpeculationPolicy
+    from specdecode.bench.serve_load import combine
 
     if threads is not None:
         torch.set_num_threads(threads)
     quiet_transformers()
     with console.status(f"loading {target}…"):
-        loaded = load(target, dtype, quantization, group_size)
-        server = Server(
-            ServerConfig(
-                target=loaded,
-                proposer=proposer.value,
-                draft=draft,
-                gamma=gamma_value,
-                max_batch=max_batch or max(counts),
-                dtype=dtype,
-                quantization=quantization,
-                group_size=group_size,
-                suffix_scope=suffix_scope,
-            )
+        loaded, server = _server(options, plan)
+    bodies = _bodies(plan.turns, max_tokens, temperature)
+    cells = _measured(options, plan, server, bodies, console)
+    rows = [{"policy": p, **combine(cells[(n, p)])} for n in plan.counts for p in plan.policies]
+    setup = {
+        "target": target,
+        "proposer": proposer.value,
+        "draft": draft,
+        "gamma": plan.gamma,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "prompts": f"{prompts or 'built-in set'} ({len(bodies)} prompts)",
+        "duration": duration,
+        "repeats": repeats,
+        "max_batch": max_batch or max(plan.counts),
+        "weights": loaded.quantization or "dense",
+        "suffix_scope": suffix_scope,
+    }
+    _reported(rows, out, setup, console)
+
+
+@dataclass(frozen=True)
+class BenchServeOptions:
+    """``bench_serve``'s options as given (see its parameters' help)."""
+
+    clients: str
+    duration: float
+    repeats: int
+    out: Path
+    target: str
+    proposer: ProposerChoice
+    draft: str | None
+    gamma: str
+    policies: str
+    prompts: str | None
+    categories: str | None
+    limit: int | None
+    max_tokens: int
+    temperature: float
+    max_batch: int | None
+    warmup: float
+    threads: int | None
+    suffix_scope: str
+    dtype: str
+    quantization: str
+    group_size: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The options parsed: client counts, policies, gamma and the prompts' text."""
+
+    counts: list[int]
+    policies: list[str]
+    gamma: int | str
+    turns: list[str]
+
+
+def _planned(options: BenchServeOptions) -> _Plan:
+    """Every option checked, the prompts read and the output folder made, before the slow load."""
+    from specdecode.bench.workloads import default_items, load_items, select_items
+
+    counts = _ints(options.clients, "--clients")
+    chosen = _policies(options.policies)
+    gamma_value = parse_gamma(options.gamma)
+    parse_quantization(options.quantization)
+    if options.duration <= 0 or options.warmup < 0 or options.repeats < 1 or options.max_tokens < 1:
+        raise ValueError("--duration must be > 0, --warmup >= 0, --repeats >= 1 and --max-tokens >= 1")
+    if options.proposer is ProposerChoice.none:
+        raise ValueError("--proposer none leaves nothing to compare: choose lookup or draft")
+    if options.suffix_scope not in ("global", "request"):
+        raise ValueError(f"--suffix-scope must be global or request, got {options.suffix_scope!r}")
+    if options.prompts == "sharegpt":
+        turns = _sharegpt_turns(options.limit or SHAREGPT_PROMPTS, seed=0)
+    else:
+        items = load_items(options.prompts) if options.prompts else default_items()
+        items = select_items(items, [c for c in (options.categories or "").split(",") if c] or None, options.limit)
+        turns = [item.turns[0] for item in items if isinstance(item.turns[0], str)]
+    if not turns:
+        raise ValueError("no text prompts to send")
+    options.out.mkdir(parents=True, exist_ok=True)
+    return _Plan(counts, chosen, gamma_value, turns)
+
+
+def _server(options: BenchServeOptions, plan: _Plan) -> tuple[Any, Any]:
+    """(the target loaded, an in-process ``Server`` over it with the options' proposer, gamma and batch)."""
+    from specdecode.commands import load
+    from specdecode.serving.app import Server, ServerConfig
+
+    loaded = load(options.target, options.dtype, options.quantization, options.group_size)
+    server = Server(
+        ServerConfig(
+            target=loaded,
+            proposer=options.proposer.value,
+            draft=options.draft,
+            gamma=plan.gamma,
+            max_batch=options.max_batch or max(plan.counts),
+            dtype=options.dtype,
+            quantization=options.quantization,
+            group_size=options.group_size,
+            suffix_scope=options.suffix_scope,
         )
+    )
+    return loaded, server
+
+
+def _bodies(turns: list[str], max_tokens: int, temperature: float) -> list[dict[str, Any]]:
+    """One chat-completion request body per prompt (request i sampled with seed i when ``temperature`` > 0)."""
     bodies: list[dict[str, Any]] = []
     for i, turn in enumerate(turns):
         body: dict[str, Any] = {"messages": [{"role": "user", "content": turn}], "max_tokens": max_tokens}
@@ -165,39 +240,45 @@ def bench_serve(
         if temperature > 0:
             body["seed"] = i
         bodies.append(body)
-    runs = run_order(counts, repeats, chosen)
+    return bodies
+
+
+def _measured(
+    options: BenchServeOptions, plan: _Plan, server: Any, bodies: list[dict[str, Any]], console: Console
+) -> dict[tuple[int, str], list]:
+    """Per (clients, policy), each run's client record and server-side figures: the warm-up, then the runs in
+    ``run_order``, each under a fresh policy that has learned nothing, the server idle between runs."""
+    from specdecode.bench.serve_load import run_load, scrape, server_side
+    from specdecode.serving.app import create_app
+    from specdecode.serving.local import LocalServer
+    from specdecode.serving.policy import SpeculationPolicy
+
+    runs = run_order(plan.counts, options.repeats, plan.policies)
     cells: dict[tuple[int, str], list] = {}
     columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with LocalServer(create_app(server)) as local, Progress(*columns, console=console) as progress:
         task = progress.add_task("warm-up", total=len(runs))
-        if warmup:
+        if options.warmup:
             server.scheduler.policy = SpeculationPolicy("always")
-            run_load(local.url, bodies, max(counts), warmup)
+            run_load(local.url, bodies, max(plan.counts), options.warmup)
             _wait_idle(local.url)
         for n, _, policy in runs:
             progress.update(task, description=f"{n} clients, policy {policy}")
             server.scheduler.policy = SpeculationPolicy(policy)  # a fresh policy: no pass costs carried over
             server.scheduler.forget_learned()  # nor acceptance priors and draft costs learned by the run before
             before = scrape(local.url)
-            record = run_load(local.url, bodies, n, duration)
+            record = run_load(local.url, bodies, n, options.duration)
             _wait_idle(local.url)
             cells.setdefault((n, policy), []).append((record, server_side(before, scrape(local.url))))
             progress.advance(task)
-    rows = [{"policy": p, **combine(cells[(n, p)])} for n in counts for p in chosen]
-    setup = {
-        "target": target,
-        "proposer": proposer.value,
-        "draft": draft,
-        "gamma": gamma_value,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "prompts": f"{prompts or 'built-in set'} ({len(bodies)} prompts)",
-        "duration": duration,
-        "repeats": repeats,
-        "max_batch": max_batch or max(counts),
-        "weights": loaded.quantization or "dense",
-        "suffix_scope": suffix_scope,
-    }
+    return cells
+
+
+def _reported(rows: list[dict[str, Any]], out: Path, setup: dict[str, Any], console: Console) -> None:
+    """The report, JSON and plots written into ``out``; the table of rows printed."""
+    from specdecode.bench.report import machine_info
+    from specdecode.bench.serve_load import write_report
+
     written = write_report(rows, out, setup, machine_info())
     table = Table("clients", "policy", "tokens/s", "±", "TTFT p50/p99 ms", "ITL p50/p99 ms", "errors", "spec steps")
     for r in rows:

@@ -33,34 +33,39 @@ class Mode(str, Enum):
     reproducible = "reproducible"
 
 
+DraftOption = Annotated[
+    str | None,
+    typer.Option(help="Draft model (HF folder or .gguf), self:N (the target's first N layers) or skip:SKIP.json."),
+]
+ProposerOption = Annotated[
+    str | None,
+    typer.Option(
+        help="draft (needs --draft), lookup, eagle, medusa, suffix, eagle+suffix or eagle+lookup; default: draft "
+        "if --draft is given."
+    ),
+]
+TreeWidthOption = Annotated[
+    int, typer.Option(min=1, help="lookup: offer up to this many distinct matches as a token tree (1 = chain).")
+]
+PromptsOption = Annotated[
+    Path | None,
+    typer.Option(help="FastChat JSONL (question_id, category, turns); turns[0] is used. Default: built-in."),
+]
+ModeOption = Annotated[Mode, typer.Option(help="exact (min(1, p/q) rule) or reproducible (seed-identical).")]
+
+
 def check_exact(
     target: Annotated[str, typer.Option(help="Target model: a bundled name, HF folder or .gguf.")] = "smollm2",
-    draft: Annotated[
-        str | None,
-        typer.Option(help="Draft model (HF folder or .gguf), self:N (the target's first N layers) or skip:SKIP.json."),
-    ] = None,
-    proposer: Annotated[
-        str | None,
-        typer.Option(
-            help="draft (needs --draft), lookup, eagle, medusa, suffix, eagle+suffix or eagle+lookup; default: draft "
-            "if --draft is given."
-        ),
-    ] = None,
+    draft: DraftOption = None,
+    proposer: ProposerOption = None,
     gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")] = 4,
-    tree_width: Annotated[
-        int, typer.Option(min=1, help="lookup: offer up to this many distinct matches as a token tree (1 = chain).")
-    ] = 1,
+    tree_width: TreeWidthOption = 1,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most probable tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus mass in (0, 1] (1 = off).")] = 1.0,
-    prompts: Annotated[
-        Path | None,
-        typer.Option(help="FastChat JSONL (question_id, category, turns); turns[0] is used. Default: built-in."),
-    ] = None,
+    prompts: PromptsOption = None,
     samples: Annotated[int, typer.Option(min=1, help="Speculative samples per prompt.")] = 1000,
-    mode: Annotated[Mode, typer.Option(help="exact (min(1, p/q) rule) or reproducible (seed-identical).")] = (
-        Mode.exact
-    ),
+    mode: ModeOption = Mode.exact,
     alpha: Annotated[float, typer.Option(help="Family false-alarm rate (Bonferroni over prompts × K).")] = 0.01,
     cap: Annotated[int, typer.Option(min=1, help="K=2: first tokens enumerated exactly; the rest pooled.")] = 64,
     seed: Annotated[int, typer.Option(min=0, help="Sample i uses seed + i.")] = 0,

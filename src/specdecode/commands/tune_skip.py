@@ -35,7 +35,7 @@ def tune_skip(
     verify cost v(k). The best few sets are then run end to end by the bench; the measured best is written.
     """
     from specdecode import skip_search
-    from specdecode.bench.workloads import WorkItem, build_prompt, default_items, load_items, select_items
+    from specdecode.bench.workloads import build_prompt
     from specdecode.commands import load
     from specdecode.planner import VerifyCost
     from specdecode.proposers.layer_skip import SkipSet, layer_count
@@ -45,11 +45,7 @@ def tune_skip(
         raise IsADirectoryError(f"--out must be a file path, got the folder {out}")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"--out's folder does not exist: {out.parent}")
-    items = load_items(prompts) if prompts is not None else default_items()
-    wanted = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
-    items = [WorkItem(i.question_id, i.category, i.turns[:1]) for i in select_items(items, wanted, limit)]
-    if not items:
-        raise ValueError("no prompts to tune on: check --prompts, --categories and --limit")
+    items = _tuning_items(prompts, categories, limit)
     quiet_transformers()
     with err.status(f"loading {target}…"):
         model = load(target, "float32", quantization)
@@ -60,7 +56,7 @@ def tune_skip(
         bar.update(task, total=len(ids), completed=0, info="the target's continuations")
         runs = skip_search.continuations(model, ids, settings.new_tokens, lambda: bar.advance(task))
         bar.update(task, total=None, info="timing steps and v(k)")
-        from specdecode.bench.quirk import measure_verify_cost
+        from specdecode.bench.verify_curve import measure_verify_cost
 
         step = skip_search.step_cost(model)
         verify = VerifyCost.from_json(
@@ -93,6 +89,18 @@ def tune_skip(
     }
     SkipSet(model.name, layers, best.skip, search).save(out)
     _print_report(path, confirmed, best, pays, out)
+
+
+def _tuning_items(prompts: Path | None, categories: str | None, limit: int | None) -> list:
+    """The first turns of the prompts to tune on (``--prompts``, or the bench's built-in set), refused if none."""
+    from specdecode.bench.workloads import WorkItem, default_items, load_items, select_items
+
+    items = load_items(prompts) if prompts is not None else default_items()
+    wanted = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
+    items = [WorkItem(i.question_id, i.category, i.turns[:1]) for i in select_items(items, wanted, limit)]
+    if not items:
+        raise ValueError("no prompts to tune on: check --prompts, --categories and --limit")
+    return items
 
 
 def _print_report(path, confirmed, best, pays: bool, out: Path) -> None:

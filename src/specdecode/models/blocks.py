@@ -65,15 +65,6 @@ class IntBlocks:
         w = scale * (u - self.sym) if self.offset is None else scale * u + self.offset.double()[..., None]
         return w.view(n, k).float()
 
-    def to_group_quant(self) -> GroupQuant:
-        """4-bit blocks as ``GroupQuant`` (w = (q − 8)·scale + zero) for the pure-torch kernels."""
-        from .weights import GroupQuant
-
-        if self.bits > 4:
-            raise ValueError(f"{self.bits}-bit blocks do not fit GroupQuant's 4 bits")
-        zero = self.offset + 8 * self.scale if self.offset is not None else (8 - self.sym) * self.scale
-        return GroupQuant(self.u, self.scale, zero, self.group_size)
-
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.u.shape)

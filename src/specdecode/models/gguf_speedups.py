@@ -1,6 +1,6 @@
 """transformers' own GGUF loading, made faster without changing what it reads.
 
-A model's first load builds its dense copy (``loader._dense_cache``) through transformers' GGUF path, which parses
+A model's first load builds its dense copy (``gguf_cache.dense_cache``) through transformers' GGUF path, which parses
 the file with gguf's ``GGUFReader`` three times (for the config, for the tokenizer's config and for the weights)
 and builds gguf's tensor-name map once per module (~400 of them). The reader makes a numpy view per metadata
 element, two per string, each a ``np.memmap``, whose ``__getitem__`` and ``__array_finalize__`` cost more than the

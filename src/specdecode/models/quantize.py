@@ -199,7 +199,7 @@ def _source(module: nn.Module, stored, quantization: Quantization, native: bool)
         return stored
     blocks = stored.blocks()
     if blocks.bits <= 4:
-        return blocks.to_group_quant()
+        return GroupQuant.from_blocks(blocks)
     if blocks.bits == 8 and blocks.sym == 128:  # Q8_0: re-quantized per row for the int8 kernel
         return Int8Linear.quantize(blocks.dequantize(), bias)
     return None

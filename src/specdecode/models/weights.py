@@ -64,6 +64,14 @@ class GroupQuant:
         return GroupQuant(q, scale, zero, group_size)
 
     @staticmethod
+    def from_blocks(blocks: IntBlocks) -> GroupQuant:
+        """4-bit blocks (``IntBlocks``) as ``GroupQuant`` (w = (q − 8)·scale + zero) for the pure-torch kernels."""
+        if blocks.bits > 4:
+            raise ValueError(f"{blocks.bits}-bit blocks do not fit GroupQuant's 4 bits")
+        zero = blocks.offset + 8 * blocks.scale if blocks.offset is not None else (8 - blocks.sym) * blocks.scale
+        return GroupQuant(blocks.u, blocks.scale, zero, blocks.group_size)
+
+    @staticmethod
     def cat(parts: Sequence[GroupQuant]) -> GroupQuant:
         """Stack output rows of several matrices with the same input size and group size."""
         return GroupQuant(

@@ -2,7 +2,7 @@
 
 from .base import Draft, Proposer
 from .draft_model import DraftModelProposer
-from .eagle import EagleProposer
+from .eagle import EagleProposer, EagleSettings
 from .hybrid import HybridProposer
 from .layer_skip import LayerSkipProposer
 from .medusa import MedusaProposer
@@ -13,6 +13,7 @@ __all__ = [
     "Draft",
     "DraftModelProposer",
     "EagleProposer",
+    "EagleSettings",
     "HybridProposer",
     "LayerSkipProposer",
     "MedusaProposer",

@@ -1,9 +1,13 @@
 """The proposer contract: guess up to k next tokens for a context (a ``Draft``, from ``specdecode.draft`` and
-re-exported here)."""
+re-exported here), plus optional hooks whose defaults do nothing, so the engine and the server call them directly.
+
+A user's object that only has ``propose`` (duck-typed, as DESIGN.md allows) is adapted once where it enters
+(``as_proposer``: ``SpeculativeDecoder``, the server's slots, ``HybridProposer``'s model side).
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,23 +16,82 @@ from ..draft import Draft as Draft
 from ..keyed_noise import KeyedNoise
 from ..params import SamplingParams
 
+if TYPE_CHECKING:
+    from ..models.loader import LoadedModel
 
-@runtime_checkable
-class Proposer(Protocol):
-    """Guesses continuations; resyncs any state of its own (a KV cache) to the context it is given."""
+
+class Proposer:
+    """Guesses continuations; resyncs any state of its own (a KV cache) to the context it is given.
+
+    Subclasses implement ``propose``; every other member is an optional hook with a no-op default.
+    """
+
+    needs_target_hidden: bool = False  # the engine captures the target's features and hands them to observe_target
+    couples_with_keyed_noise: bool = False  # propose_coupled draws with the request's keyed noise (reproducible)
+    chooses_length: bool = False  # drafts two ways, previewing the side and length a round gets (HybridProposer)
+    sizes_its_drafts: bool = False  # a draft runs as deep as the proposer finds it pays (suffix decoding)
+    copier_sizes_its_drafts: bool = False  # (chooses_length) the copy side sizes its drafts: taken as offered
+    last_side: str | None = None  # (chooses_length) the side that drafted the last round: "copy" or "model"
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """At most ``k`` guessed tokens following ``context`` (prompt + generated so far)."""
-        ...
-
-
-@runtime_checkable
-class CoupledProposer(Protocol):
-    """A proposer that can draw its guesses with the request's keyed noise (reproducible mode's coupling)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement propose()")
 
     def propose_coupled(self, context: list[int], k: int, params: SamplingParams, noise: KeyedNoise) -> Draft:
-        """At most ``k`` guesses, guess i drawn with the noise of absolute position ``len(context) + i``."""
-        ...
+        """At most ``k`` guesses, guess i drawn with the noise of absolute position ``len(context) + i`` (only where
+        ``couples_with_keyed_noise``; otherwise reproducible mode calls ``propose``)."""
+        raise TypeError(f"{type(self).__name__} cannot draft with keyed noise (reproducible mode)")
+
+    def vocabulary_model(self) -> LoadedModel | None:
+        """The model whose vocabulary must equal the target's (a draft model's), or None."""
+        return None
+
+    def bind_target(self, vocabulary: str, costs=None, vocab_size: int | None = None) -> None:
+        """The target's vocabulary fingerprint, the decoder's measured ``control.PassCosts`` and vocabulary size."""
+
+    def observe_target(self, hidden: list[torch.Tensor]) -> None:
+        """The target's features of the verified positions so far (``needs_target_hidden`` only)."""
+
+    def end_request(self, context: list[int]) -> None:
+        """A request ended with ``context`` (prompt + output): a proposer that remembers requests keeps it."""
+
+    def preview(self, context: list[int], k: int) -> tuple[str, int]:
+        """(``chooses_length`` only) the side that would draft a round of at most ``k`` and how many tokens."""
+        raise NotImplementedError(f"{type(self).__name__} does not choose its length (chooses_length is False)")
+
+
+class DuckTypedProposer(Proposer):
+    """A user's object with ``propose`` seen as a ``Proposer``: the hooks it defines (``needs_target_hidden`` with
+    ``observe_target``, ``propose_coupled``, ``bind_target``, ``end_request``, a draft ``model``) are its own, the
+    rest the base class's no-ops. The only place the hooks are looked up by name."""
+
+    def __init__(self, wrapped: object) -> None:
+        self.wrapped = wrapped
+        self.needs_target_hidden = bool(getattr(wrapped, "needs_target_hidden", False))
+        self.couples_with_keyed_noise = callable(getattr(wrapped, "propose_coupled", None))
+        for hook in ("propose_coupled", "bind_target", "observe_target", "end_request"):
+            method = getattr(wrapped, hook, None)
+            if callable(method):
+                setattr(self, hook, method)
+        self._model = getattr(wrapped, "model", None)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        return self.wrapped.propose(context, k, params, generator)  # type: ignore[attr-defined]
+
+    def vocabulary_model(self) -> LoadedModel | None:
+        from ..models.loader import LoadedModel
+
+        return self._model if isinstance(self._model, LoadedModel) else None
+
+
+def as_proposer(proposer: object) -> Proposer:
+    """``proposer`` itself if it subclasses ``Proposer``, else adapted (``DuckTypedProposer``); a clear error for an
+    object without ``propose``."""
+    if isinstance(proposer, Proposer):
+        return proposer
+    if not callable(getattr(proposer, "propose", None)):
+        raise ValueError(f"a proposer needs a propose(context, k, params, generator) method; got {proposer!r}")
+    return DuckTypedProposer(proposer)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -10,7 +10,7 @@ from ..keyed_noise import KeyedNoise
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
 from ..sampling import probs_from_logits, sample
-from .base import EMPTY_DRAFT, Draft, common_prefix_length
+from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
 
 # After a round the draft is behind by one token (a rejection: the target's correction) or two (all accepted:
 # its own last guess and the bonus). Feeding them in one forward costs about one step, as feeding one does
@@ -20,7 +20,7 @@ CATCH_UP_ROWS = 4
 Pick = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Autoregressive guesses from ``model``, with its own runner and KV cache.
 
     Cache invariant: ``self._cached`` lists exactly the tokens in the draft's cache. Each ``propose`` rolls
@@ -29,10 +29,15 @@ class DraftModelProposer:
     guess's, when it is a few tokens.
     """
 
+    couples_with_keyed_noise = True
+
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
         self._runner = model.new_runner()
         self._cached: list[int] = []
+
+    def vocabulary_model(self) -> LoadedModel:
+        return self.model
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         def pick(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from ..keyed_noise import KeyedNoise
 from ..models.loader import LoadedModel, load_model
 from ..params import SamplingParams
 from ..sampling import probs_from_logits
-from .base import EMPTY_DRAFT, Draft, common_prefix_length
+from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
 
 # A node's children, given the head's logits over the drafting vocabulary [V_draft] and the children's depth:
 # (their indices in the drafting vocabulary, in sibling order [m]; the law they were drawn from over the whole
@@ -42,7 +42,55 @@ class _Node:
     feature: torch.Tensor | None = None  # the head's output at this node's row, once expanded
 
 
-class EagleProposer:
+@dataclass(frozen=True)
+class EagleSettings:
+    """How an ``EagleProposer`` drafts (each knob explained there): its shape (``tree_nodes`` None = a chain,
+    ``depth``, ``branching``), the drafting vocabulary (``draft_vocab``), the head's numerics (``dtype``, ``int8``,
+    ``kernels``, ``weight_bits``, ``readout_bits``) and the drafting temperature (``temperature_factor``)."""
+
+    tree_nodes: int | None = None
+    depth: int | None = None
+    branching: int = 3
+    draft_vocab: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    int8: bool = True
+    kernels: bool | None = None
+    weight_bits: int = 8
+    readout_bits: int = 8
+    temperature_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        factor, tree_nodes, depth = self.temperature_factor, self.tree_nodes, self.depth
+        if factor is not None and not factor > 0:
+            raise ValueError(f"temperature_factor must be positive or None (the head's), got {factor!r}")
+        if self.int8 and self.dtype != torch.bfloat16:
+            raise ValueError(f"int8 drafting runs on bfloat16 activations: pass int8=False to draft in {self.dtype}")
+        if self.weight_bits not in WEIGHT_BITS or self.readout_bits not in WEIGHT_BITS:
+            raise ValueError(
+                f"weight_bits and readout_bits must be 8 or 4, got {self.weight_bits!r}, {self.readout_bits!r}"
+            )
+        if tree_nodes is not None and (isinstance(tree_nodes, bool) or tree_nodes < 1):
+            raise ValueError(f"tree_nodes must be a positive integer or None (a chain), got {tree_nodes!r}")
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be a positive integer or None (the round's k), got {depth!r}")
+        if self.branching < 1:
+            raise ValueError(f"branching must be a positive integer, got {self.branching!r}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(
+                f"draft_vocab must be a positive integer or None (all the head's), got {self.draft_vocab!r}"
+            )
+
+    @classmethod
+    def from_keywords(cls, knobs: dict[str, object]) -> EagleSettings:
+        """Settings from ``EagleProposer``'s keyword knobs; an unknown name is a one-line ValueError."""
+        known = [f.name for f in fields(cls)]
+        for name in knobs:
+            if name not in known:
+                raise ValueError(f"EagleProposer has no setting {name!r}; the settings are {', '.join(known)}")
+        return cls(**knobs)  # type: ignore[arg-type]
+
+
+class EagleProposer(Proposer):
     """Guesses from an EAGLE head: a chain (``tree_nodes=None``) or an EAGLE-2 dynamic tree.
 
     The default is a chain: with the head drafting on the compiled kernels (~0.13 of a target step a round in
@@ -80,63 +128,45 @@ class EagleProposer:
     """
 
     needs_target_hidden = True
+    couples_with_keyed_noise = True
 
     def __init__(
         self,
         target: LoadedModel,
         head: str | Path | None = None,
-        tree_nodes: int | None = None,
-        depth: int | None = None,
-        branching: int = 3,
-        draft_vocab: int | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        int8: bool = True,
-        kernels: bool | None = None,
-        weight_bits: int = 8,
-        readout_bits: int = 8,
-        temperature_factor: float | None = None,
+        settings: EagleSettings | None = None,
+        **knobs: object,
     ) -> None:
-        if temperature_factor is not None and not temperature_factor > 0:
-            raise ValueError(f"temperature_factor must be positive or None (the head's), got {temperature_factor!r}")
-        if int8 and dtype != torch.bfloat16:
-            raise ValueError(f"int8 drafting runs on bfloat16 activations: pass int8=False to draft in {dtype}")
-        if weight_bits not in WEIGHT_BITS or readout_bits not in WEIGHT_BITS:
-            raise ValueError(f"weight_bits and readout_bits must be 8 or 4, got {weight_bits!r}, {readout_bits!r}")
-        if tree_nodes is not None and (isinstance(tree_nodes, bool) or tree_nodes < 1):
-            raise ValueError(f"tree_nodes must be a positive integer or None (a chain), got {tree_nodes!r}")
-        if depth is not None and depth < 1:
-            raise ValueError(f"depth must be a positive integer or None (the round's k), got {depth!r}")
-        if branching < 1:
-            raise ValueError(f"branching must be a positive integer, got {branching!r}")
-        if draft_vocab is not None and draft_vocab < 1:
-            raise ValueError(f"draft_vocab must be a positive integer or None (all the head's), got {draft_vocab!r}")
+        """``settings``, or the same knobs as keywords (``EagleProposer(target, tree_nodes=8)``), not both."""
+        if settings is not None and knobs:
+            raise ValueError("pass EagleProposer either settings=EagleSettings(...) or keyword knobs, not both")
+        self.settings = EagleSettings.from_keywords(knobs) if settings is None else settings
+        settings = self.settings
         self.target = load_model(target)
         folder = shipped_head(self.target) if head is None else Path(head)
         self.head, ranked, self.config = load_head(folder, self.target)
         self.calibration = (
             TemperatureCalibration.from_config(self.config)
-            if temperature_factor is None
-            else TemperatureCalibration((1.0,), (temperature_factor,))
+            if settings.temperature_factor is None
+            else TemperatureCalibration((1.0,), (settings.temperature_factor,))
         )
-        ops = compiled.ops() if kernels is not False and _on_cpu(self.target) else None
+        int8, dtype = settings.int8, settings.dtype
+        ops = compiled.ops() if settings.kernels is not False and _on_cpu(self.target) else None
         on_kernels = ops is not None and int8 and supports_kernel_head(self.head, ops)
-        if kernels and not on_kernels:
+        if settings.kernels and not on_kernels:
             why = "they draft with integer weights (int8=True)" if not int8 else "not available for this head or device"
             raise ValueError(f"kernels=True: the compiled kernels are {why}")
-        model, vocab, ranked = self.target.model, self.target.vocab_size, ranked[:draft_vocab]
+        model, vocab, ranked = self.target.model, self.target.vocab_size, ranked[: settings.draft_vocab]
         self.drafter: KernelHead | TorchHead
         if on_kernels:
             self.parts = TargetParts(model, vocab, ranked, torch.float32, readout=False)
             rows = lm_head_rows(model)[self.parts.draft_vocab]
-            self.drafter = KernelHead(self.head, self.parts, rows, ops, weight_bits, readout_bits)
+            self.drafter = KernelHead(self.head, self.parts, rows, ops, settings.weight_bits, settings.readout_bits)
             dtype = torch.float32
         else:
             self.head.to_int8() if int8 else self.head.to(dtype)
             self.parts = TargetParts(model, vocab, ranked, dtype, int8)
             self.drafter = TorchHead(self.head, self.parts, dtype)
-        self.tree_nodes = tree_nodes
-        self.depth = depth
-        self.branching = branching
         shape = self.head.shape
         self._index = torch.full((self.parts.vocab_size,), -1, dtype=torch.int64)  # token id -> drafting index
         self._index[self.parts.draft_vocab] = torch.arange(self.parts.draft_vocab.numel())
@@ -177,7 +207,7 @@ class EagleProposer:
             # A tree keeps its best-scored nodes, and a score reads the node's own token: a sampled sibling's
             # existence would depend on its own draw, which biases recursive rejection sampling. Deterministic
             # top-k candidates (point masses) are exact for any tree shape; a chain samples with its law.
-            if params.greedy or self.tree_nodes is not None:
+            if params.greedy or self.settings.tree_nodes is not None:
                 return self._top(logits, self._width()), None
             probs = probs_from_logits(logits, drafting)
             width = self._width()
@@ -209,7 +239,7 @@ class EagleProposer:
         return params if params.greedy or factor == 1.0 else replace(params, temperature=params.temperature * factor)
 
     def _width(self) -> int:
-        return 1 if self.tree_nodes is None else self.branching
+        return 1 if self.settings.tree_nodes is None else self.settings.branching
 
     @staticmethod
     def _top(logits: torch.Tensor, n: int) -> torch.Tensor:
@@ -237,8 +267,8 @@ class EagleProposer:
                 "positions: run it through SpeculativeDecoder, which hands them over (observe_target)"
             )
         feature, logits = self._sync(context)  # the head's guess of f at the newest token's position, read out
-        depth = min(k, self.depth or k)
-        if self.tree_nodes is None:
+        depth = min(k, self.settings.depth or k)
+        if self.settings.tree_nodes is None:
             return self._chain(feature, logits, len(context) - 1, depth, children)
         return self._tree(feature, logits, len(context) - 1, depth, children)
 
@@ -273,7 +303,7 @@ class EagleProposer:
         slot_of: dict[int, int] = {}  # node index -> its row's slot in the head's cache
         level = self._add_children(nodes, -1, 0.0, logits, torch.log_softmax(logits, -1), 1, children)
         for d in range(2, depth + 1):
-            expand = heapq.nlargest(self.branching, level, key=lambda i: (nodes[i].score, -i))
+            expand = heapq.nlargest(self.settings.branching, level, key=lambda i: (nodes[i].score, -i))
             if not expand:
                 break
             expand.sort()
@@ -331,7 +361,7 @@ class EagleProposer:
 
     def _select(self, nodes: list[_Node]) -> Draft:
         """The best ``tree_nodes`` nodes, in creation order (parents first, siblings in draw order)."""
-        best = heapq.nlargest(self.tree_nodes, range(len(nodes)), key=lambda i: (nodes[i].score, -i))
+        best = heapq.nlargest(self.settings.tree_nodes, range(len(nodes)), key=lambda i: (nodes[i].score, -i))
         kept = sorted(best)
         renumber = {old: new for new, old in enumerate(kept)}
         parents = torch.tensor([renumber[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in kept])

@@ -7,7 +7,7 @@ second turn revising the first, code), and costs little to find; a head guesses 
 the time on chat and costs ~0.12 of a step a guess. So each round drafts one way: the copier's draft, as deep as
 its match earns (up to the round's k), when its match is long enough and it offers at least ``min_copied``
 tokens (or all k, where k is smaller); else the model's, at most ``model_gamma`` guesses (γ1 pays best for the
-shipped head on a CPU). Under ``gamma="auto"`` each side has its own controller (``adaptive.HybridGamma``; the
+shipped head on a CPU). Under ``gamma="auto"`` each side has its own controller (``control.HybridGamma``; the
 server keeps per-side books), so a copy's length and whether the head drafts at all are priced apart. With prompt
 lookup's 2- and 3-gram matches it is the fastest method here on Spec-Bench and on chat (docs/BENCHMARKS.md).
 
@@ -19,41 +19,33 @@ reproducible mode the model drafts with the keyed noise, copies are fixed.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from ..keyed_noise import KeyedNoise
 from ..params import SamplingParams
-from .base import CoupledProposer, Draft, Proposer
+from .base import Draft, Proposer, as_proposer
+from .prompt_lookup import PromptLookupProposer
 from .suffix import SuffixProposer
 
 GREEDY_PREVIEW = SamplingParams(temperature=0.0)  # a copy is the same whatever the sampling settings
 DEFAULT_MIN_ORDER = 4  # tokens of matched suffix before a copy is trusted (2 to 8 measured: docs/BENCHMARKS.md)
 
 
-class Copier(Protocol):
-    """What a hybrid copies with (``SuffixProposer``, ``PromptLookupProposer``): a proposer that says how long a
-    match its last draft copied after (``last_order``) and makes a proposer for another request (``fork``)."""
-
-    last_order: int
-
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
-
-    def fork(self) -> Copier: ...
+Copier = SuffixProposer | PromptLookupProposer  # what a hybrid copies with: ``last_order`` and ``fork``
 
 
-class HybridProposer:
+class HybridProposer(Proposer):
     """Drafts each round with ``copier`` (suffix decoding by default, or prompt lookup) or ``model`` (EAGLE, Medusa,
     a draft model).
 
     A fixed ``gamma`` caps a copied run; the model drafts at most ``model_gamma`` guesses a round. Under
-    ``gamma="auto"`` (``chooses_length``) each side has its own controller (``adaptive.HybridGamma`` in the decoder,
+    ``gamma="auto"`` (``chooses_length``) each side has its own controller (``control.HybridGamma`` in the decoder,
     per-side books in the server): ``preview`` says which side would draft and how far, and that side's acceptance
     and drafting price choose the round's length, 0 (a plain round) included.
     """
 
     chooses_length = True
+    couples_with_keyed_noise = True  # copies are fixed; the model side must couple (else a TypeError)
 
     def __init__(
         self,
@@ -70,23 +62,23 @@ class HybridProposer:
             raise ValueError(f"min_copied must be >= 1, got {min_copied}")
         if model_gamma < 1:
             raise ValueError(f"model_gamma must be >= 1, got {model_gamma}")
-        self.model = model
+        self.model = as_proposer(model)
         self.copier: Copier = SuffixProposer() if copier is None else copier
         self.min_order = min_order
         self.min_copied = min_copied
         self.model_gamma = model_gamma
-        self.needs_target_hidden = getattr(model, "needs_target_hidden", False)
+        self.needs_target_hidden = self.model.needs_target_hidden
         self.copied_rounds = 0  # rounds drafted by each side, for reports and tests
         self.model_rounds = 0
         self.last_side: str | None = None  # "copy" or "model": who drafted the last round (the server's books)
         self._previewed: tuple[list[int], int, int, Draft | None] | None = None  # context, its length, k, the copy
 
     @property
-    def copier_sizes_its_drafts(self) -> bool:
+    def copier_sizes_its_drafts(self) -> bool:  # type: ignore[override]
         """Whether a copied run is as long as the copier finds it pays (suffix decoding: its match's depth and the
         measured v(k)) rather than as long as asked (prompt lookup copies k tokens): γ auto then takes a copy as
         offered and prices only whether the model drafts."""
-        return getattr(self.copier, "sizes_its_drafts", False)
+        return self.copier.sizes_its_drafts
 
     def fork(self) -> HybridProposer:
         """A proposer for another request stream: the copier's request state its own (the history shared), the
@@ -101,28 +93,26 @@ class HybridProposer:
 
     def save(self, path) -> None:
         """Write the copier's history (``SuffixProposer.save``): ``generate --suffix-cache`` keeps it for next time."""
-        save = getattr(self.copier, "save", None)
-        if save is None:
+        if not isinstance(self.copier, SuffixProposer):
             raise TypeError(f"{type(self.copier).__name__} keeps no history to save (only suffix decoding does)")
-        save(path)
+        self.copier.save(path)
 
     # -- what the decoder hands over -----------------------------------------------------------------------
 
     def observe_target(self, hidden: list[torch.Tensor]) -> None:
         """An EAGLE head's features: kept by the model on copied rounds too, so it can catch up when it next drafts."""
-        self.model.observe_target(hidden)  # type: ignore[attr-defined]
+        self.model.observe_target(hidden)
+
+    def vocabulary_model(self):
+        return self.model.vocabulary_model()
 
     def bind_target(self, vocabulary: str, costs=None, vocab_size: int | None = None) -> None:
         for side in (self.copier, self.model):
-            bind = getattr(side, "bind_target", None)
-            if bind is not None:
-                bind(vocabulary, costs, vocab_size)
+            side.bind_target(vocabulary, costs, vocab_size)
 
     def end_request(self, context: list[int]) -> None:
         for side in (self.copier, self.model):
-            end = getattr(side, "end_request", None)
-            if end is not None:
-                end(context)
+            side.end_request(context)
 
     # -- drafting ------------------------------------------------------------------------------------------
 
@@ -152,10 +142,7 @@ class HybridProposer:
         if copied is not None:
             return copied
         self._count_model_round(k)
-        depth = min(k, self.model_gamma)
-        if isinstance(self.model, CoupledProposer):
-            return self.model.propose_coupled(context, depth, params, noise)
-        raise TypeError(f"{type(self.model).__name__} cannot draft with keyed noise (reproducible mode)")
+        return self.model.propose_coupled(context, min(k, self.model_gamma), params, noise)
 
     def _count_model_round(self, k: int) -> None:
         """k 0 is a plain step (the server's policy, a spent budget): the model is still called, to catch up."""

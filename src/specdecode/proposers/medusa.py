@@ -19,7 +19,7 @@ from ..heads.model import TargetParts
 from ..keyed_noise import KeyedNoise
 from ..models.loader import LoadedModel, load_model
 from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft
+from .base import EMPTY_DRAFT, Draft, Proposer
 
 Choice = tuple[int, ...]  # a tree node: its choice rank at each depth, (0,) = head 0's top token
 # Each head's candidates in choice order, given its logits over the drafting vocabulary [depth, V_draft] and how
@@ -49,7 +49,7 @@ def chain(depth: int) -> list[Choice]:
     return [(0,) * d for d in range(1, depth + 1)]
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     """Guesses from Medusa heads: a token tree given by ``choices`` (paths of choice ranks, e.g. ``[(0,), (1,),
     (0, 0)]``: head 0's top two tokens, and head 1's top token after the first), by default the ``tree_nodes``
     paths the heads' held-out accuracies rate likeliest (``best_paths``); ``tree_nodes=None``: a chain of every
@@ -68,6 +68,7 @@ class MedusaProposer:
     numerics change which tokens are guessed, never the output)."""
 
     needs_target_hidden = True
+    couples_with_keyed_noise = True
 
     def __init__(
         self,

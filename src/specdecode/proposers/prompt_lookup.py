@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft, common_prefix_length
+from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
 
 SCANNED_OCCURRENCES = 64  # per n-gram and round, when gathering several continuations for a tree
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(Proposer):
     """Deterministic guesses (a point mass, ``probs=None``) copied from the prompt and generated text.
 
     For n from ``max_ngram`` down to ``min_ngram``, the context's last n tokens are looked up among earlier

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import SpecDecodeError
 from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft
+from .base import EMPTY_DRAFT, Draft, Proposer
 from .suffix_index import ORDERS, SEPARATOR, SuffixIndex, suffix_hashes
 
 MAGIC = b"specdecode-suffix-cache\n"
@@ -147,7 +147,7 @@ class SuffixHistory:
         return history
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Deterministic guesses (a point mass) from the longest suffix match in this request and in ``history``.
 
     One proposer object remembers every request it sees (prompt and answer, added when the request ends) in
@@ -187,7 +187,7 @@ class SuffixProposer:
         self.max_matches = max_matches
         self.recency = recency
         self.remember = remember
-        self.costs = None  # a decoder's CostModel, bound by the decoder; caps trees at measured verify costs
+        self.costs = None  # a decoder's control.PassCosts, bound by the decoder; caps trees at measured verify costs
         self._forget_request()
 
     def _forget_request(self) -> None:
@@ -362,6 +362,6 @@ class SuffixProposer:
     def _verify_cost(self):
         """v(k) from the bound decoder's measurements, or None until a 1-token step has been timed."""
         costs = self.costs
-        if costs is None or costs.step_seconds is None or not costs.verify_seconds.keys() - {1}:
+        if costs is None or costs.step_seconds is None or not costs.seconds.keys() - {1}:
             return None
         return costs.verify_cost

@@ -53,6 +53,7 @@ class ServerConfig:
     suffix_scope: str = "global"
     heads: str | None = None  # proposer medusa: a folder of trained heads (default: the shipped ones)
     max_context: int | None = None  # tokens per request, prompt and output (default: SERVER_CONTEXT or the window)
+    prefix_cache_gb: float | None = None  # KV of earlier requests' prefixes (None: prefix_cache's default; 0: off)
 
     def __post_init__(self) -> None:
         if self.max_context is not None and self.max_context < 1:
@@ -61,6 +62,8 @@ class ServerConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefix_cache_gb is not None and self.prefix_cache_gb < 0:
+            raise ValueError(f"prefix_cache_gb must be >= 0 (0 turns the cache off), got {self.prefix_cache_gb}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.mode not in ("reproducible", "exact"):

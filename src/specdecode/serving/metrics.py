@@ -59,6 +59,15 @@ class ServerMetrics:
         self.e2e = Histogram(
             "specdecode:e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS, registry=r
         )
+        self.prefix_cache_queries = Counter(
+            "specdecode:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "specdecode:prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.", registry=r
+        )
+        self.prefix_cache_bytes = Gauge(
+            "specdecode:prefix_cache_bytes", "KV bytes held by the prefix cache.", registry=r
+        )
         self.drafts = Counter("specdecode:spec_decode_num_drafts", "Rounds that verified a draft.", registry=r)
         self.draft_tokens = Counter("specdecode:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
         self.accepted_tokens = Counter(

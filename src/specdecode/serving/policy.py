@@ -5,14 +5,17 @@ token (1 row), a speculating one its newest token and k draft tokens (1 + k rows
 k_i draft tokens each, a step yields Σ_i E_i(k_i) tokens in expectation, where
 E_i(k) = 1 + Σ_{j≤k} Π_{l≤j} a_il (the planner's ``expected_tokens_per_position``), a_il is request i's
 acceptance at draft position l, and costs T(B + Σ k_i) + Σ_i k_i · c_i seconds: T(rows) the measured time of
-a batched pass with that many rows (``PassCosts``, learned online: on a CPU the pass grows slowly with rows
-while the weights dominate, then linearly), c_i the measured drafting time per token of request i's proposer.
+a batched pass with that many rows and c_i the drafting time per token of request i's proposer, both from
+``control.PassCosts`` (learned online: on a CPU the pass grows slowly with rows while the weights dominate, then
+linearly), and a_il from ``control.RequestAcceptance`` (the request's own rounds on the server's memory of its
+proposer) — the estimator and costs the engine's ``gamma="auto"`` reads, so for one request both choose alike.
 
 ``auto`` picks the draft lengths maximising predicted tokens per second. Adding the j-th draft token of
 request i adds Π_{l≤j} a_il expected tokens (non-increasing in j), so the best plan for a given total
 m = Σ k_i takes the m largest such gains; the policy scores every m (0 = a plain step) with the measured
-T(B + m) and keeps the best. Under light load extra rows are nearly free and speculation wins; once the
-pass is compute-bound, T grows with every row and plain steps win. When plain steps have won for a while it
+T(B + m) and keeps the best, m at most twice the deepest draft rows measured over B (``PassCosts.frontier``).
+Under light load extra rows are nearly free and speculation wins; once the pass is compute-bound, T grows with
+every row and plain steps win. When plain steps have won for a while it
 probes the best speculative plan once (the interval doubles while probes lose), so the costs of larger
 passes and the acceptance estimates stay current; a batch size met for the first time runs one plain step
 first, so the cost it is compared against is measured, not extrapolated. ``always`` drafts every request's
@@ -21,72 +24,13 @@ full gamma; ``never`` drafts nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import mul
 
+from ..control import PassCosts, ProbeSchedule, RequestAcceptance
+
 POLICIES = ("auto", "always", "never")
-PRIOR_WEIGHT = 4.0  # pseudo-rounds of the proposer's server-wide acceptance behind a request's own counts
-
-
-@dataclass
-class PassCosts:
-    """Seconds of one batched target pass by its number of rows: an exponential moving average per row count.
-
-    ``estimate(rows)``: the average at ``rows`` if measured, else linear interpolation between the nearest
-    measured counts, else the line through the extreme measured counts (never decreasing) past them; 1.0
-    before any measurement (so the first steps try speculation and measure it).
-    """
-
-    smoothing: float = 0.2
-    seconds: dict[int, float] = field(default_factory=dict)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
-
-    def estimate(self, rows: int) -> float:
-        if rows in self.seconds:
-            return self.seconds[rows]
-        if not self.seconds:
-            return 1.0
-        counts = sorted(self.seconds)
-        lo, hi = counts[0], counts[-1]
-        slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo)) if hi > lo else 0.0
-        if rows > hi:
-            return self.seconds[hi] + slope * (rows - hi)
-        if rows < lo:
-            return max(self.seconds[lo] - slope * (lo - rows), 0.5 * self.seconds[lo])
-        below = max(c for c in counts if c < rows)
-        above = min(c for c in counts if c > rows)
-        w = (rows - below) / (above - below)
-        return (1 - w) * self.seconds[below] + w * self.seconds[above]
-
-
-@dataclass
-class Acceptance:
-    """A proposer's server-wide acceptance per draft position: discounted counts, Beta(1, 1) prior."""
-
-    forgetting: float = 0.99
-    accepted: list[float] = field(default_factory=list)
-    reached: list[float] = field(default_factory=list)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """Positions 1..accepted were accepted; position accepted+1 was rejected if it was drafted."""
-        reached = accepted + (accepted < drafted)
-        while len(self.reached) < reached:
-            self.accepted.append(0.0)
-            self.reached.append(0.0)
-        for i in range(reached):
-            self.accepted[i] = self.forgetting * self.accepted[i] + (i < accepted)
-            self.reached[i] = self.forgetting * self.reached[i] + 1.0
-
-    def rate(self, position: int) -> float:
-        """Posterior mean of a_{position+1}."""
-        if position < len(self.reached):
-            return (self.accepted[position] + 1.0) / (self.reached[position] + 2.0)
-        return 0.5
 
 
 @dataclass(frozen=True)
@@ -99,16 +43,23 @@ class Candidate:
     acceptance: tuple[float, ...]
     draft_seconds: float = 0.0
 
+    @classmethod
+    def of(cls, cap: int, acceptance: RequestAcceptance, draft_seconds: float = 0.0) -> Candidate:
+        """A request as ``gamma="auto"`` sees it: the estimator's optimistic acceptance for positions 1..cap."""
+        return cls(cap, tuple(acceptance.optimistic(cap)), draft_seconds)
+
 
 @dataclass(frozen=True)
 class Plan:
     """One step's decision: draft tokens per request, rows in the pass, and the predicted tokens/s ratio of
-    this plan over a plain step (1.0 for a plain step)."""
+    this plan over a plain step (1.0 for a plain step); ``priced``: ``auto`` weighed costs and acceptance (not a
+    fixed policy, nor a plain step that measures a new batch size), so a request given 0 got a plain verdict."""
 
     draft_lengths: tuple[int, ...]
     rows: int
     predicted_speedup: float
     probe: bool = False
+    priced: bool = False
 
     @property
     def speculating(self) -> bool:
@@ -123,13 +74,12 @@ class SpeculationPolicy:
     costs: PassCosts = field(default_factory=PassCosts)
     probe_every: int = 16
     max_probe_interval: int = 1024
-    _plain_steps: int = 0
-    _probe_interval: int = 0
+    _probes: ProbeSchedule = field(init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.mode!r}")
-        self._probe_interval = self.probe_every
+        self._probes = ProbeSchedule(self.probe_every, self.max_probe_interval)
 
     def plan(self, candidates: list[Candidate]) -> Plan:
         batch = len(candidates)
@@ -139,34 +89,29 @@ class SpeculationPolicy:
             ((g, j, i, c.draft_seconds) for i, c in enumerate(candidates) for j, g in enumerate(_gains(c))),
             key=lambda t: (-t[0], t[1]),
         )
-        plain_rate = batch / self.costs.estimate(batch)
+        plain_rate = batch / self.costs.pass_seconds(batch)
         if self.mode == "always":
             m = len(gains)
         else:
-            rates = self._rates(batch, gains)
+            rates = self._rates(batch, gains[: self.costs.frontier(len(gains), batch)])
             m = max(range(len(rates)), key=rates.__getitem__)
-        probe = False
+        probe, priced = False, self.mode == "auto" and batch in self.costs.seconds
         if self.mode == "auto" and batch not in self.costs.seconds:
             m = 0  # first measure the plain pass that speculation is compared against
         elif self.mode == "auto":
-            if m == 0:
-                self._plain_steps += 1
-                if self._plain_steps >= self._probe_interval:
-                    m = max(range(1, len(rates)), key=rates.__getitem__)
-                    probe = True
-                    self._plain_steps = 0
-                    self._probe_interval = min(2 * self._probe_interval, self.max_probe_interval)
-            else:
-                self._plain_steps = 0
-                self._probe_interval = self.probe_every
+            if m > 0:
+                self._probes.speculated()
+            elif self._probes.plain():
+                m = max(range(1, len(rates)), key=rates.__getitem__)
+                probe = True
         lengths = [0] * batch
         tokens, draft_seconds = float(batch), 0.0
         for gain, _, i, seconds in gains[:m]:
             lengths[i] += 1
             tokens += gain
             draft_seconds += seconds
-        rate = tokens / (self.costs.estimate(batch + m) + draft_seconds)
-        return Plan(tuple(lengths), batch + m, rate / plain_rate, probe)
+        rate = tokens / (self.costs.pass_seconds(batch + m) + draft_seconds)
+        return Plan(tuple(lengths), batch + m, rate / plain_rate, probe, priced)
 
     def _rates(self, batch: int, gains: list[tuple[float, int, int, float]]) -> list[float]:
         """Predicted tokens per second with the m largest gains drafted, for m = 0 .. len(gains)."""
@@ -176,7 +121,7 @@ class SpeculationPolicy:
             if m:
                 tokens += gains[m - 1][0]
                 draft_seconds += gains[m - 1][3]
-            rates.append(tokens / (self.costs.estimate(batch + m) + draft_seconds))
+            rates.append(tokens / (self.costs.pass_seconds(batch + m) + draft_seconds))
         return rates
 
 
@@ -184,16 +129,3 @@ def _gains(candidate: Candidate) -> list[float]:
     """Expected extra tokens of draft positions 1..cap: Π_{l≤j} a_l = E(j) − E(j−1), the planner's
     ``expected_tokens_per_position`` E(k) = 1 + Σ_{j≤k} Π_{l≤j} a_l taken term by term."""
     return list(accumulate(candidate.acceptance[: candidate.cap], mul))
-
-
-def blended_acceptance(
-    accepted: Sequence[float], reached: Sequence[float], prior: Acceptance, positions: int
-) -> tuple[float, ...]:
-    """A request's acceptance per position: its own counts with ``PRIOR_WEIGHT`` rounds of the server-wide
-    estimate for its proposer as the prior (a new request starts from the server's experience)."""
-    rates = []
-    for j in range(positions):
-        a = accepted[j] if j < len(accepted) else 0
-        r = reached[j] if j < len(reached) else 0
-        rates.append((a + PRIOR_WEIGHT * prior.rate(j)) / (r + PRIOR_WEIGHT))
-    return tuple(rates)

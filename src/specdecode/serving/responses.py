@@ -19,14 +19,19 @@ def finish_reason(output: GenerationOutput) -> str:
     return "length" if output.finish_reason == "length" else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, stats: DecodeStats | None = None) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, stats: DecodeStats | None = None, cached_tokens: int | None = None
+) -> dict[str, Any]:
     """Token counts (the prompt once, every choice's completion); with the final ``stats`` (every choice's, summed)
-    also drafted/accepted (and OpenAI's predicted-output details)."""
+    also drafted/accepted (and OpenAI's predicted-output details); ``cached_tokens``: the prompt's tokens the prefix
+    cache supplied (OpenAI's ``prompt_tokens_details``)."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     if stats is not None:
         out["drafted_tokens"] = stats.drafted
         out["accepted_tokens"] = stats.accepted
@@ -48,7 +53,7 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: DecodeStats | None 
 def final_usage(prompt_tokens: int, outputs: list[GenerationOutput]) -> dict[str, Any]:
     """The usage of a finished request: every choice's tokens and speculation counters, summed."""
     stats = functools.reduce(DecodeStats.merge, (o.stats for o in outputs))
-    return usage(prompt_tokens, sum(len(o.token_ids) for o in outputs), stats)
+    return usage(prompt_tokens, sum(len(o.token_ids) for o in outputs), stats, outputs[0].cached_tokens)
 
 
 def choice_seed(seed: int, index: int) -> int:

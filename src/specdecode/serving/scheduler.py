@@ -6,7 +6,7 @@ step the thread (1) drops requests whose client went away and admits waiting one
 policy how many tokens each request drafts, (3) drafts them (``SpeculativeDecoder.draft``), (4) runs ONE
 target pass for all of them (``forward_batch``: every request's newest token plus its draft; a token tree,
 with positions and a mask of its own, runs alone), and (5)
-verifies, emits and handles stops per request (``SpeculativeDecoder.settle``). A hybrid proposer
+verifies, emits and handles stops per request (``SpeculativeDecoder.verify_round``). A hybrid proposer
 (``chooses_length``: ``eagle+suffix``) says before (2) which side would draft (a copied run or the model's
 guesses) and how far; the policy prices that round with that side's acceptance and drafting cost, kept apart
 (``eagle+suffix:copy``, ``eagle+suffix:model``), so a head's ~45% never cuts a ~90% copy short. Requests join and leave
@@ -14,7 +14,7 @@ between steps. Events (text deltas, the final output, an error) go back through 
 callback, which the HTTP side makes thread-safe (``loop.call_soon_threadsafe``).
 
 Greedy output does not depend on the batch: the native runner's batched pass gives every row bitwise the
-logits of that request's own ``forward`` (row invariance), and settle is per request. A request that
+logits of that request's own ``forward`` (row invariance), and verification is per request. A request that
 raises (in its proposer, its pass or its verification) fails alone; the others continue.
 """
 
@@ -30,18 +30,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ..control import AcceptanceHistory, RequestAcceptance
 from ..engine import GenerationOutput, Request, Round, SpeculativeDecoder
 from ..models.base import ModelRunner
 from ..models.batch import forward_batch
 from ..openmp import release_thread_pool
+from ..prefix_reuse import held_after
 from ..proposers.base import Proposer
 from ..provenance import TokenLogprob, TokenSource
 from .metrics import ServerMetrics
-from .policy import Acceptance, Candidate, SpeculationPolicy, blended_acceptance
+from .policy import Candidate, SpeculationPolicy
+from .prefix_cache import CachedRows, PrefixCache
 
 log = logging.getLogger(__name__)
 PLAIN = "none"
-DRAFT_COST_SMOOTHING = 0.2
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class Job:
         self.arrived = time.perf_counter()
         self.slot: Slot | None = None
         self.proposer: Proposer | None = None
-        self.side_acceptance: dict[str, Acceptance] = {}  # a hybrid's request: its own counts, side by side
+        # its acceptance per book: the proposer's name (``lookup``), a hybrid's per side (``eagle+suffix:copy``)
+        self.acceptance: dict[str, RequestAcceptance] = {}
         # who drafted this request's last round (None: a plain step, or none yet). A proposer with state (an EAGLE
         # head's cache, a draft model's) first catches up on the tokens it did not draft, so only a round that
         # follows one drafted by the same proposer (a hybrid: the same side) prices drafting: priced with its
@@ -112,12 +115,6 @@ class Slot:
         self.proposers: dict[str, Proposer] = {}
 
 
-def _side_books(job: Job, side: str) -> tuple[str, Acceptance]:
-    """A hybrid's books for one side (``copy``, ``model``): the server-wide name (``eagle+suffix:copy``) and the
-    request's own counts."""
-    return f"{job.speculation.proposer}:{side}", job.side_acceptance.setdefault(side, Acceptance(forgetting=1.0))
-
-
 _WAKE = object()
 _STOP = object()
 
@@ -134,6 +131,7 @@ class Scheduler:
         max_gamma: int = 8,
         metrics: ServerMetrics | None = None,
         prefill_budget: int = 512,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -145,13 +143,13 @@ class Scheduler:
         self.max_gamma = max_gamma
         self.prefill_budget = prefill_budget
         self.metrics = metrics or ServerMetrics()
+        self.prefix_cache = prefix_cache  # KV rows of earlier and running requests, by token prefix
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
         self._free: list[Slot] = []  # every slot is either in a job or here: at most max_batch
         self._slots = 0  # slots created
-        self._acceptance: dict[str, Acceptance] = {}
-        self._draft_seconds: dict[str, float] = {}
+        self._acceptance: dict[str, AcceptanceHistory] = {}  # per book: the server's memory across requests
         self._stopping = False
         self._speculated = False  # whether the last step drafted anything
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
@@ -188,7 +186,8 @@ class Scheduler:
         """Drop what the engine has learned across requests (each proposer's acceptance prior and draft cost):
         the next requests start as the first ones did. For benchmarks that compare policies one after another
         (call it while idle)."""
-        self._acceptance, self._draft_seconds = {}, {}
+        self._acceptance = {}
+        self.policy.costs.forget_drafting()
 
     def cancel(self, job: Job) -> None:
         """The client went away: free the job's slot and KV cache at the next step boundary."""
@@ -234,28 +233,61 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill waiting requests into free slots, up to ``prefill_budget`` prompt tokens per step (at least
-        one request): a burst of arrivals then stalls the running requests a little, several times, rather
-        than once for every prompt."""
+        one request; tokens the prefix cache supplies are free): a burst of arrivals then stalls the running
+        requests a little, several times, rather than once for every prompt."""
         budget = self.prefill_budget
         while self._waiting and len(self._active) < self.max_batch and budget > 0:
             job = self._waiting.popleft()
-            budget -= len(job.request.prompt_ids)
             job.slot = self._free.pop() if self._free else self._new_slot()
             self._active.append(job)
             try:
                 name = job.speculation.proposer
                 if name != PLAIN:
                     if name not in job.slot.proposers:
-                        job.slot.proposers[name] = self.proposers[name]()
-                        self.decoder.bind_proposer(job.slot.proposers[name])
+                        job.slot.proposers[name] = self.decoder.bind_proposer(self.proposers[name]())
                     job.proposer = job.slot.proposers[name]
                 # an EAGLE head drafts from the target's features: the runner keeps them for this request
-                job.slot.runner.capture_hidden = bool(getattr(job.proposer, "needs_target_hidden", False))
-                job.request.prefill(job.slot.runner)
+                job.slot.runner.capture_hidden = job.proposer is not None and job.proposer.needs_target_hidden
+                self._prefill(job)
             except Exception as exc:
                 self._fail(job, exc)
                 continue
             self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+            budget -= len(job.request.prompt_ids) - job.request.cached_tokens
+
+    def _prefill(self, job: Job) -> None:
+        """Prefill the job's prompt into its slot: its longest cached prefix copied in (``prefix_cache``), the rest
+        computed — bitwise the cache a full prefill gives (``Request.prefill``); then cache the prompt's whole
+        blocks, so that requests arriving while it runs share them too."""
+        request, runner, cache = job.request, job.slot.runner, self.prefix_cache
+        if cache is None or not getattr(runner, "exact_prefix_reuse", False):
+            request.prefill(runner)
+            return
+        capture = runner.capture_hidden  # an EAGLE head's request reuses only blocks that carry the features
+        prompt = request.context[:-1]
+        blocks = cache.match(prompt, lambda rows: rows.hidden is not None or not capture)
+        runner.reset()
+        for block in blocks:
+            runner.append_rows(block.payload.kv)
+        hidden = torch.cat([block.payload.hidden for block in blocks]) if capture and blocks else None
+        request.prefill(runner, runner.length, hidden)
+        self.metrics.prefix_cache_queries.inc(len(prompt))
+        self.metrics.prefix_cache_hits.inc(request.cached_tokens)
+        self._keep_blocks(job)
+
+    def _keep_blocks(self, job: Job) -> None:
+        """Copy the whole blocks of what the job's runner holds into the prefix cache (features too, if captured)."""
+        if self.prefix_cache is None or job.slot is None or not getattr(job.slot.runner, "exact_prefix_reuse", False):
+            return
+        runner = job.slot.runner
+        held = held_after(job.request, runner)
+        hidden = held.hidden
+
+        def rows(start: int, end: int) -> CachedRows:
+            return CachedRows(runner.export_rows(start, end), None if hidden is None else hidden[start:end].clone())
+
+        self.prefix_cache.insert(held.tokens, rows, replace=lambda cached: hidden is not None and cached.hidden is None)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes)
 
     def _new_slot(self) -> Slot:
         self._slots += 1
@@ -271,24 +303,33 @@ class Scheduler:
         self.metrics.free_slots.set(len(self._free))
         self.metrics.cache_tokens.set(sum(slot.runner.length for slot in (*held, *self._free)))
 
-    def _candidate(self, job: Job) -> Candidate:
+    def _books(self, job: Job, name: str) -> RequestAcceptance:
+        """The request's acceptance for book ``name``, on the server's memory of that book."""
+        if name not in job.acceptance:
+            job.acceptance[name] = RequestAcceptance(self._acceptance.setdefault(name, AcceptanceHistory()))
+        return job.acceptance[name]
+
+    def _candidate(self, job: Job) -> tuple[Candidate, RequestAcceptance | None]:
+        """What the policy sees of ``job`` (the estimator's optimistic acceptance, as ``gamma="auto"`` reads it)
+        and the books it was read from."""
         if job.proposer is None:
-            return Candidate(0, ())
+            return Candidate(0, ()), None
         name, gamma = job.speculation.proposer, job.speculation.gamma
         cap = max(0, min(self.max_gamma if gamma == "auto" else gamma, job.request.sink.remaining - 1))
-        stats = job.request.stats
-        accepted, reached = stats.per_position, stats.per_position_reached
-        if cap and getattr(job.proposer, "chooses_length", False):
+        if cap and job.proposer.chooses_length:
             # a hybrid: the side that would draft (a copy or a model) and its length, priced by that side's books
-            side, length = job.proposer.preview(job.request.context, cap)  # type: ignore[attr-defined]
-            name, own = _side_books(job, side)
-            cap, accepted, reached = min(cap, length), own.accepted, own.reached
-        prior = self._acceptance.setdefault(name, Acceptance())
-        rates = blended_acceptance(accepted, reached, prior, cap)
-        return Candidate(cap, rates, self._draft_seconds.get(name, 0.0))
+            side, length = job.proposer.preview(job.request.context, cap)
+            name, cap = f"{name}:{side}", min(cap, length)
+        books = self._books(job, name)
+        draft_seconds = self.policy.costs.draft_token_seconds.get(name, 0.0)
+        return Candidate.of(cap, books, draft_seconds), books
 
     def _step(self) -> None:
-        plan = self.policy.plan([self._candidate(job) for job in self._active])
+        candidates = [self._candidate(job) for job in self._active]
+        plan = self.policy.plan([candidate for candidate, _ in candidates])
+        for (candidate, books), k in zip(candidates, plan.draft_lengths, strict=True):
+            if plan.priced and books is not None and candidate.cap and not k:  # plain verdict: evidence ages
+                books.fade_toward_memory()
         rounds: list[tuple[Job, Round]] = []
         for job, k in zip(list(self._active), plan.draft_lengths, strict=True):
             try:
@@ -300,26 +341,26 @@ class Scheduler:
         started = time.perf_counter()
         logits = self._forward(rounds)
         seconds = time.perf_counter() - started
-        rows = sum(int(pending.tokens.shape[0]) for _, pending in rounds)
+        rows = sum(int(this_round.tokens.shape[0]) for _, this_round in rounds)
         if all(x is not None for x in logits):
-            self.policy.costs.observe(rows, seconds)
+            self.policy.costs.observe_pass(rows, seconds)
             self.metrics.pass_seconds.labels(str(rows)).set(self.policy.costs.seconds[rows])
         speculating = self._speculated = rows > len(rounds)
         self.metrics.speculating.set(int(speculating))
         self.metrics.steps.labels(str(speculating).lower()).inc()
         self.metrics.planned_draft_tokens.set(plan.rows - len(plan.draft_lengths))
         self.metrics.predicted_speedup.set(plan.predicted_speedup)
-        for (job, pending), job_logits in zip(rounds, logits, strict=True):
+        for (job, this_round), job_logits in zip(rounds, logits, strict=True):
             if job_logits is not None:
-                self._settle(job, pending, job_logits, started)
+                self._verify_round(job, this_round, job_logits, started)
 
     def _forward(self, rounds: list[tuple[Job, Round]]) -> list[torch.Tensor | None]:
         """The target's logits for every round: the chains in one batched pass, token trees (their own
         positions and mask) one by one; if the batched pass raises, each request alone, so only the faulty
         one fails (None)."""
         out: list[torch.Tensor | None] = [None] * len(rounds)
-        chains = [i for i, (_, pending) in enumerate(rounds) if pending.positions is None]
-        alone = [i for i, (_, pending) in enumerate(rounds) if pending.positions is not None]
+        chains = [i for i, (_, this_round) in enumerate(rounds) if this_round.positions is None]
+        alone = [i for i, (_, this_round) in enumerate(rounds) if this_round.positions is not None]
         try:
             runners = [rounds[i][0].slot.runner for i in chains]
             for i, logits in zip(chains, forward_batch(runners, [rounds[i][1].tokens for i in chains]), strict=True):
@@ -328,40 +369,32 @@ class Scheduler:
             log.exception("batched pass failed; retrying each request alone")
             alone = list(range(len(rounds)))
         for i in alone:
-            job, pending = rounds[i]
+            job, this_round = rounds[i]
             runner = job.slot.runner
             try:
                 runner.rollback_to(len(job.request.context) - 1)
-                if pending.positions is None:
-                    out[i] = runner.forward(pending.tokens)
-                else:
-                    out[i] = runner.forward(pending.tokens, positions=pending.positions, attn_mask=pending.attn_mask)
+                out[i] = this_round.score(runner)
             except Exception as exc:
                 self._fail(job, exc)
         return out
 
-    def _settle(self, job: Job, pending: Round, logits: torch.Tensor, started: float) -> None:
+    def _verify_round(self, job: Job, this_round: Round, logits: torch.Tensor, started: float) -> None:
         stats = job.request.stats
         accepted_before = stats.accepted
         try:
-            self.decoder.settle(job.request, pending, logits, job.slot.runner, started)
+            self.decoder.verify_round(job.request, this_round, logits, job.slot.runner, started)
         except Exception as exc:
             self._fail(job, exc)
             return
-        drafted, accepted = len(pending.draft) - pending.forced, stats.accepted - accepted_before  # forced: apart
+        drafted, accepted = len(this_round.draft) - this_round.forced, stats.accepted - accepted_before  # forced: apart
         name = None
         if drafted:
             name = job.speculation.proposer
-            if getattr(job.proposer, "chooses_length", False):  # a hybrid: the books of the side that drafted
-                name, own = _side_books(job, job.proposer.last_side)  # type: ignore[attr-defined]
-                own.observe(drafted, accepted)
-            self._acceptance.setdefault(name, Acceptance()).observe(drafted, accepted)
+            if job.proposer.chooses_length:  # a hybrid: the books of the side that drafted
+                name = f"{name}:{job.proposer.last_side}"
+            self._books(job, name).observe(drafted, accepted)
             if job.drafted_by == name:  # else the time holds a catch-up (see Job.drafted_by), not a price
-                per_token = pending.draft_seconds / drafted
-                old = self._draft_seconds.get(name)
-                self._draft_seconds[name] = (
-                    per_token if old is None else (1 - DRAFT_COST_SMOOTHING) * old + DRAFT_COST_SMOOTHING * per_token
-                )
+                self.policy.costs.observe_draft(drafted, this_round.draft_seconds, name)
         job.drafted_by = name
         self.metrics.observe_round(drafted, accepted)
         self._emit(job)
@@ -400,6 +433,7 @@ class Scheduler:
 
     def _finish(self, job: Job) -> None:
         self.decoder.end_request(job.request, job.proposer)
+        self._keep_blocks(job)
         output = job.request.finish()
         self.metrics.finished.labels("length" if output.finish_reason == "length" else "stop").inc()
         self.metrics.e2e.observe(time.perf_counter() - job.arrived)

@@ -25,6 +25,7 @@ from .config import ServerConfig, capped_to_context, replicate, reserve_memory
 from .metrics import ServerMetrics
 from .middleware import error_response
 from .policy import SpeculationPolicy
+from .prefix_cache import build_prefix_cache
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
 from .responses import DONE, Shape, choice_seed, finish_reason, sse, usage
 from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
@@ -84,8 +85,9 @@ class Server:
         self.default = Speculation(config.proposer, config.gamma)
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(
-            decoder, factories, SpeculationPolicy(config.policy), config.max_batch, config.max_gamma, self.metrics
-        )
+            decoder, factories, SpeculationPolicy(config.policy), config.max_batch, config.max_gamma, self.metrics,
+            prefix_cache=build_prefix_cache(config.prefix_cache_gb, target, config.max_batch),
+        )  # fmt: skip
         self.model_name = config.served_model_name or target.name
         self.window: int | None = target.context_window
         self.created = int(time.time())
@@ -316,7 +318,11 @@ class Server:
                 elif event.kind == "done":
                     output = outputs[index] = event.output
                     generated[index] = len(output.token_ids)
-                    final = usage(shape.prompt_tokens, sum(generated), output.stats) if continuous else None
+                    final = (
+                        usage(shape.prompt_tokens, sum(generated), output.stats, output.cached_tokens)
+                        if continuous
+                        else None
+                    )
                     records = None if track is None else track.finish(output.text)
                     yield shape.chunk("", finish_reason(output), usage_=final, records=records, index=index)
                     if all(o is not None for o in outputs):

@@ -2,8 +2,8 @@
 
 Self-distillation, teacher forcing over the data's text): at row t head i learns the target's own law
 at row t+i+1 (its read-out of f_{t+i+1}, from the same frozen forward), loss Σ_i decay^i · CE(p_target, q_i)
-over the drafting vocabulary. The data pipeline, feature cache, batching, schedule and training loop (checkpoints,
-resume) are ``training.train``'s.
+over the drafting vocabulary. The data reader (``training.samples``), the feature cache (``training.features``)
+and the batching, schedule and training loop with its checkpoints (``training.loop``) are EAGLE's too.
 """
 
 from __future__ import annotations
@@ -21,17 +21,9 @@ from ..heads.model import TargetParts, lm_head_rows, text_config
 from ..heads.saved import target_identity
 from ..models.loader import LoadedModel, resolve_dtype
 from .data import HELD_OUT, DataStats
-from .train import (
-    FeatureCache,
-    Progress,
-    batch_tensors,
-    check_limits,
-    choose_draft_vocab,
-    open_checkpoint,
-    rank_by_target,
-    read_samples,
-    training_loop,
-)
+from .features import FeatureCache, batch_tensors
+from .loop import Progress, open_checkpoint, training_loop
+from .samples import check_limits, choose_draft_vocab, data_record, rank_by_target, read_samples
 
 RANKS = 10  # held-out accuracy of each head's 1st..RANKS-th choice (what a token tree's paths are chosen from)
 
@@ -232,17 +224,7 @@ def train_medusa(
     top1 = by_vocab[sizes[0]]["top1_by_head"]
     cache.flush()
     elapsed = trained.elapsed()
-    data = {
-        "samples_read": stats.samples,
-        "spec_bench_excluded": stats.excluded,
-        "spec_bench_checked": stats.spec_bench_checked,
-        "train_sequences": len(train),
-        "train_tokens_per_epoch": sum(len(s) for s in train),
-        "held_out_sequences": len(held_out),
-        "held_out_tokens": sum(len(s) for s in held_out),
-        "features_cached_bytes": cache.stored_bytes,
-        "sequences_not_cached": len(cache.uncached),  # recomputed when needed: past cache_bytes
-    }
+    data = data_record(stats, train, held_out, cache, "sequences")
     training = {
         "settings": asdict(settings),
         "steps": trained.steps,
