@@ -19,6 +19,7 @@ from test_enumeration import BOUND, LOOKUP_PROMPT, guided_tables
 
 import specdecode as sd
 import specdecode.engine
+import specdecode.request
 import specdecode.warps
 from specdecode.enumeration import engine_law, total_variation
 from specdecode.exactness import target_law
@@ -120,7 +121,7 @@ def min_p_before_temperature(logits, params):
 
 CONTROLS = {
     "one-row-late": lambda mp: mp.setattr(specdecode.warps.RowContexts, "paths", one_row_late),
-    "first-row-only": lambda mp: mp.setattr(specdecode.engine, "target_logits", first_row_only),
+    "first-row-only": lambda mp: mp.setattr(specdecode.request, "target_logits", first_row_only),
     "min-p-before-temperature": lambda mp: mp.setattr(specdecode.engine, "probs_from_logits", min_p_before_temperature),
 }
 

@@ -1,8 +1,9 @@
 """OpenAI's sampling fields over HTTP, honoured exactly or refused by name: presence/frequency penalties, logit_bias,
 min_p and repetition_penalty give the library's own output (the server speculates, in reproducible mode: the same
 tokens as plain sampling with the seed); ``n`` choices each follow their own seed; ``stream_options.include_usage``
-and ``max_completion_tokens`` as OpenAI defines them; a field we do not honour (``response_format``, ``tools``) or an
-unknown one gets a 400 naming it — raw bodies and the ``openai`` client."""
+and ``max_completion_tokens`` as OpenAI defines them; a field we do not honour (``tools``) or an
+unknown one gets a 400 naming it — raw bodies and the ``openai`` client (``response_format`` itself:
+tests/test_serving_structured.py)."""
 
 from __future__ import annotations
 
@@ -109,10 +110,10 @@ def test_max_completion_tokens_bounds_each_choice_and_wins_over_max_tokens(http,
 
 
 REFUSED = [
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format", "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools are not supported"),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice"),
-    ("completions", {"response_format": {"type": "text"}}, "response_format", "response_format"),
+    ("completions", {"response_format": {"type": "json_schema"}}, "response_format", "response_format"),
     ("completions", {"ignore_eos": True}, "ignore_eos", "unknown field ignore_eos"),
     ("chat", {"stream": True, "stream_options": {"bogus": True}}, "stream_options", "stream_options.bogus"),
     ("chat", {"messages": [{"role": "user", "content": "w1", "x": 1}]}, "messages", "unknown field messages.0.x"),
@@ -191,5 +192,7 @@ def test_the_openai_client_sends_the_fields_and_gets_n_choices(server, target):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 16
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "w1"}], response_format={"type": "json_object"}
+            model="tiny",
+            messages=[{"role": "user", "content": "w1"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
         )

@@ -18,6 +18,7 @@ from .proposers import (
     SuffixProposer,
 )
 from .stats import DecodeStats
+from .structured import Grammar
 
 __all__ = [
     "DecodeStats",
@@ -32,6 +33,7 @@ __all__ = [
     "ModelNotAvailable",
     "PromptLookupProposer",
     "Proposer",
+    "Grammar",
     "SamplingParams",
     "SpecDecodeError",
     "SpeculativeDecoder",

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from .control import AcceptanceHistory, AdaptiveGamma, HybridGamma, PassCosts
-from .keyed_noise import KeyedNoise
 from .models.base import ModelRunner
 from .models.loader import LoadedModel, load_model
-from .output import OutputSink
 from .params import SamplingParams
 from .prefix_reuse import HeldPrefix, held_after, reusable_length
 from .proposers.base import EMPTY_DRAFT, Draft, Proposer, as_proposer
 from .proposers.prompt_lookup import PromptLookupProposer
-from .provenance import MAX_TOP_LOGPROBS, TokenLogprob, TokenSource, round_sources, token_logprobs
+from .provenance import round_sources
+from .request import GenerationOutput, Request, TextCallback
+from .request import check_context_window as check_context_window  # re-exported (moved to request.py)
+from .request import fresh_seed as fresh_seed  # re-exported (moved to request.py)
 from .sampling import probs_from_logits
-from .stats import DecodeStats
+from .structured import cut_at_forbidden, with_forced
 from .tree import attention_mask, children, depths, prune_depth
 from .verify import (
     coupled_verify,
@@ -31,191 +31,29 @@ from .verify import (
     tree_speculative_sample,
 )
 from .vocab import check_vocabularies, vocabulary_fingerprint
-from .warps import RowContexts, target_logits
 
-TextCallback = Callable[[str], None]
-
-
-@dataclass
-class GenerationOutput:
-    """Result of one request: generated ids (EOS included if it ended generation), text, seed and stats;
-    per token its source (an accepted guess or the target's own) and, if asked for, its logprobs."""
-
-    token_ids: list[int]
-    text: str
-    seed: int
-    stats: DecodeStats
-    finish_reason: str
-    prompt_ids: list[int]
-    sources: list[TokenSource] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    cached_tokens: int = 0  # prompt tokens whose KV came from a reused prefix, not this request's prefill
+FORCED_PER_ROUND = 32  # tokens a grammar forces that one round drafts for free, at most
 
 
 @dataclass
 class Round:
     """A round in flight: its draft, the chunk the target scores (newest context token + draft), drafting time;
-    for a token tree also the chunk's positions and attention mask (None for a chain)."""
+    for a token tree also the chunk's positions and attention mask (None for a chain); under a grammar, the mask
+    of each scored row and how many leading draft tokens the grammar forced (drafted for free)."""
 
     draft: Draft
     tokens: torch.Tensor
     draft_seconds: float
     positions: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
+    forced: int = 0
 
     def score(self, runner: ModelRunner) -> torch.Tensor:
         """The target's logits for the chunk: one pass of ``runner`` (a tree with its positions and mask)."""
         if self.positions is None:
             return runner.forward(self.tokens)
         return runner.forward(self.tokens, positions=self.positions, attn_mask=self.attn_mask)
-
-
-def fresh_seed() -> int:
-    """A seed from the OS's entropy, in [0, 2**63)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
-
-
-def check_context_window(target: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse a request that would run past the positions the model was trained on, or past the tokens its KV cache
-    may hold (``max_context``): prompt + new ≤ ``target.context_window``."""
-    window = target.context_window
-    if window is None or prompt_tokens + max_new_tokens <= window:
-        return
-    fix = (
-        f"lower max_new_tokens to at most {window - prompt_tokens} or shorten the prompt"
-        if prompt_tokens < window
-        else f"shorten the prompt so that prompt + max_new_tokens is at most {window}"
-    )
-    raise ValueError(
-        f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) is "
-        f"{prompt_tokens + max_new_tokens} tokens, past {_limit(target, window)}: {fix}"
-    )
-
-
-def _limit(target: LoadedModel, window: int) -> str:
-    """What caps a sequence of ``target`` at ``window`` tokens, in words."""
-    if target.max_context == window:
-        return f"the {window} tokens a sequence may hold (max_context, --max-context)"
-    return f"{target.name}'s context window of {window} positions (max_position_embeddings)"
-
-
-def _check_logprobs(logprobs: int | None) -> None:
-    if logprobs is not None and (
-        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
-    ):
-        raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {logprobs!r}")
-
-
-class Request:
-    """Per-request state shared by both loops (and the server's scheduler): context, output sink, generator,
-    stats, stream callback; each kept token's source and (``logprobs`` not None: with that many alternatives)
-    its logprobs."""
-
-    def __init__(
-        self,
-        target: LoadedModel,
-        prompt: str | list[int],
-        params: SamplingParams,
-        on_text: TextCallback | None,
-        logprobs: int | None = None,
-    ) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        _check_logprobs(logprobs)
-        if params.stop and target.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model was loaded without one")
-        if params.logit_bias and params.logit_bias[-1][0] >= target.vocab_size:
-            raise ValueError(
-                f"logit_bias names token {params.logit_bias[-1][0]}, past the vocabulary ({target.vocab_size} tokens)"
-            )
-        self.prompt_ids = target.encode(prompt)
-        check_context_window(target, len(self.prompt_ids), params.max_new_tokens)
-        self.context = list(self.prompt_ids)
-        self.params = params
-        self.seed = fresh_seed() if params.seed is None else params.seed
-        self.generator = torch.Generator().manual_seed(self.seed)
-        self.noise = KeyedNoise(self.seed)
-        self.sink = OutputSink(target.decode, target.eos_token_ids, params.max_new_tokens, params.stop)
-        self.stats = DecodeStats()
-        self.on_text = on_text
-        self.controller: AdaptiveGamma | HybridGamma | None = None
-        self.started = time.perf_counter()
-        # The target's verified features, in position order (rows of passes over a capture_hidden runner).
-        self.target_hidden: list[torch.Tensor] = []
-        self.sources: list[TokenSource] = []
-        self.top_logprobs = logprobs
-        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
-        self.cached_tokens = 0
-
-    def prefill(self, runner, cached: int = 0, cached_hidden: torch.Tensor | None = None) -> None:
-        """Fill the cache with every prompt token but the last, which leads the first round.
-
-        ``cached`` > 0: the runner already holds this prompt's first ``cached`` tokens (a reused prefix, at most
-        every token but the last; ``cached_hidden``, their target features when the runner captures them):
-        only the rest is prefilled. Bitwise the same cache as a full prefill on a runner whose prefill rows
-        are its step rows (``exact_prefix_reuse``)."""
-        t0 = time.perf_counter()
-        if not 0 <= cached <= max(0, len(self.context) - 1):
-            raise ValueError(f"cached {cached} outside 0..{len(self.context) - 1}")
-        if cached:
-            runner.rollback_to(cached)
-            if getattr(runner, "capture_hidden", False):
-                self.target_hidden.append(cached_hidden[:cached])
-        else:
-            runner.reset()
-        self.cached_tokens = cached
-        if len(self.context) - 1 > cached:
-            runner.prefill(torch.tensor(self.context[cached:-1], dtype=torch.int64))
-            self.keep_hidden(runner, slice(None))
-        self.stats.prefill_seconds += time.perf_counter() - t0
-
-    def keep_hidden(self, runner, rows: slice | list[int]) -> None:
-        """Record the features of the last pass's ``rows`` (verified tokens) if the runner captures them."""
-        if getattr(runner, "capture_hidden", False):
-            self.target_hidden.append(runner.hidden[rows])
-
-    def emit(self, tokens: list[int], sources: list[TokenSource], rows: torch.Tensor) -> int:
-        """Append tokens up to the first stop condition, with their ``sources`` and (if asked) the logprobs
-        from ``rows``, the target's logits row that chose each token; stream new text; return how many were
-        kept."""
-        kept = self.sink.push(tokens)
-        self.context.extend(self.sink.token_ids[len(self.sink.token_ids) - kept :])
-        self.sources.extend(sources[:kept])
-        if self.logprobs is not None:
-            self.logprobs.extend(token_logprobs(rows[:kept], tokens[:kept], self.top_logprobs))
-        if self.on_text is not None:
-            delta = self.sink.take_delta()
-            if delta:
-                self.on_text(delta)
-        return kept
-
-    def target_logits(
-        self, logits: torch.Tensor, draft_tokens: torch.Tensor | None = None, parents: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The target's ``logits`` of a pass over the newest context token and ``draft_tokens`` (a tree: with
-        ``parents``; None: a plain step), each row warped with its own context (``warps.target_logits``)."""
-        drafted = torch.zeros(0, dtype=torch.int64) if draft_tokens is None else draft_tokens
-        rows = RowContexts(self.context, len(self.prompt_ids), drafted, parents)
-        return target_logits(logits, self.params, rows)
-
-    @property
-    def done(self) -> bool:
-        return self.sink.finish_reason is not None
-
-    def finish(self) -> GenerationOutput:
-        self.stats.generated = len(self.sink.token_ids)
-        self.stats.total_seconds = time.perf_counter() - self.started
-        return GenerationOutput(
-            list(self.sink.token_ids),
-            self.sink.text,
-            self.seed,
-            self.stats,
-            self.sink.finish_reason or "length",
-            self.prompt_ids,
-            list(self.sources),
-            None if self.logprobs is None else list(self.logprobs),
-            self.cached_tokens,
-        )
 
 
 class SpeculativeDecoder:
@@ -368,9 +206,14 @@ class SpeculativeDecoder:
 
     def draft(self, request: Request, proposer: Proposer | None, k: int) -> Round:
         """Propose at most ``k`` tokens after the request's context (``proposer`` None: a plain step); a
-        tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask."""
+        tree is cut to depth ``k`` and gets its positions (node i at slot len(context) + i) and mask. Under a
+        grammar, the tokens it forces lead the draft (beyond ``k``) and each scored row gets its mask."""
         t0 = time.perf_counter()
         context, params = request.context, request.params
+        forced = []  # tokens the grammar forces: drafted for free, past gamma, within the token budget
+        if request.constraint is not None:
+            forced = request.constraint.forced(min(FORCED_PER_ROUND, request.sink.remaining - 1))
+            context, k = context + forced, min(k, request.sink.remaining - 1 - len(forced))
         if proposer is not None and proposer.needs_target_hidden:  # an EAGLE head: the features verified so far
             proposer.observe_target(request.target_hidden)
         if proposer is None:
@@ -383,26 +226,35 @@ class SpeculativeDecoder:
             draft = prune_depth(draft, k)
         if not draft.is_tree and len(draft) > k:
             draft = draft.truncated(k)
+        draft, context = with_forced(forced, draft), request.context
+        if request.constraint is not None and not draft.is_tree:
+            draft, allowed, scored = cut_at_forbidden(request.constraint, draft)
+            tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens[:scored]])
+            return Round(draft, tokens, time.perf_counter() - t0, allowed=allowed, forced=len(forced))
         tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens])
         if not draft.is_tree:
             return Round(draft, tokens, time.perf_counter() - t0)
         cached = len(context) - 1  # the newest context token sits at slot `cached`
         positions = cached + torch.cat([torch.zeros(1, dtype=torch.int64), depths(draft.parents)])
         mask = attention_mask(draft.parents, cached)
-        return Round(draft, tokens, time.perf_counter() - t0, positions, mask)
+        allowed = None
+        if request.constraint is not None:
+            allowed = request.constraint.tree_masks(draft.tokens.tolist(), draft.parents.tolist())
+        return Round(draft, tokens, time.perf_counter() - t0, positions, mask, allowed, len(forced))
 
     def verify_round(
         self, request: Request, this_round: Round, logits: torch.Tensor, runner: ModelRunner, started: float
     ) -> None:
         """Verify a round given the target's ``logits`` for its chunk (``runner`` scored it from time
         ``started``): record stats, emit the kept tokens, roll the runner's cache back to context − 1."""
+        logits = every_row(this_round, logits)
         if this_round.positions is not None:
             self._verify_tree_round(request, this_round, logits, runner, started)
             return
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         draft = this_round.draft
         n_drafted = len(draft)
-        warped = request.target_logits(logits, draft.tokens)
+        warped = request.target_logits(logits, draft.tokens, allowed=this_round.allowed)
         if params.greedy:
             n_accepted, token = greedy_verify(warped, draft.tokens)
         elif self.mode == "reproducible":
@@ -414,11 +266,13 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
-        stats.record_round(n_drafted, n_accepted)
+        guessed, kept = n_drafted - this_round.forced, n_accepted - this_round.forced  # forced: counted apart
+        stats.forced += this_round.forced
+        stats.record_round(guessed, kept)
         if controller is not None:
-            controller.observe(n_drafted, n_accepted)
+            controller.observe(guessed, kept)
             draft_price = None if controller.catching_up else this_round.draft_seconds
-            self.costs.observe(n_drafted + 1, t2 - started, n_drafted, draft_price, controller.drafter)
+            self.costs.observe(len(this_round.tokens), t2 - started, guessed, draft_price, controller.drafter)
         request.keep_hidden(runner, slice(0, n_accepted + 1))  # the newest context token's row and the accepted
         sources = round_sources(n_accepted, n_drafted > 0, n_accepted < n_drafted)
         request.emit(draft.tokens[:n_accepted].tolist() + [token], sources, logits[: n_accepted + 1])
@@ -430,7 +284,7 @@ class SpeculativeDecoder:
         """``verify_round`` for a token tree: the mode's tree rule picks a root path; ``runner`` retains its entries."""
         params, context, stats, controller = request.params, request.context, request.stats, request.controller
         draft = this_round.draft
-        warped = request.target_logits(logits, draft.tokens, draft.parents)
+        warped = request.target_logits(logits, draft.tokens, draft.parents, this_round.allowed)
         if params.greedy:
             accepted, token = tree_greedy_verify(warped, draft.tokens, draft.parents)
         elif self.mode == "reproducible":
@@ -448,9 +302,11 @@ class SpeculativeDecoder:
         nodes_per_depth = torch.bincount(this_round.positions[1:] - this_round.positions[0])[1:].tolist()
         stats.draft_seconds += this_round.draft_seconds
         stats.verify_seconds += t2 - started
-        stats.record_tree_round(nodes_per_depth, len(accepted), rejected, siblings)
+        stats.forced += this_round.forced  # the forced chain leads the tree: counted apart
+        kept = len(accepted) - this_round.forced
+        stats.record_tree_round(nodes_per_depth[this_round.forced :], kept, rejected, siblings)
         if controller is not None:
-            controller.observe(len(accepted) + rejected, len(accepted))
+            controller.observe(kept + rejected, kept)
             controller.observe_tree(len(draft) + 1, this_round.draft_seconds)
             draft_price = None if controller.catching_up else this_round.draft_seconds
             self.costs.observe(len(draft) + 1, t2 - started, len(draft), draft_price, controller.drafter)
@@ -461,6 +317,14 @@ class SpeculativeDecoder:
         chosen_by = logits[path_rows] if request.logprobs is not None else logits  # gather only when read
         request.emit(draft.tokens[accepted].tolist() + [token], sources, chosen_by)
         runner.retain(start, [start + node for node in accepted])
+
+
+def every_row(this_round: Round, logits: torch.Tensor) -> torch.Tensor:
+    """The target's ``logits`` with a row for every draft token and the bonus. A chain cut after a token the grammar
+    forbids scored no row past it: a copy of the last row stands there, never read (every rule rejects the
+    forbidden token, its masked target probability being 0)."""
+    missing = len(this_round.draft) + 1 - logits.shape[0]
+    return logits if missing <= 0 else torch.cat([logits, logits[-1:].expand(missing, -1)])
 
 
 def autoregressive_generate(

@@ -6,14 +6,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .structured.grammar import Grammar
+
 MAX_ABS_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each token: logit_bias → repetition → frequency → presence penalties → temperature → min-p →
-    top-k → top-p, then sample (temperature 0 = greedy: the argmax of the biased, penalised logits).
+    """How to pick each token: logit_bias → repetition → frequency → presence penalties → grammar mask →
+    temperature → min-p → top-k → top-p, then sample (temperature 0 = greedy: the argmax of the biased, penalised,
+    masked logits).
 
     ``top_k=0``, ``top_p=1.0``, ``min_p=0.0``, penalties 0 (repetition 1.0) and an empty ``logit_bias`` switch
     those warps off; ``seed=None`` draws a fresh seed (reported in the output); ``stop`` holds stop strings, cut
@@ -22,7 +25,9 @@ class SamplingParams:
     occurrences among the generated tokens; ``repetition_penalty`` r divides a positive logit by r and multiplies a
     negative one by r for every token seen in the prompt or the generated tokens (HF's and vLLM's definitions).
     ``logit_bias`` maps token ids to a value in [−100, 100] added to their logits (stored as sorted pairs);
-    ``min_p`` drops tokens whose probability after temperature is below ``min_p`` × the largest.
+    ``min_p`` drops tokens whose probability after temperature is below ``min_p`` × the largest. ``grammar`` (a
+    ``structured.Grammar``) constrains the output: its mask is part of the target's distribution (logit −∞ where it
+    forbids a token).
     """
 
     temperature: float = 0.0
@@ -36,6 +41,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -62,6 +68,8 @@ class SamplingParams:
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a specdecode.Grammar or None, got {type(self.grammar).__name__}")
 
     @property
     def penalised(self) -> bool:

@@ -16,7 +16,8 @@ class DecodeStats:
     ``drafted`` counts every node verified. ``per_depth_drafted[i]`` sums the nodes drafted at depth i+1 (1
     per round for a chain reaching it); ``tree_rounds`` counts the rounds that verified a tree, and
     ``sibling_accepts`` the accepted tree nodes that are not their parent's first child (a later sibling kept
-    after the first was rejected: the tree paid for its width).
+    after the first was rejected: the tree paid for its width). ``forced`` counts the tokens a grammar forced,
+    drafted for free and always accepted: counted apart, outside ``drafted`` and ``accepted``.
     """
 
     generated: int = 0
@@ -29,6 +30,7 @@ class DecodeStats:
     per_depth_drafted: list[int] = field(default_factory=list)
     tree_rounds: int = 0
     sibling_accepts: int = 0
+    forced: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -125,6 +127,7 @@ class DecodeStats:
             per_depth_drafted=add(self.per_depth_drafted, other.per_depth_drafted),
             tree_rounds=self.tree_rounds + other.tree_rounds,
             sibling_accepts=self.sibling_accepts + other.sibling_accepts,
+            forced=self.forced + other.forced,
             prefill_seconds=self.prefill_seconds + other.prefill_seconds,
             draft_seconds=self.draft_seconds + other.draft_seconds,
             verify_seconds=self.verify_seconds + other.verify_seconds,

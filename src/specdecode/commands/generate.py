@@ -26,6 +26,7 @@ from specdecode.commands import (
     parse_quantization,
     quiet_transformers,
 )
+from specdecode.commands.grammar_options import JsonSchemaOption, RegexOption, grammar_option
 
 if TYPE_CHECKING:
     from specdecode import GenerationOutput, SamplingParams
@@ -97,6 +98,8 @@ def generate(
     tree_nodes: TreeNodesOption = None,
     heads: HeadsOption = None,
     suffix_cache: SuffixCacheOption = None,
+    json_schema: JsonSchemaOption = None,
+    regex: RegexOption = None,
 ) -> None:
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
     options = GenerateOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
@@ -158,6 +161,8 @@ class GenerateOptions:
     tree_nodes: int | None
     heads: str | None
     suffix_cache: str | None
+    json_schema: str | None
+    regex: str | None
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,7 @@ def _checked(options: GenerateOptions) -> _Checked:
         max_new_tokens=options.max_new_tokens,
         seed=options.seed,
         stop=tuple(options.stop),
+        grammar=grammar_option(options.json_schema, options.regex),
     )
     if options.dtype != "auto":
         resolve_dtype(options.dtype)

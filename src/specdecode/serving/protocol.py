@@ -2,11 +2,12 @@
 (``{"error": {"message", "type", "param", "code"}}``); responses and stream chunks are ``responses``.
 
 Bodies are parsed strictly (a string where a number belongs is an error, not a coercion). Nothing is silently
-ignored: a field OpenAI defines that this server does not honour (``NOT_HONOURED``: ``response_format``, ``tools``,
-...) and any unknown field get a 400 naming the field, and values we cannot honour (``echo``, ``best_of`` > 1) too.
+ignored: a field OpenAI defines that this server does not honour (``NOT_HONOURED``: ``tools``, ``audio``, ...) and
+any unknown field get a 400 naming the field, and values we cannot honour (``echo``, ``best_of`` > 1) too.
 Honoured: the sampling fields (``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``,
 ``logit_bias``, ``seed``, ``stop``), ``n`` up to ``MAX_CHOICES`` (choice i samples with its own seed,
-``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``;
+``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``,
+``response_format`` (``text``, ``json_object``, ``json_schema``; extensions ``regex``, ``grammar``: ``structured``);
 ``user`` is accepted and does not change the answer. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-softmax, before any warp (``provenance``). Extensions: ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM's
 meanings; the warps' order and definitions: ``params.SamplingParams``, ``warps``); ``speculative`` (``false``,
@@ -23,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..provenance import MAX_TOP_LOGPROBS
+from .structured import RESPONSE_FORMAT_HELP, ResponseFormat
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 8
@@ -56,10 +58,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 # ---- OpenAI's fields this server does not honour -------------------------------------------------------------------
 # Each is refused with a 400 naming it (a null is taken as absent), never ignored. THE place to edit when one is
-# wired: the structured-output work removes "response_format" (and "tools", "tool_choice") from here and adds the
-# field to the request models below.
+# wired: remove it from here and add the field to the request models below.
 NOT_HONOURED: dict[str, str] = {
-    "response_format": "response_format (structured output) is not supported yet: remove it",
     "tools": "tools are not supported yet: remove them",
     "tool_choice": "tool_choice is not supported (no tools): remove it",
     "parallel_tool_calls": "parallel_tool_calls is not supported (no tools): remove it",
@@ -225,6 +225,7 @@ class _Sampling(_Strict):
         additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
     )
     user: str | None = Field(None, description="Accepted; it does not change the answer.")
+    response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_HELP)
 
     def checked_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_tokens < 1:

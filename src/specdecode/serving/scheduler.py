@@ -416,7 +416,7 @@ class Scheduler:
         except Exception as exc:
             self._fail(job, exc)
             return
-        drafted, accepted = len(this_round.draft), stats.accepted - accepted_before
+        drafted, accepted = len(this_round.draft) - this_round.forced, stats.accepted - accepted_before  # forced: apart
         name = None
         if drafted:
             name = job.speculation.proposer

@@ -29,6 +29,7 @@ from .prefix_cache import build_prefix_cache
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
 from .responses import DONE, Shape, choice_seed, finish_reason, sse, usage
 from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
+from .structured import response_grammar
 from .tokens import TokenRecord, TokenTrack
 
 log = logging.getLogger(__name__)
@@ -140,12 +141,17 @@ class Server:
             message = f"logit_bias names token {max(bias)}, past the vocabulary ({self.target.vocab_size} tokens)"
             raise APIError(400, message, "logit_bias")
         seed = fresh_seed() if body.seed is None else body.seed
+        try:
+            grammar = response_grammar(body.response_format)
+        except ValueError as exc:
+            raise APIError(400, f"response_format: {exc}", "response_format") from None
         warps = {
             "min_p": body.min_p or 0.0,
             "presence_penalty": body.presence_penalty or 0.0,
             "frequency_penalty": body.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
             "logit_bias": bias,
+            "grammar": grammar,
         }
         requests = []
         try:
