@@ -51,14 +51,19 @@ def constant(module: str, name: str):
     return getattr(_module(module), name)
 
 
-def rows() -> list[tuple[str, str, str, str, str]]:
+Row = tuple[str, str, str, str, str]
+
+
+def rows() -> list[Row]:
     """(production path, promise, tests, power, controls)."""
+    return _compiled_rows() + _engine_rows() + _serving_and_identity_rows()
+
+
+def _compiled_rows() -> list[Row]:
+    """The compiled sampling ops, and the engine's laws enumerated through them."""
     kernel_tol = constant("test_kernel_laws", "TOLERANCE")
     margin = constant("test_kernel_laws", "MARGIN")
     bound = constant("test_enumeration", "BOUND")
-    engine_alpha = constant("test_engine", "ALPHA")
-    strong_tv, strong_alpha = constant("test_exactness_strong", "TV"), constant("test_exactness_strong", "ALPHA")
-    engine_family = 2 * len(constant("test_engine", "WARPS")) * 2 * 2 * engine_alpha  # kinds × warps × tests × backends
     return [
         (
             "compiled chain rule (`exact_chain`, float32 CPU rows: every sampled chain round)",
@@ -109,6 +114,16 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             f"exact, TV < {constant('test_layer_skip', 'LAW_BOUND'):g}",
             "the same test: the residual-mixing mutant build (TV 5.9–6.3e-3)",
         ),
+    ]
+
+
+def _engine_rows() -> list[Row]:
+    """The engine's laws: enumerated on the torch path, sampled at CI size and at release strength."""
+    bound = constant("test_enumeration", "BOUND")
+    engine_alpha = constant("test_engine", "ALPHA")
+    strong_tv, strong_alpha = constant("test_exactness_strong", "TV"), constant("test_exactness_strong", "ALPHA")
+    engine_family = 2 * len(constant("test_engine", "WARPS")) * 2 * 2 * engine_alpha  # kinds × warps × tests × backends
+    return [
         (
             "chain rule, torch path (float64 rows, any `Choices`)",
             "first token ~ p; accept Σ min(p, q)",
@@ -164,6 +179,12 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             "draft-model and lookup chains through the compiled chain op, a point-mass tree through `_residual`, each "
             "asserted reached (issue 53)",
         ),
+    ]
+
+
+def _serving_and_identity_rows() -> list[Row]:
+    """The server's modes, the heads' laws, row invariance, and the identities resting on it."""
+    return [
         (
             "the server, exact mode: 16 concurrent requests, mixed proposers (lookup chains and trees, layer skip, "
             "plain) in the same batched passes",
