@@ -1,17 +1,30 @@
-"""docs/EXACTNESS.md's table "production path × promise → test, power, control", generated (not typed).
+"""docs/EXACTNESS.md's tables, generated (not typed): "production path × promise → test, power, control", the
+engine-level tests' power (``--power``) and the engine's enumerated laws (``--laws``).
 
-Each row names its tests as ``module::function``; the script imports the test modules, fails if a named test is
-gone, and reads the bounds and false-alarm rates from the modules' own constants, so the table cannot drift from the
-code silently (tests/test_exactness_table.py checks that the doc holds this output). Run from the repository root:
+Each row of the first names its tests as ``module::function``; the script imports the test modules, fails if a named
+test is gone, and reads the bounds and false-alarm rates from the modules' own constants, so the table cannot drift
+from the code silently (tests/test_exactness_table.py checks that the doc holds this output). Run from the repository
+root:
 
     PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py            # print the table
     PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py --write    # replace it in docs/EXACTNESS.md
+    PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py --power    # the power table
+    PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py --laws     # the enumeration table
+
+``--power``: for each engine-level test, its law's pooled cells at its sample size, its per-test threshold, the TV it
+detects with probability 0.9 (``exactness.detectable_tv``) and the draws it would need for TV 0.05 and 0.02. No
+sampling: the laws are computed, the pooling depends on N only.
+``--laws``: the test suite's exact engine laws (``enumeration.engine_law``): for each law and warp, the runs it took,
+the seconds, the probability that a guess was accepted on the way and the total variation from the target's own
+law; then the minimally biased controls' TV (rows printed as they are computed).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,14 +51,19 @@ def constant(module: str, name: str):
     return getattr(_module(module), name)
 
 
-def rows() -> list[tuple[str, str, str, str, str]]:
+Row = tuple[str, str, str, str, str]
+
+
+def rows() -> list[Row]:
     """(production path, promise, tests, power, controls)."""
+    return _compiled_rows() + _engine_rows() + _serving_and_identity_rows()
+
+
+def _compiled_rows() -> list[Row]:
+    """The compiled sampling ops, and the engine's laws enumerated through them."""
     kernel_tol = constant("test_kernel_laws", "TOLERANCE")
     margin = constant("test_kernel_laws", "MARGIN")
     bound = constant("test_enumeration", "BOUND")
-    engine_alpha = constant("test_engine", "ALPHA")
-    strong_tv, strong_alpha = constant("test_exactness_strong", "TV"), constant("test_exactness_strong", "ALPHA")
-    engine_family = 2 * len(constant("test_engine", "WARPS")) * 2 * 2 * engine_alpha  # kinds × warps × tests × backends
     return [
         (
             "compiled chain rule (`exact_chain`, float32 CPU rows: every sampled chain round)",
@@ -96,6 +114,16 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             f"exact, TV < {constant('test_layer_skip', 'LAW_BOUND'):g}",
             "the same test: the residual-mixing mutant build (TV 5.9–6.3e-3)",
         ),
+    ]
+
+
+def _engine_rows() -> list[Row]:
+    """The engine's laws: enumerated on the torch path, sampled at CI size and at release strength."""
+    bound = constant("test_enumeration", "BOUND")
+    engine_alpha = constant("test_engine", "ALPHA")
+    strong_tv, strong_alpha = constant("test_exactness_strong", "TV"), constant("test_exactness_strong", "ALPHA")
+    engine_family = 2 * len(constant("test_engine", "WARPS")) * 2 * 2 * engine_alpha  # kinds × warps × tests × backends
+    return [
         (
             "chain rule, torch path (float64 rows, any `Choices`)",
             "first token ~ p; accept Σ min(p, q)",
@@ -151,6 +179,12 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             "draft-model and lookup chains through the compiled chain op, a point-mass tree through `_residual`, each "
             "asserted reached (issue 53)",
         ),
+    ]
+
+
+def _serving_and_identity_rows() -> list[Row]:
+    """The server's modes, the heads' laws, row invariance, and the identities resting on it."""
+    return [
         (
             "the server, exact mode: 16 concurrent requests, mixed proposers (lookup chains and trees, layer skip, "
             "plain) in the same batched passes",
@@ -220,14 +254,113 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def _power_row(name: str, law, samples: int, threshold: float) -> str:
+    from specdecode.exactness import detectable_tv, pooled_shape, samples_for_tv
+
+    dof, hidden = pooled_shape(law, samples)
+    tv = detectable_tv(samples, dof, threshold, hidden=hidden)
+    need = [samples_for_tv(t, dof, threshold) for t in (0.05, 0.02)]
+    return (
+        f"| {name} | {samples:,} | {threshold:.1e} | {dof} | {hidden:.3f} | **{tv:.3f}** | {need[0]:,} | {need[1]:,} |"
+    )
+
+
+def power_table() -> str:
+    """The power of the suite's engine-level exactness tests at their sizes and thresholds."""
+    import numpy as np
+    import torch
+
+    import specdecode as sd
+    from specdecode.exactness import first_token_law, pair_law
+
+    models, engine = _module("helpers.models"), _module("test_engine")
+    small = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
+    large = sd.load_model(models.tiny_llama(models.LARGE_VOCAB, seed=10))
+    t1 = sd.SamplingParams(temperature=1.0)
+    rows = [
+        "| test (law) | samples | threshold per test | df | hidden TV | detects TV ≥ (90%) | N for 0.05 | N for 0.02 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for warp, params in engine.WARPS.items():  # test_engine: chains (draft model, prompt lookup), 2-token joint
+        joint = engine.exact_two_token_law(small, engine.LOOKUP_PROMPT, params).ravel()
+        law = torch.from_numpy(np.ascontiguousarray(joint))
+        rows.append(_power_row(f"test_engine chain, {warp}, joint of 2 tokens", law, 800, 1e-3))
+    pairs = pair_law(small, [1, 2, 3], t1, 64).probs
+    first = first_token_law(small, [1, 2, 3], t1)
+    for name, samples, threshold in (
+        ("test_tree (5 trees x 2 runners)", 800, 0.01 / 10 / 2),
+        ("test_exactness (check-exact)", 800, 0.01 / 2),
+    ):
+        rows.append(_power_row(f"{name}, first token", first, samples, threshold))
+        rows.append(_power_row(f"{name}, joint of 2 tokens", pairs, samples, threshold))
+    suffix_first = first_token_law(small, [3, 9, 4], t1)
+    suffix_pairs = pair_law(small, [3, 9, 4], t1, 64).probs
+    rows.append(_power_row("test_suffix (4 cases), first token", suffix_first, 1500, 0.01 / 4 / 2))
+    rows.append(_power_row("test_suffix (4 cases), joint of 2 tokens", suffix_pairs, 1500, 0.01 / 4 / 2))
+    eagle_first = first_token_law(large, [3, 17, 5, 9], t1)
+    eagle_pairs = pair_law(large, [3, 17, 5, 9], t1, 64).probs
+    rows.append(_power_row("test_eagle (chain, tree), first token", eagle_first, 600, 1e-3 / 2))
+    rows.append(_power_row("test_eagle (chain, tree), joint of 2 tokens", eagle_pairs, 600, 1e-3 / 2))
+    return "\n".join(rows)
+
+
+def _law_row(label: str, decoder, prompt: list[int], params, tokens: int = 2) -> str:
+    from specdecode.enumeration import engine_law, prefix_law, total_variation
+
+    started = time.perf_counter()
+    result = engine_law(decoder, prompt, params, tokens=tokens)
+    seconds = time.perf_counter() - started
+    tv = total_variation(result.law, prefix_law(decoder.target, prompt, params, tokens=tokens))
+    return f"| {label} | {result.runs:,} | {seconds:.2f} | {result.accepted_mass:.3f} | {tv:.1e} |"
+
+
+def print_laws() -> None:
+    """tests/test_enumeration.py's point-mass laws under each warp, then three with every residual mixed
+    ``MIXED`` with the target's law (the controls, through ``verify._residual``)."""
+    import specdecode as sd
+    import specdecode.verify
+
+    models, enumeration = _module("helpers.models"), _module("test_enumeration")
+    target = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
+    print("| law | warp | runs | seconds | P(a guess accepted) | TV from the target's law |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in enumeration.POINT_MASS:
+        for warp, params in enumeration.WARPED.items():
+            decoder, prompt = enumeration.case(name, target)
+            print(_law_row(f"{name} | {warp}", decoder, prompt, params), flush=True)
+    correct, mix = specdecode.verify._residual, enumeration.MIXED
+
+    def mixed(target_probs, draft, token):
+        residual = correct(target_probs, draft, token)
+        return (1 - mix) * residual / residual.sum() + mix * target_probs / target_probs.sum()
+
+    specdecode.verify._residual = mixed
+    try:
+        for name in ("chain/lookup", "tree/lookup-3-branches", "tree/deep-wide-3-2"):
+            decoder, prompt = enumeration.case(name, target)
+            label = f"{name}, residual mixed {mix:.0%} (control) | T1"
+            print(_law_row(label, decoder, prompt, enumeration.T1), flush=True)
+    finally:
+        specdecode.verify._residual = correct
+
+
 def main() -> None:
-    text = table()
-    if "--write" not in sys.argv:
-        print(text)
-        return
-    doc = DOC.read_text()
-    start, end = doc.index(BEGIN), doc.index(END) + len(END)
-    DOC.write_text(doc[:start] + text + doc[end:])
+    parser = argparse.ArgumentParser(description="docs/EXACTNESS.md's tables (default: the paths × promises one)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace the paths × promises table in docs/EXACTNESS.md")
+    mode.add_argument("--power", action="store_true", help="print the engine-level tests' power table")
+    mode.add_argument("--laws", action="store_true", help="print the enumerated engine laws' table")
+    args = parser.parse_args()
+    if args.power:
+        print(power_table())
+    elif args.laws:
+        print_laws()
+    elif args.write:
+        doc = DOC.read_text()
+        start, end = doc.index(BEGIN), doc.index(END) + len(END)
+        DOC.write_text(doc[:start] + table() + doc[end:])
+    else:
+        print(table())
 
 
 if __name__ == "__main__":

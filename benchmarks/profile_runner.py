@@ -1,9 +1,11 @@
 """Time k-token forwards of the native runner over a warm KV cache, and split a step into where it goes.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_runner.py [--target smollm2|gemma3-270m]
-        [--quantization gguf|int8|int4|none]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_runner.py [--target smollm2|gemma3-270m|FILE.gguf]
+        [--quantization auto|gguf|int8|int4|none]
         [--dtype float32|bfloat16] [--context 500] [--ks 1,2,4,8,16,32] [--split] [--transformers]
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_runner.py --contexts 128,512,2048,4096 [--rows 1,4]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/profile_runner.py --prefill 512,1024,2048,4096 [--prefill-reps 3]
+        [--split]
 
 Loads a bundled model (SmolLM2 by default) through ``specdecode.load_model``. The table shows medians in ms per
 forward and v(k) = t(k) / t(1). ``--split`` profiles forwards of ``--split-ks`` rows and divides their time into
@@ -13,11 +15,17 @@ cache) over a measured read bandwidth.
 ``--transformers`` also times the dense model's own forward with a DynamicCache (alternating, same tokens).
 ``--contexts`` instead times forwards of ``--rows`` rows over caches of each length with the kernels' phase split
 (how a decode step and a verify pass grow with the context): five warm-up forwards per cache, medians of 30.
+``--prefill`` instead times a prompt's prefill at each length (random token ids, seed 0, a fresh runner per prefill,
+medians of ``--prefill-reps`` after one 256-token warm-up prefill); with ``--split``, the kernels' own phase timers
+summed over each length's timed prefills, divided by the repetitions. Prints one JSON object: seconds per length
+(and the split). To compare two commits, run it from each checkout with ``PYTHONPATH=<checkout>/src``, alternating,
+never two at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -141,31 +149,42 @@ def context_sweep(loaded: sd.LoadedModel, contexts: list[int], rows_list: list[i
             print(f"cache {context}, {rows} rows: {statistics.median(times) * 1e3:.2f} ms ({split})", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--target", default="smollm2", help="a bundled model (smollm2, gemma3-270m) or a GGUF file")
-    parser.add_argument("--quantization", default="gguf", choices=["gguf", "gguf-a8", "int8", "int4", "none"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--context", type=int, default=500)
-    parser.add_argument("--ks", default="1,2,4,8,16,32")
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--split", action="store_true", help="profile forwards: where the time goes")
-    parser.add_argument("--split-ks", default="1", help="rows per profiled forward, e.g. 1,8")
-    parser.add_argument("--transformers", action="store_true", help="also time transformers' forward (dense)")
-    parser.add_argument("--contexts", help="instead: forwards over caches of these lengths, e.g. 128,512,2048,4096")
-    parser.add_argument("--rows", default="1,4", help="--contexts: rows per forward")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    quantization = None if args.quantization == "none" else args.quantization
-    loaded = sd.load_model(args.target, dtype=args.dtype, quantization=quantization)
-    if args.contexts:
-        context_sweep(loaded, [int(x) for x in args.contexts.split(",")], [int(x) for x in args.rows.split(",")])
-        return
+def prefill_sweep(loaded: sd.LoadedModel, target: str, lengths: list[int], reps: int, phases: bool) -> dict:
+    """Median seconds of ``reps`` prefills at each length (a fresh runner each), and with ``phases`` the kernels'
+    phase timers per prefill; one warm-up prefill of 256 tokens first."""
+    runner = loaded.new_runner()
+    if phases and not getattr(runner, "uses_kernels", False):
+        raise SystemExit("profile_runner.py: --prefill --split needs the native runner on the compiled kernels")
+    generator = torch.Generator().manual_seed(0)
+    runner.prefill(torch.randint(0, loaded.vocab_size, (256,), generator=generator))  # warm-up
+    result: dict[str, object] = {"target": target, "module": sd.__file__, "seconds": {}, "split": {}}
+    for length in lengths:
+        tokens = torch.randint(0, loaded.vocab_size, (length,), generator=generator)
+        kernels = runner._lm_head.handle.kernels if phases else None
+        if kernels is not None:
+            kernels.profile(True)
+        times = []
+        for _ in range(reps):
+            runner = loaded.new_runner()
+            start = time.perf_counter()
+            runner.prefill(tokens)
+            times.append(time.perf_counter() - start)
+        if kernels is not None:
+            seconds = kernels.profile(False)
+            result["split"][length] = {
+                name: round(s / reps, 4) for name, s in zip(KERNEL_PHASES, seconds, strict=False)
+            }
+        result["seconds"][length] = round(statistics.median(times), 4)
+        print(f"{length} tokens: {statistics.median(times):.3f} s", flush=True)
+    return result
+
+
+def k_table(loaded: sd.LoadedModel, args: argparse.Namespace) -> None:
+    """Medians of k-token forwards over a warm ``--context``-token cache (and transformers' own, with
+    ``--transformers``), then with ``--split`` where a step's time goes."""
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (args.context,), generator=generator)
-    ks = [int(k) for k in args.ks.split(",")]
     runner = loaded.new_runner()
     runner.prefill(context)
 
@@ -176,12 +195,13 @@ def main() -> None:
         with torch.inference_mode():
             hf(context[None], cache=cache, use_cache=True)
 
+    quantization = None if args.quantization == "none" else args.quantization
     setting = f"{args.quantization}, {args.dtype}" if quantization is None else args.quantization
     print(f"{setting}, {args.threads} threads, {args.context}-token cache, median of {args.reps} (ms/forward)")
     print("| k | native | v(k) |" + (" transformers | ratio |" if hf is not None else ""))
     print("|---|---|---|" + ("---|---|" if hf is not None else ""))
     base = None
-    for k in ks:
+    for k in (int(k) for k in args.ks.split(",")):
         tokens = torch.randint(0, vocab, (k,), generator=generator)
 
         def native(tokens: torch.Tensor = tokens) -> None:
@@ -201,22 +221,60 @@ def main() -> None:
             other = median_ms(theirs, args.reps)
             row += f" {other:.2f} | {other / ours:.2f}x |"
         print(row)
-
     if args.split:
-        kv_bytes = 2 * len(runner._layers) * runner._kv_heads * args.context * runner._head_dim
-        kv_bytes *= runner._keys.element_size()
-        weights = weight_bytes(loaded)
-        read = weights + kv_bytes
-        for k in (int(k) for k in args.split_ks.split(",")):
-            parts = split(runner, context[:k], args.context)
-            print(f"\n{k}-token forward at a {args.context}-token cache, profiled (ms):")
-            for name, ms in parts.items():
-                print(f"  {name:<22} {ms:6.2f}")
-        bandwidth = read_bandwidth()
-        print(
-            f"  bytes read per step: {read / 1e6:.1f} MB (weights {weights / 1e6:.1f}, KV cache {kv_bytes / 1e6:.1f})"
-        )
-        print(f"  read bandwidth {bandwidth:.1f} GB/s → bandwidth bound {read / bandwidth / 1e6:.2f} ms per step")
+        split_report(loaded, runner, context, args)
+
+
+def split_report(loaded: sd.LoadedModel, runner, context: torch.Tensor, args: argparse.Namespace) -> None:
+    """Each ``--split-ks`` forward's profiled parts, and the bytes a step reads over the measured read bandwidth."""
+    kv_bytes = 2 * len(runner._layers) * runner._kv_heads * args.context * runner._head_dim
+    kv_bytes *= runner._keys.element_size()
+    weights = weight_bytes(loaded)
+    read = weights + kv_bytes
+    for k in (int(k) for k in args.split_ks.split(",")):
+        parts = split(runner, context[:k], args.context)
+        print(f"\n{k}-token forward at a {args.context}-token cache, profiled (ms):")
+        for name, ms in parts.items():
+            print(f"  {name:<22} {ms:6.2f}")
+    bandwidth = read_bandwidth()
+    print(f"  bytes read per step: {read / 1e6:.1f} MB (weights {weights / 1e6:.1f}, KV cache {kv_bytes / 1e6:.1f})")
+    print(f"  read bandwidth {bandwidth:.1f} GB/s → bandwidth bound {read / bandwidth / 1e6:.2f} ms per step")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2", help="a bundled model (smollm2, gemma3-270m) or a GGUF file")
+    parser.add_argument("--quantization", default="gguf", choices=["auto", "gguf", "gguf-a8", "int8", "int4", "none"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=500)
+    parser.add_argument("--ks", default="1,2,4,8,16,32")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--split", action="store_true", help="profile forwards (with --prefill: prefills)")
+    parser.add_argument("--split-ks", default="1", help="rows per profiled forward, e.g. 1,8")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers' forward (dense)")
+    parser.add_argument("--contexts", help="instead: forwards over caches of these lengths, e.g. 128,512,2048,4096")
+    parser.add_argument("--rows", default="1,4", help="--contexts: rows per forward")
+    parser.add_argument("--prefill", help="instead: prefills of prompts of these lengths, e.g. 512,1024,2048,4096")
+    parser.add_argument("--prefill-reps", type=int, default=3, help="--prefill: timed prefills per length")
+    args = parser.parse_args()
+    if args.contexts and args.prefill:
+        parser.error("--contexts and --prefill are separate modes: give one")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    quantization = None if args.quantization == "none" else args.quantization
+    loaded = sd.load_model(args.target, dtype=args.dtype, quantization=quantization)
+    if args.contexts:
+        context_sweep(loaded, [int(x) for x in args.contexts.split(",")], [int(x) for x in args.rows.split(",")])
+    elif args.prefill:
+        lengths = [int(x) for x in args.prefill.split(",")]
+        print(json.dumps(prefill_sweep(loaded, args.target, lengths, args.prefill_reps, args.split)))
+    else:
+        k_table(loaded, args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -18,100 +20,120 @@ from specdecode.commands import (
     quiet_transformers,
 )
 
+if TYPE_CHECKING:
+    from specdecode.serving.app import ServerConfig
 
-def serve(
-    target: str = typer.Option("smollm2", help="Target model: a bundled name, an HF folder or a .gguf file."),
-    proposer: ProposerChoice | None = typer.Option(
-        None, help="Default proposer (as generate's; draft needs --draft). Default: draft with --draft, else lookup."
+TargetOption = Annotated[str, typer.Option(help="Target model: a bundled name, an HF folder or a .gguf file.")]
+ProposerOption = Annotated[
+    ProposerChoice | None,
+    typer.Option(
+        help="Default proposer (as generate's; draft needs --draft). Default: draft with --draft, else lookup."
     ),
-    draft: str | None = typer.Option(
-        None, help="Draft model (HF folder or .gguf), self:N (the target's N layers) or skip:SKIP.json."
-    ),
-    gamma: str = typer.Option("auto", help="Most tokens drafted per round, or auto (the policy picks, up to 8)."),
-    policy: str = typer.Option(
-        "auto", help="auto (speculate while the measured costs say it pays at this batch size), always or never."
-    ),
-    mode: str = typer.Option(
-        "reproducible", help="reproducible (a seed gives the same text under any load) or exact (min(1, p/q) rule)."
-    ),
-    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; 0.0.0.0 for all)."),
-    port: int = typer.Option(8000, help="Port to listen on."),
-    max_batch: int = typer.Option(16, help="Most requests decoded at once (each holds a KV cache); more wait."),
-    max_context: int | None = typer.Option(
-        None,
+]
+DraftOption = Annotated[
+    str | None,
+    typer.Option(help="Draft model (HF folder or .gguf), self:N (the target's N layers) or skip:SKIP.json."),
+]
+GammaOption = Annotated[str, typer.Option(help="Most tokens drafted per round, or auto (the policy picks, up to 8).")]
+PolicyOption = Annotated[
+    str,
+    typer.Option(help="auto (speculate while the measured costs say it pays at this batch size), always or never."),
+]
+ModeOption = Annotated[
+    str,
+    typer.Option(help="reproducible (a seed gives the same text under any load) or exact (min(1, p/q) rule)."),
+]
+HostOption = Annotated[str, typer.Option(help="Address to bind (loopback by default; 0.0.0.0 for all).")]
+MaxBatchOption = Annotated[int, typer.Option(help="Most requests decoded at once (each holds a KV cache); more wait.")]
+MaxContextOption = Annotated[
+    int | None,
+    typer.Option(
         min=1,
         help="Most tokens a request may hold, prompt and output together (default: 4096, or the model's context "
         "window if shorter); a longer request is refused. The server starts only if the weights and --max-batch "
         "KV caches of this many tokens fit the memory available (checked before the weights are read).",
     ),
-    api_key: str | None = typer.Option(
-        None, envvar="SPECDECODE_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health."
-    ),
-    max_body_bytes: int = typer.Option(1_000_000, help="Largest request body accepted (413 above)."),
-    served_model_name: str | None = typer.Option(None, help="Model id clients use (default: the target's name)."),
-    ray: bool = typer.Option(False, "--ray", help="Run replicas on Ray Serve (pip install 'specdecode\\[ray]')."),
-    replicas: int = typer.Option(1, help="With --ray: replicas of the whole app (each loads the model)."),
-    threads: int | None = typer.Option(None, help="Torch threads per server or replica (default: torch's choice)."),
-    dtype: DtypeOption = "auto",
-    quantization: QuantizationOption = "auto",
-    group_size: GroupSizeOption = 32,
-    suffix_cache: str | None = typer.Option(
-        None,
+]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(envvar="SPECDECODE_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health."),
+]
+MaxBodyOption = Annotated[int, typer.Option(help="Largest request body accepted (413 above).")]
+ServedNameOption = Annotated[str | None, typer.Option(help="Model id clients use (default: the target's name).")]
+RayOption = Annotated[bool, typer.Option("--ray", help="Run replicas on Ray Serve (pip install 'specdecode\\[ray]').")]
+ReplicasOption = Annotated[int, typer.Option(help="With --ray: replicas of the whole app (each loads the model).")]
+ThreadsOption = Annotated[
+    int | None, typer.Option(help="Torch threads per server or replica (default: torch's choice).")
+]
+SuffixCacheOption = Annotated[
+    str | None,
+    typer.Option(
         help="--proposer suffix or eagle+suffix: a history file (from `specdecode index` or an earlier run) loaded "
         "at start; with --suffix-scope global the server writes its history back to it at shutdown.",
     ),
-    suffix_scope: str = typer.Option(
-        "global",
+]
+SuffixScopeOption = Annotated[
+    str,
+    typer.Option(
         help="--proposer suffix or eagle+suffix: global (drafts from every earlier request's prompt and answer) or "
         "request (from the request's own tokens and --suffix-cache only: no timing hints about other users' text).",
     ),
-    heads: HeadsOption = None,
-    prefix_cache_gb: float | None = typer.Option(
-        None,
+]
+PrefixCacheOption = Annotated[
+    float | None,
+    typer.Option(
         help="GiB of KV rows kept from earlier requests, reused by prompts that share their prefix (0: off). "
         "Default: a quarter of the memory available after --max-batch full-context caches, at most 8.",
     ),
-    allowed_hosts: list[str] | None = typer.Option(
-        None,
+]
+AllowedHostsOption = Annotated[
+    list[str] | None,
+    typer.Option(
         help="Repeatable (or comma-separated): a host name clients may reach the server by, besides localhost, "
         "127.0.0.1, [::1] and --host; a request naming another host in its Host header gets a 400 (a defence "
         "against DNS rebinding: a web page making your browser call this server). '*' allows any.",
     ),
-    shutdown_grace: float = typer.Option(
-        10.0,
+]
+ShutdownGraceOption = Annotated[
+    float,
+    typer.Option(
         min=0,
         help="On Ctrl+C or SIGTERM: seconds the requests already running get to finish; after that each ends with "
         "what it has (finish_reason length, its final chunk). No new request is accepted meanwhile.",
     ),
+]
+
+
+def serve(
+    target: TargetOption = "smollm2",
+    proposer: ProposerOption = None,
+    draft: DraftOption = None,
+    gamma: GammaOption = "auto",
+    policy: PolicyOption = "auto",
+    mode: ModeOption = "reproducible",
+    host: HostOption = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    max_batch: MaxBatchOption = 16,
+    max_context: MaxContextOption = None,
+    api_key: ApiKeyOption = None,
+    max_body_bytes: MaxBodyOption = 1_000_000,
+    served_model_name: ServedNameOption = None,
+    ray: RayOption = False,
+    replicas: ReplicasOption = 1,
+    threads: ThreadsOption = None,
+    dtype: DtypeOption = "auto",
+    quantization: QuantizationOption = "auto",
+    group_size: GroupSizeOption = 32,
+    suffix_cache: SuffixCacheOption = None,
+    suffix_scope: SuffixScopeOption = "global",
+    heads: HeadsOption = None,
+    prefix_cache_gb: PrefixCacheOption = None,
+    allowed_hosts: AllowedHostsOption = None,
+    shutdown_grace: ShutdownGraceOption = 10.0,
 ) -> None:
     """Serve TARGET over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
-    from specdecode.serving.app import ServerConfig
-
-    parse_quantization(quantization)
-    choice = proposer or (ProposerChoice.draft if draft else ProposerChoice.lookup)
-    config = ServerConfig(
-        target=target,
-        proposer=choice.value,
-        draft=draft,
-        gamma=parse_gamma(gamma),
-        policy=policy,
-        mode=mode,
-        max_batch=max_batch,
-        max_context=max_context,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        served_model_name=served_model_name,
-        dtype=dtype,
-        quantization=quantization,
-        group_size=group_size,
-        threads=threads,
-        suffix_cache=suffix_cache,
-        suffix_scope=suffix_scope,
-        heads=heads,
-        prefix_cache_gb=prefix_cache_gb,
-        host=host,
-        allowed_hosts=tuple(name.strip() for names in allowed_hosts or () for name in names.split(",") if name.strip()),
-    )
+    options = ServeOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
+    config = _config(options)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can reach it may use it")
     if ray:
@@ -122,6 +144,70 @@ def serve(
     if replicas != 1:
         raise ValueError("--replicas needs --ray (one process serves one replica)")
     _serve_here(config, host, port, shutdown_grace)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """``serve``'s options as given (see its parameters' help)."""
+
+    target: str
+    proposer: ProposerChoice | None
+    draft: str | None
+    gamma: str
+    policy: str
+    mode: str
+    host: str
+    port: int
+    max_batch: int
+    max_context: int | None
+    api_key: str | None
+    max_body_bytes: int
+    served_model_name: str | None
+    ray: bool
+    replicas: int
+    threads: int | None
+    dtype: str
+    quantization: str
+    group_size: int
+    suffix_cache: str | None
+    suffix_scope: str
+    heads: str | None
+    prefix_cache_gb: float | None
+    allowed_hosts: list[str] | None
+    shutdown_grace: float
+
+
+def _config(options: ServeOptions) -> ServerConfig:
+    """The server's settings from the options (the proposer defaulted, the gamma and quantization checked, the
+    allowed hosts split at commas)."""
+    from specdecode.serving.app import ServerConfig
+
+    parse_quantization(options.quantization)
+    choice = options.proposer or (ProposerChoice.draft if options.draft else ProposerChoice.lookup)
+    names = options.allowed_hosts or ()
+    return ServerConfig(
+        target=options.target,
+        proposer=choice.value,
+        draft=options.draft,
+        gamma=parse_gamma(options.gamma),
+        policy=options.policy,
+        mode=options.mode,
+        max_batch=options.max_batch,
+        max_context=options.max_context,
+        api_key=options.api_key,
+        max_body_bytes=options.max_body_bytes,
+        served_model_name=options.served_model_name,
+        dtype=options.dtype,
+        quantization=options.quantization,
+        group_size=options.group_size,
+        threads=options.threads,
+        suffix_cache=options.suffix_cache,
+        suffix_scope=options.suffix_scope,
+        heads=options.heads,
+        prefix_cache_gb=options.prefix_cache_gb,
+        host=options.host,
+        allowed_hosts=tuple(name.strip() for entry in names for name in entry.split(",") if name.strip()),
+    )
 
 
 def _serve_here(config, host: str, port: int, grace: float) -> None:
