@@ -225,6 +225,42 @@ def _serving_and_identity_rows() -> list[Row]:
             "the same test: the 1-ulp runner fails there",
         ),
         (
+            "5-bit GGUF blocks (Q5_0, Q5_1, Q5_K) held as nibbles plus a plane of fifth bits",
+            "the byte format's logits, on the native and AVX2 builds; row invariance",
+            f"{test('test_kernels::test_five_bit_blocks_in_nibbles_and_high_bits_give_the_one_byte_layouts_bits')}, "
+            f"{test('test_gguf_load::test_five_bit_blocks_held_in_high_bit_planes_give_the_one_byte_formats_logits_in_less_memory')}",  # noqa: E501
+            "bitwise",
+            "the first test: one flipped fifth bit moves exactly that output",
+        ),
+        (
+            "penalties, logit_bias and min_p (each verified row warped with its own context's counts)",
+            "law of the first two tokens = plain sampling's with the same warps; greedy and reproducible identity",
+            f"{test('test_penalties::test_warped_laws_are_plain_samplings_exactly')}, "
+            f"{test('test_penalties::test_greedy_speculation_equals_plain_decoding_with_each_warp')}, "
+            f"{test('test_penalties::test_reproducible_mode_equals_plain_sampling_with_each_warp')}",
+            "exact, TV < 1e-06; token for token",
+            "counts one row late; context warps on row 0 only; min_p before temperature (each > 100× the bound); "
+            f"{test('test_penalties::test_greedy_identity_fails_with_the_counts_one_row_late')}",
+        ),
+        (
+            "a grammar (structured output): each verified row masked in its own grammar state",
+            "law = plain constrained sampling's (chain, tree, sampled drafts); greedy and reproducible identity",
+            f"{test('test_structured_law::test_the_law_under_a_grammar_is_plain_constrained_samplings')}, "
+            f"{test('test_structured::test_greedy_and_reproducible_outputs_equal_plain_decodings')}",
+            "exact, TV < 1e-06; token for token",
+            f"{test('test_structured_law::test_a_mask_applied_one_row_late_is_caught')} (> 100× the bound)",
+        ),
+        (
+            "a reused prefix (the library's next turn, the server's prefix cache: rows copied between runners)",
+            "logits and text = a full prefill's",
+            f"{test('test_prefix_cache_runner::test_rows_copied_into_another_runner_continue_bitwise_even_when_the_hit_ends_mid_block')}, "  # noqa: E501
+            f"{test('test_prefix_cache_engine::test_each_turn_reuses_the_history_and_equals_a_fresh_decoder')}, "
+            f"{test('test_prefix_cache_server::test_a_hit_after_a_finished_request_is_bitwise_plain_decoding')}",
+            "bitwise; token for token",
+            f"{test('test_prefix_cache_runner::test_control_one_scaled_row_or_other_tokens_rows_change_the_logits')}, "
+            f"{test('test_prefix_cache_server::test_control_corrupted_cached_rows_change_the_logprobs')}",
+        ),
+        (
             "greedy speculation (chains, trees, every weight format)",
             "identity with plain greedy decoding",
             f"{test('test_engine::test_greedy_output_is_identical_to_plain_decoding')}, "
