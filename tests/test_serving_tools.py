@@ -98,8 +98,10 @@ def test_a_named_call_is_the_librarys_constrained_output_greedy_with_and_without
     assert expected.finish_reason == "eos"
     calls = []
     for speculative in (True, False):
-        data = post(http, tool_choice=named(name), tools=TOOLS, temperature=0, speculative=speculative).json()
+        body = {"tool_choice": named(name), "tools": TOOLS, "temperature": 0, "parallel_tool_calls": speculative}
+        data = post(http, **body, speculative=speculative).json()
         calls.append(the_call(data["choices"][0]))
+        assert (data["usage"]["drafted_tokens"] > 0) == speculative  # the speculative request did draft
     assert calls[0] == calls[1]
     assert calls[0]["name"] == name and json.loads(expected.text) == {
         "name": name,
