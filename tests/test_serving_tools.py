@@ -23,8 +23,14 @@ from specdecode.serving import ServerConfig, create_app
 from specdecode.serving.local import LocalServer
 from specdecode.serving.tools import FunctionSpec, call_schema
 
-# A template that renders each tool's name before the messages (as real templates render their tools' schemas)
-TOOL_TEMPLATE = "{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}" + CHAT_TEMPLATE
+# Renders each tool's name before the messages (as real templates render their schemas), and each earlier call's
+# name and whether its arguments came as a mapping (transformers' convention)
+TOOL_TEMPLATE = (
+    "{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}{% for m in messages %}"
+    "{% for c in m.tool_calls or [] %}{{ c['function']['name'] }} "
+    "{{ 'ab' if c['function']['arguments'] is mapping else 'x x x' }} {% endfor %}"
+    "{{ m['content'] }} {% endfor %}"
+)
 PROMPT = "{ [ a"
 MAX_TOKENS = 80
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -212,3 +218,36 @@ def test_the_openai_client_gets_tool_calls(server, target):
     )
     calls = [d.tool_calls[0] for c in stream if c.choices for d in [c.choices[0].delta] if d.tool_calls]
     assert len(calls) == 1 and calls[0].function.arguments == call.function.arguments
+
+
+def test_a_call_and_its_result_go_back_through_the_template(http, target):
+    """The tool loop's next turn: the answer's assistant message (its tool_calls) and a tool message are rendered by
+    the template, the call's arguments as a mapping (transformers' convention)."""
+    answer = post(http, tools=TOOLS, tool_choice=named("ab"), temperature=0).json()["choices"][0]["message"]
+    result = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "ab"}
+    turn = [*MESSAGES, answer, result]
+    data = post(http, messages=turn, tools=TOOLS, tool_choice="required", temperature=0).json()
+    arguments = json.loads(answer["tool_calls"][0]["function"]["arguments"])
+    call = {"type": "function", "function": {"name": "ab", "arguments": arguments}}
+    rendered = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "ab"},
+    ]
+    ids = target.tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    base = post(http, tools=TOOLS, tool_choice="required").json()["usage"]["prompt_tokens"]
+    assert data["usage"]["prompt_tokens"] == len(ids) == base + 3  # the call's name, "ab" (a mapping), the result
+    the_call(data["choices"][0])
+    bad_arguments = {
+        **answer,
+        "tool_calls": [{**answer["tool_calls"][0], "function": {"name": "ab", "arguments": "[1]"}}],
+    }
+    for messages, words in (
+        ([*MESSAGES, bad_arguments], "arguments must be a JSON object"),
+        ([*MESSAGES, answer, {"role": "tool", "content": "ab"}], "tool_call_id"),
+        ([{**MESSAGES[0], "tool_calls": answer["tool_calls"]}], "assistant"),
+    ):
+        response = post(http, messages=messages)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "messages" and words in error["message"], error

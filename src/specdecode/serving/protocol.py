@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..provenance import MAX_TOP_LOGPROBS
 from .structured import RESPONSE_FORMAT_HELP, ResponseFormat
-from .tools import TOOL_CHOICE_HELP, TOOLS_HELP, Tool, ToolChoice
+from .tools import TOOL_CHOICE_HELP, TOOLS_HELP, Tool, ToolCall, ToolChoice, template_tool_calls
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 8
@@ -365,9 +365,30 @@ MESSAGE_NULLABLE = ("refusal", "tool_calls", "function_call", "audio", "annotati
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls an earlier answer made.")
+    tool_call_id: str | None = Field(None, description="tool (required there): the call whose result this is.")
+
+    @model_validator(mode="after")
+    def _tool_fields_in_their_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (and only a tool message takes it)")
+        if self.tool_calls is not None:
+            template_tool_calls(self.tool_calls)
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (tool calls and the tool result's id included)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     @model_validator(mode="before")
     @classmethod

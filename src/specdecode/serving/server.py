@@ -196,7 +196,7 @@ class Server:
         tokenizer = self.target.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
         try:
             if tools is not None and not renders_tools(tokenizer, messages, tools):
                 raise APIError(400, NO_TOOL_SUPPORT, "tools")

@@ -5,7 +5,9 @@ grammar of ``{"name": <a function's name>, "arguments": <valid under that functi
 ``anyOf`` over the functions, or the named one only), so the grammar's mask is part of the target's law at every
 verified row, as for ``response_format``, and the answer is returned as OpenAI ``tool_calls``. ``"none"`` renders no
 tools (plain text). ``"auto"`` (OpenAI's default with tools) is refused: telling a call from text means parsing the
-model's own tool-call format, which is model-dependent."""
+model's own tool-call format, which is model-dependent. The loop's next turn goes back through the template: an
+assistant message's ``tool_calls`` (their ``arguments`` as mappings, transformers' convention) and ``tool``
+messages with their ``tool_call_id``."""
 
 from __future__ import annotations
 
@@ -51,6 +53,37 @@ class NamedToolChoice(_Strict):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string (as tool_calls returned them).")
+
+
+class ToolCall(_Strict):
+    """A call of an earlier answer, sent back in an assistant message of the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+def template_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """Earlier calls as chat templates take them (transformers: ``arguments`` a mapping, not a string); a
+    ``ValueError`` if an ``arguments`` is not a JSON object."""
+    out = []
+    for call in calls:
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"tool call {call.id!r}: arguments must be a JSON object (as a string)")
+        function = {"name": call.function.name, "arguments": arguments}
+        out.append({"id": call.id, "type": "function", "function": function})
+    return out
+
+
 TOOLS_HELP = (
     'Functions the model may call ([{"type": "function", "function": {"name", "description", "parameters"}}]), '
     "rendered by the model's chat template (a template without tool support is a 400)."
