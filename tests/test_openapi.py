@@ -122,4 +122,5 @@ def test_the_schema_forbids_what_the_server_refuses(spec):
     chat = schemas["ChatCompletionRequest"]["properties"]
     for field in ("presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty", "n"):
         assert chat[field]["description"], field
-    assert "tools" not in chat and "json_schema" in chat["response_format"]["description"]
+    assert "functions" not in chat and "json_schema" in chat["response_format"]["description"]
+    assert "chat template" in chat["tools"]["description"] and '"auto"' in chat["tool_choice"]["description"]

@@ -2,12 +2,13 @@
 (``{"error": {"message", "type", "param", "code"}}``); responses and stream chunks are ``responses``.
 
 Bodies are parsed strictly (a string where a number belongs is an error, not a coercion). Nothing is silently
-ignored: a field OpenAI defines that this server does not honour (``NOT_HONOURED``: ``tools``, ``audio``, ...) and
+ignored: a field OpenAI defines that this server does not honour (``NOT_HONOURED``: ``audio``, ``functions``, ...) and
 any unknown field get a 400 naming the field, and values we cannot honour (``echo``, ``best_of`` > 1) too.
 Honoured: the sampling fields (``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``,
 ``logit_bias``, ``seed``, ``stop``), ``n`` up to ``MAX_CHOICES`` (choice i samples with its own seed,
 ``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``,
 ``response_format`` (``text``, ``json_object``, ``json_schema``; extensions ``regex``, ``grammar``: ``structured``);
+chat's ``tools`` with ``tool_choice`` ``"required"``, a named function or ``"none"`` (``tools``);
 ``user`` is accepted and does not change the answer. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-softmax, before any warp (``provenance``). Extensions: ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM's
 meanings; the warps' order and definitions: ``params.SamplingParams``, ``warps``); ``speculative`` (``false``,
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..provenance import MAX_TOP_LOGPROBS
 from .structured import RESPONSE_FORMAT_HELP, ResponseFormat
+from .tools import TOOL_CHOICE_HELP, TOOLS_HELP, Tool, ToolCall, ToolChoice, template_tool_calls
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 8
@@ -60,9 +62,6 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 # Each is refused with a 400 naming it (a null is taken as absent), never ignored. THE place to edit when one is
 # wired: remove it from here and add the field to the request models below.
 NOT_HONOURED: dict[str, str] = {
-    "tools": "tools are not supported yet: remove them",
-    "tool_choice": "tool_choice is not supported (no tools): remove it",
-    "parallel_tool_calls": "parallel_tool_calls is not supported (no tools): remove it",
     "functions": "functions are not supported: remove them",
     "function_call": "function_call is not supported: remove it",
     "audio": "audio output is not supported: remove it",
@@ -366,9 +365,30 @@ MESSAGE_NULLABLE = ("refusal", "tool_calls", "function_call", "audio", "annotati
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls an earlier answer made.")
+    tool_call_id: str | None = Field(None, description="tool (required there): the call whose result this is.")
+
+    @model_validator(mode="after")
+    def _tool_fields_in_their_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (and only a tool message takes it)")
+        if self.tool_calls is not None:
+            template_tool_calls(self.tool_calls)
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it (tool calls and the tool result's id included)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     @model_validator(mode="before")
     @classmethod
@@ -407,6 +427,11 @@ class ChatCompletionRequest(_Sampling):
     )
     top_logprobs: int | None = documented(
         description="With logprobs: this many most likely alternatives per token.", minimum=0, maximum=MAX_TOP_LOGPROBS
+    )
+    tools: list[Tool] | None = Field(None, description=TOOLS_HELP)
+    tool_choice: ToolChoice | None = Field(None, description=TOOL_CHOICE_HELP)
+    parallel_tool_calls: bool | None = Field(
+        None, description="Accepted: a forced tool choice makes exactly one call, which either value allows."
     )
 
     def checked_max_tokens(self) -> int | None:

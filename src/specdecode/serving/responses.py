@@ -12,6 +12,7 @@ from ..engine import GenerationOutput
 from ..stats import DecodeStats
 from .protocol import MAX_SEED
 from .tokens import TokenRecord, chat_logprobs_json, completion_logprobs_json, sources_json
+from .tools import tool_call_message
 
 
 def finish_reason(output: GenerationOutput) -> str:
@@ -64,7 +65,9 @@ def choice_seed(seed: int, index: int) -> int:
 
 class Shape:
     """Responses and stream chunks of one request, in the shape of its route; with ``sources`` or
-    ``logprobs`` (not None), each choice also carries its tokens' records (``tokens``)."""
+    ``logprobs`` (not None), each choice also carries its tokens' records (``tokens``); with ``tool_calls`` (a forced
+    call), a whole call is answered as OpenAI ``tool_calls`` (streamed: one delta at the end) with ``finish_reason``
+    ``tool_calls``, and a call cut short (max_tokens) as its text."""
 
     def __init__(
         self,
@@ -75,8 +78,10 @@ class Shape:
         logprobs: int | None = None,
         seed: int | None = None,
         choices: int = 1,
+        tool_calls: bool = False,
     ) -> None:
         self.chat = chat
+        self.tool_calls = tool_calls
         self.seed = seed  # the request's seed, in every body and chunk (a run can be replayed)
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -125,15 +130,44 @@ class Shape:
         """The non-streaming body, one choice per output (``records``: each choice's tokens, when asked for)."""
         choices = []
         for index, output in enumerate(outputs):
-            reason = finish_reason(output)
             if self.chat:
-                message = {"role": "assistant", "content": output.text}
+                message, reason = self._message(output)
                 choice = {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
             else:
+                reason = finish_reason(output)
                 choice = {"index": index, "text": output.text, "logprobs": None, "finish_reason": reason}
             choices.append(self._extras(choice, None if records is None else records[index]))
         kind = "chat.completion" if self.chat else "text_completion"
         return self._envelope(kind, choices, final_usage(self.prompt_tokens, outputs))
+
+    def _message(self, output: GenerationOutput) -> tuple[dict[str, Any], str]:
+        """A chat choice's message and finish reason: a whole forced call as ``tool_calls``, else the text."""
+        call = tool_call_message(output.text) if self.tool_calls else None
+        if call is not None:
+            return call, "tool_calls"
+        return {"role": "assistant", "content": output.text}, finish_reason(output)
+
+    def finish(
+        self,
+        output: GenerationOutput,
+        usage_: dict[str, Any] | None = None,
+        records: list[TokenRecord] | None = None,
+        index: int = 0,
+    ) -> list[str]:
+        """A choice's last events: with a forced call, its text (held back) as one ``tool_calls`` delta (each call
+        with its ``index``) or as a content delta if cut short; then the finish reason."""
+        if not (self.chat and self.tool_calls):
+            return [self.chunk("", finish_reason(output), usage_, records=records, index=index)]
+        message, reason = self._message(output)
+        if message["content"] is None:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+        else:
+            delta = {"content": message["content"]}
+        held = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        last = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        last = self._extras(last, records)
+        kind = "chat.completion.chunk"
+        return [sse(self._envelope(kind, [held], None)), sse(self._envelope(kind, [last], usage_))]
 
     def chunk(
         self,
@@ -147,9 +181,10 @@ class Shape:
         """One server-sent event for choice ``index``: a text delta (chat: the first carries the role) with its
         tokens' ``records``, or the finish reason."""
         if self.chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            )
+            if self.tool_calls:  # a forced call's text is held back for finish()
+                delta: dict[str, Any] = {"role": "assistant", "content": None} if role else {}
+            else:
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}

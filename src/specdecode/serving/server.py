@@ -27,10 +27,11 @@ from .middleware import error_response
 from .policy import SpeculationPolicy
 from .prefix_cache import build_prefix_cache
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
-from .responses import DONE, Shape, choice_seed, finish_reason, sse, usage
+from .responses import DONE, Shape, choice_seed, sse, usage
 from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
 from .structured import response_grammar
 from .tokens import TokenRecord, TokenTrack
+from .tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, renders_tools, tool_plan
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
@@ -130,7 +131,10 @@ class Server:
                 "model_not_found",
             )
         chat = isinstance(body, ChatCompletionRequest)
-        ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+        plan = self._tool_plan(body) if chat else ToolPlan(None, None, False)
+        ids = self._chat_ids(body, plan.rendered) if chat else self._prompt_ids(body)
+        if plan.auto:  # after the template check: a model without tool support says so first
+            raise APIError(400, AUTO_REFUSED, "tool_choice")
         max_tokens = self._max_tokens(body, len(ids), chat)
         temperature = 1.0 if body.temperature is None else body.temperature
         top_k = 0 if body.top_k in (None, -1) else body.top_k
@@ -145,6 +149,11 @@ class Server:
             grammar = response_grammar(body.response_format)
         except ValueError as exc:
             raise APIError(400, f"response_format: {exc}", "response_format") from None
+        if plan.grammar is not None:
+            if grammar is not None:
+                message = "response_format and a forced tool call both constrain the output: send one of them"
+                raise APIError(400, message, "response_format")
+            grammar = plan.grammar
         warps = {
             "min_p": body.min_p or 0.0,
             "presence_penalty": body.presence_penalty or 0.0,
@@ -161,7 +170,8 @@ class Server:
                 requests.append(Request(self.target, ids, params, None, logprobs))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs, seed, body.n)
+        tool_calls = plan.grammar is not None
+        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs, seed, body.n, tool_calls)
         return requests, self._speculation(body.speculative), shape
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
@@ -174,13 +184,25 @@ class Server:
             raise APIError(400, "prompt is empty", "prompt")
         return ids
 
-    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    @staticmethod
+    def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
+        try:
+            return tool_plan(body.tools, body.tool_choice)
+        except ToolError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    def _chat_ids(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's ids through the chat template (``tools``: rendered by it; a 400 if it ignores them)."""
         tokenizer = self.target.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if tools is not None and not renders_tools(tokenizer, messages, tools):
+                raise APIError(400, NO_TOOL_SUPPORT, "tools")
+            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        except APIError:
+            raise
         except Exception as exc:  # the template's own checks (e.g. roles it refuses)
             raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
         if not isinstance(ids, list):
@@ -316,7 +338,7 @@ class Server:
                     if track is not None:  # the tokens whose text has been streamed
                         track.add(event.token_ids, event.sources, event.logprobs)
                         records = track.take(sent[index])
-                    if event.text or records:
+                    if (event.text and not shape.tool_calls) or records:
                         running = usage(shape.prompt_tokens, sum(generated)) if continuous else None
                         yield shape.chunk(event.text, usage_=running, records=records, index=index)
                 elif event.kind == "done":
@@ -328,7 +350,8 @@ class Server:
                         else None
                     )
                     records = None if track is None else track.finish(output.text)
-                    yield shape.chunk("", finish_reason(output), usage_=final, records=records, index=index)
+                    for line in shape.finish(output, final, records, index):
+                        yield line
                     if all(o is not None for o in outputs):
                         if options is not None and options.include_usage:
                             yield shape.usage_chunk(outputs)
