@@ -14,13 +14,15 @@ microseconds. Every mask must allow the document's next token, or the walk stops
 is worse than none). xgrammar is measured only where it is importable; otherwise its rows say "not installed".
 
 ``--decode``: a JSON-extraction workload. Each prompt (``--limit`` of them) holds the pydoc text of one standard-library
-function and asks the target, in its chat template, for a record ``{"name", "summary", "parameters", "returns"}``
-under that JSON schema (``sd.Grammar.json_schema``), greedy. Plain decoding (``autoregressive_generate`` on a reused
-runner) and speculative decoding (``PromptLookupProposer``, ``gamma="auto"``) alternate per prompt, which comes first
-alternating too, after ``--warmup`` untimed prompts. Reported per method: tok/s, and for speculation the speedup,
-acceptance, tokens per round and the grammar's forced tokens (``DecodeStats.forced``: free, counted apart from the
-proposer's drafts). Every output must be valid JSON under the schema (``jsonschema``) and the speculative text must
-equal the plain text (greedy identity), or the script fails loudly. Prints one JSON object, then a markdown table.
+function and asks the target, in its chat template, for a record ``{"name", "summary", "parameters", "returns"}`` under
+that JSON schema (``sd.Grammar.json_schema``), greedy. Plain decoding (``autoregressive_generate`` on a reused runner)
+and speculative decoding (``PromptLookupProposer``, ``gamma="auto"``) alternate per prompt, which comes first
+alternating too, after ``--warmup`` untimed prompts (each docstring cut at 1,500 characters; both caches emptied before
+every timed run). Reported per method: tok/s (generated tokens over wall time, prefill included), and for speculation
+the speedup, acceptance, tokens per round and the grammar's forced tokens (``DecodeStats.forced``: free, counted apart
+from the proposer's drafts). Every output must be valid JSON under the schema (``jsonschema``) and the speculative
+tokens must equal the plain ones (greedy identity, token for token), or the script fails loudly. Prints one JSON object,
+then a markdown table.
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ def extraction_prompts(limit: int) -> list[tuple[str, str]]:
 
 def _row(out: sd.GenerationOutput, seconds: float) -> dict:
     s = out.stats
-    return {"tokens": len(out.token_ids), "seconds": seconds, "drafted": s.drafted, "accepted": s.accepted,
+    return {"tokens": len(out.token_ids), "seconds": round(seconds, 4), "drafted": s.drafted, "accepted": s.accepted,
             "rounds": s.rounds, "forced": s.forced, "generated": s.generated}  # fmt: skip
 
 
@@ -248,8 +250,8 @@ def _totals(rows: list[dict]) -> dict:
         summed["tok_per_s"] = summed["tokens"] / summed["seconds"]
         summed["acceptance"] = summed["accepted"] / summed["drafted"] if summed["drafted"] else 0.0
         summed["tokens_per_round"] = summed["generated"] / summed["rounds"] if summed["rounds"] else 0.0
-        totals[method] = summed
-    totals["speedup"] = totals["speculative"]["tok_per_s"] / totals["plain"]["tok_per_s"]
+        totals[method] = {key: round(value, 4) for key, value in summed.items()}
+    totals["speedup"] = round(totals["speculative"]["tok_per_s"] / totals["plain"]["tok_per_s"], 4)
     return totals
 
 
