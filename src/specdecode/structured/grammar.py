@@ -1,5 +1,5 @@
 """What a request's output must match: a JSON object, a JSON schema, a regex or a grammar (Lark or GBNF), compiled
-by llguidance (docs/DECISIONS.md: measured against xgrammar, benchmarks/grammar_mask_cost.py)."""
+by llguidance (docs/DECISIONS.md: measured against xgrammar, benchmarks/structured_output.py --mask-cost)."""
 
 from __future__ import annotations
 
