@@ -3,6 +3,7 @@ requests that share one system prompt.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/prefix_cache.py [--target smollm2|FILE.gguf] [--turns 6]
         [--question-tokens 60] [--system-tokens 1000] [--requests 32] [--max-batch 16] [--max-new-tokens 32]
+        [--draft MODEL]
 
 Chat: each turn's prompt is the whole history (earlier prompts and answers) plus a new question of random ids
 (seed 0); one ``SpeculativeDecoder`` (prompt lookup, greedy), its cache reused across turns ("on") or forgotten
@@ -33,11 +34,20 @@ def _ids(target: sd.LoadedModel, n: int, generator: torch.Generator) -> list[int
     return torch.randint(0, target.vocab_size, (n,), generator=generator).tolist()
 
 
-def chat(target: sd.LoadedModel, turns: int, question_tokens: int, max_new_tokens: int, reuse: bool) -> dict:
-    """Per turn: seconds to the first streamed text, total seconds, prompt tokens, tokens reused; the answers."""
+def chat(
+    target: sd.LoadedModel, turns: int, question_tokens: int, max_new_tokens: int, reuse: bool,
+    draft: sd.LoadedModel | str | None = None,
+) -> dict:  # fmt: skip
+    """Per turn: seconds to the first streamed text, total seconds, prompt tokens, tokens reused; the answers. With
+    ``draft``, a draft model proposes (it keeps its own longest common prefix either way: the "on" turns then show
+    its catch-up over the new tokens inside the time to first token)."""
     generator = torch.Generator().manual_seed(0)
     params = sd.SamplingParams(max_new_tokens=max_new_tokens)
-    decoder = sd.SpeculativeDecoder(target, sd.PromptLookupProposer(), gamma="auto")
+    if draft is None:
+        proposer = sd.PromptLookupProposer()
+    else:  # "eagle": the target's EAGLE head, which recomputes its one-layer cache from the reused features
+        proposer = sd.EagleProposer(target) if draft == "eagle" else sd.DraftModelProposer(draft)
+    decoder = sd.SpeculativeDecoder(target, proposer, gamma="auto")
     history: list[int] = []
     rows, answers = [], []
     for _ in range(turns):
@@ -109,11 +119,11 @@ def shared_prompt(
     }
 
 
-def run(target: sd.LoadedModel, args: argparse.Namespace) -> dict:
+def run(target: sd.LoadedModel, args: argparse.Namespace, draft: sd.LoadedModel | str | None = None) -> dict:
     """Both workloads, cache off then on, and whether their greedy answers are identical."""
-    result: dict[str, object] = {"target": args.target}
+    result: dict[str, object] = {"target": args.target, "draft": args.draft}
     for name, work in (
-        ("chat", lambda reuse: chat(target, args.turns, args.question_tokens, args.max_new_tokens, reuse)),
+        ("chat", lambda reuse: chat(target, args.turns, args.question_tokens, args.max_new_tokens, reuse, draft)),
         ("shared_prompt", lambda reuse: shared_prompt(target, args.requests, args.system_tokens, args.max_new_tokens,
                                                       args.max_batch, args.cache_gb if reuse else 0)),
     ):  # fmt: skip
@@ -134,12 +144,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--cache-gb", type=float, default=1.0)
+    parser.add_argument("--draft", help="the chat drafts with this model (a name or file; eagle: the target's EAGLE "
+                        "head) instead of prompt lookup")  # fmt: skip
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse()
-    result = run(sd.load_model(args.target), args)
+    draft = args.draft if args.draft in (None, "eagle") else sd.load_model(args.draft)
+    result = run(sd.load_model(args.target), args, draft)
     print(json.dumps(result))
 
 
