@@ -181,9 +181,12 @@ class Request:
         grammar takes its current mask."""
         if draft_tokens is None and self.constraint is not None:
             allowed = self.constraint.mask().unsqueeze(0)
-        drafted = torch.zeros(0, dtype=torch.int64) if draft_tokens is None else draft_tokens
-        rows = RowContexts(self.context, len(self.prompt_ids), drafted, parents)
-        return mask_logits(target_logits(logits, self.params, rows), allowed)
+        if self.params.penalised:  # else the logits as they are: no per-round work for a request without warps
+            drafted = torch.zeros(0, dtype=torch.int64) if draft_tokens is None else draft_tokens
+            logits = target_logits(
+                logits, self.params, RowContexts(self.context, len(self.prompt_ids), drafted, parents)
+            )
+        return mask_logits(logits, allowed)
 
     @property
     def done(self) -> bool:
