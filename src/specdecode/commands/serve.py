@@ -139,7 +139,7 @@ def serve(
     if ray:
         from specdecode.serving.ray_app import run
 
-        run(config, replicas=replicas, host=host, port=port)
+        run(config, replicas=replicas, host=host, port=port, grace=shutdown_grace)
         return
     if replicas != 1:
         raise ValueError("--replicas needs --ray (one process serves one replica)")
