@@ -1,5 +1,6 @@
 """The server on the bundled SmolLM2 (greedy texts, a batch of 16, a 60-second load of 32 streaming clients;
-``SPECDECODE_LOAD_SECONDS`` shortens it, as CI does) and on Ray Serve (2 local replicas); all slow."""
+``SPECDECODE_LOAD_SECONDS`` shortens it, as CI does) and on Ray Serve (2 local replicas, one of them killed
+mid-stream); all slow."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +24,7 @@ from specdecode.serving.local import LocalServer
 
 pytestmark = pytest.mark.slow
 
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 LOAD_SECONDS = float(os.environ.get("SPECDECODE_LOAD_SECONDS", "60"))  # issue 11: >= 60 s, shorter in CI
 
 
@@ -127,8 +130,9 @@ def test_ray_serve_two_replicas_answer_the_openai_routes(tmp_path, monkeypatch):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = ServerConfig(target=str(tmp_path), served_model_name="tiny", quantization="none")
         serve.run(application(config, replicas=2, threads=1), name="specdecode", route_prefix="/")
-        replicas = serve.status().applications["specdecode"].deployments["specdecode"].replica_states
-        assert replicas == {"RUNNING": 2}
+        deployments = serve.status().applications["specdecode"].deployments
+        assert deployments["specdecode"].replica_states == {"RUNNING": 2}  # the fronts
+        assert deployments["specdecode-model"].replica_states == {"RUNNING": 2}
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
@@ -140,6 +144,38 @@ def test_ray_serve_two_replicas_answer_the_openai_routes(tmp_path, monkeypatch):
         assert streamed.rstrip().endswith("data: [DONE]")
         bad = httpx.post(f"{url}/v1/completions", json={"prompt": "", "max_tokens": 2})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        assert httpx.get(f"{url}/v1/models", headers={"Host": "evil.example"}).status_code == 400  # the front's check
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.parametrize("front", ["process", "proxy"])
+def test_ray_serve_a_replica_killed_mid_stream_ends_its_streams_with_an_error_event(front, monkeypatch):
+    """benchmarks/ray_replica_kill.py on the bundled model, with the front in this process (``serve --ray``) and as
+    a deployment behind Ray's proxy: SIGKILL to one of two model replicas while 8 streams run. Its streams end with
+    an error event and [DONE] (not a cut connection, not a hang), the others finish, requests sent meanwhile are
+    answered, and Ray runs two replicas again."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (pip install 'specdecode[ray]')")
+    from specdecode.serving.ray_app import ONE_MACHINE, init_ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name, value in ONE_MACHINE.items():
+        monkeypatch.setenv(name, value)
+    spec = importlib.util.spec_from_file_location("ray_replica_kill", BENCHMARKS / "ray_replica_kill.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    import ray
+
+    try:
+        with script.deployed("smollm2", front) as url:
+            result = script.kill_one_replica_mid_stream(url, "kill", streams=8, max_tokens=300)
+    finally:
+        ray.shutdown()
+    summary = result.summary()
+    assert set(summary["stream_endings"]) <= {"done", "error_event"}, summary  # none cut, none hanging
+    assert summary["stream_endings"].get("error_event", 0) >= 1, summary  # the killed replica had streams
+    assert set(summary["requests_meanwhile"]) == {"200"}, summary
+    assert summary["recovered_s"] is not None, summary
