@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -165,6 +166,7 @@ def test_ray_serve_a_replica_killed_mid_stream_ends_its_streams_with_an_error_ev
         monkeypatch.setenv(name, value)
     spec = importlib.util.spec_from_file_location("ray_replica_kill", BENCHMARKS / "ray_replica_kill.py")
     script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look their module up there
     spec.loader.exec_module(script)
     init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     import ray
