@@ -2,10 +2,10 @@
 model process that dies mid-response ends its streams with an error event rather than a cut connection.
 
 Ray Serve's proxy relays its ingress replica's ASGI messages; when that replica dies mid-stream the proxy can only
-drop the connection (the client reads an incomplete chunked body). So under Ray the ingress is a light front that
-holds no model: ``Forwarder`` reads each request and sends it (a ``RawRequest``) to a model replica, which runs the
-app on it (``relay``) and streams the app's messages back. When the replica fails, the front still holds the
-client's connection and ends it properly:
+drop the connection (the client reads an incomplete chunked body). So under Ray the HTTP side is a light front that
+holds no model (in the ``serve --ray`` process, or as Ray's ingress): ``Forwarder`` reads each request and sends it
+(a ``RawRequest``) to a model replica, which runs the app on it (``relay``) and streams the app's messages back.
+When the replica fails, the front still holds the client's connection and ends it properly:
 
 - before the response has started: the request is sent again (Ray routes it to a live replica), up to ``retries``
   times for a replica that is gone, then a 503 JSON error with ``Retry-After``;
@@ -31,7 +31,7 @@ from .middleware import error_response
 from .protocol import error_body
 
 log = logging.getLogger(__name__)
-RETRY_AFTER_SECONDS = 5  # a replica is restarted in seconds (docs/BENCHMARKS.md: Ray replica killed)
+RETRY_AFTER_SECONDS = 5  # only when no replica answers; Ray restarts a killed one in ~15 s (BENCHMARKS.md)
 Message = dict[str, Any]
 OpenStream = Callable[["RawRequest"], AsyncIterator[list[Message]]]
 _running: set[asyncio.Task] = set()  # apps still finishing a request whose consumer left (kept from the collector)
