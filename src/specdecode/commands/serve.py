@@ -61,7 +61,9 @@ ApiKeyOption = Annotated[
 MaxBodyOption = Annotated[int, typer.Option(help="Largest request body accepted (413 above).")]
 ServedNameOption = Annotated[str | None, typer.Option(help="Model id clients use (default: the target's name).")]
 RayOption = Annotated[bool, typer.Option("--ray", help="Run replicas on Ray Serve (pip install 'specdecode\\[ray]').")]
-ReplicasOption = Annotated[int, typer.Option(help="With --ray: replicas of the whole app (each loads the model).")]
+ReplicasOption = Annotated[
+    int, typer.Option(help="With --ray: model replicas (each loads the model); this process serves HTTP in front.")
+]
 ThreadsOption = Annotated[
     int | None, typer.Option(help="Torch threads per server or replica (default: torch's choice).")
 ]
