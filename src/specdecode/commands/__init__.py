@@ -134,6 +134,15 @@ MAX_CONTEXT_HELP = (
     "the memory available is refused before its weights are read."
 )
 MaxContextOption = Annotated[int | None, typer.Option(min=1, help=MAX_CONTEXT_HELP)]
+# The draft model's option, worded once (generate, bench, check-exact, serve, bench-serve).
+DraftOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Draft model for --proposer draft (a bundled name, an HF folder or a .gguf file), self:N for the "
+        "target's first N layers (an untrained early exit), or skip:SKIP.json (from tune-skip) / skip:3,5,9-12 for "
+        "the target without those layers."
+    ),
+]
 # The EAGLE proposer's options, worded once.
 HeadOption = Annotated[
     str | None,

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specdecode.commands import MAX_CONTEXT_HELP, quiet_transformers, usage_errors
+from specdecode.commands import MAX_CONTEXT_HELP, DraftOption, quiet_transformers, usage_errors
 
 CURVE_MAX_K = 32
 CURVE_CONTEXT = 500
@@ -67,14 +67,6 @@ CategoriesOption = Annotated[
     typer.Option(
         help="Comma list of subtasks (mt_bench, translation, summarization, qa, math_reasoning, "
         "rag) or raw categories to keep."
-    ),
-]
-DraftOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Draft model (name, folder, .gguf), self:N = the target's first N layers (untrained early "
-        "exit, a stand-in for a real draft), or skip:SKIP.json / skip:3,5,9-12 = the target without those "
-        "layers (see tune-skip)."
     ),
 ]
 ProposersOption = Annotated[

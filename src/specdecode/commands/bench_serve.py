@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from specdecode.commands import (
+    DraftOption,
     DtypeOption,
     GroupSizeOption,
     ProposerChoice,
@@ -71,9 +72,6 @@ def _sharegpt_turns(limit: int, seed: int) -> list[str]:
 
 
 ProposerOption = Annotated[ProposerChoice, typer.Option(help="Proposer of the speculating policies.")]
-DraftOption = Annotated[
-    str | None, typer.Option(help="Draft model for --proposer draft (path, self:N or skip:SKIP.json).")
-]
 GammaOption = Annotated[str, typer.Option(help="Draft tokens per round (always drafts all; auto may draft fewer).")]
 PromptsOption = Annotated[
     str | None,

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from specdecode.commands import (
+    DraftOption,
     DtypeOption,
     GroupSizeOption,
     HeadOption,
@@ -33,10 +34,6 @@ class Mode(str, Enum):
     reproducible = "reproducible"
 
 
-DraftOption = Annotated[
-    str | None,
-    typer.Option(help="Draft model (HF folder or .gguf), self:N (the target's first N layers) or skip:SKIP.json."),
-]
 ProposerOption = Annotated[
     str | None,
     typer.Option(

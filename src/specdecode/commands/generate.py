@@ -12,6 +12,7 @@ import typer
 
 from specdecode.commands import (
     TARGET_HELP,
+    DraftOption,
     DtypeOption,
     GroupSizeOption,
     HeadOption,
@@ -33,13 +34,6 @@ if TYPE_CHECKING:
 
 
 PromptArgument = Annotated[str, typer.Argument(help="The prompt text ('-' reads it from standard input).")]
-DraftOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Draft model (HF folder or .gguf), self:N for the target's first N layers, or skip:SKIP.json "
-        "(from tune-skip) / skip:3,5,9-12 for the target without those layers.",
-    ),
-]
 ProposerOption = Annotated[
     ProposerChoice | None,
     typer.Option(

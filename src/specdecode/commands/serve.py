@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from specdecode.commands import (
+    DraftOption,
     DtypeOption,
     GroupSizeOption,
     HeadsOption,
@@ -29,10 +30,6 @@ ProposerOption = Annotated[
     typer.Option(
         help="Default proposer (as generate's; draft needs --draft). Default: draft with --draft, else lookup."
     ),
-]
-DraftOption = Annotated[
-    str | None,
-    typer.Option(help="Draft model (HF folder or .gguf), self:N (the target's N layers) or skip:SKIP.json."),
 ]
 GammaOption = Annotated[str, typer.Option(help="Most tokens drafted per round, or auto (the policy picks, up to 8).")]
 PolicyOption = Annotated[
