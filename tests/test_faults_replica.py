@@ -14,7 +14,7 @@ from helpers.models import word_target
 
 from specdecode.bench.serve_load import scrape
 from specdecode.serving import ServerConfig, create_app
-from specdecode.serving.asgi_bridge import Forwarder, Lifespan, RawRequest, relay
+from specdecode.serving.asgi_bridge import Forwarder, RawRequest, relay
 from specdecode.serving.local import LocalServer
 
 
@@ -50,14 +50,13 @@ class Front:
     """The front's app with the model's lifespan run in the same loop (Ray runs it in the replica's process)."""
 
     def __init__(self, replicas: Replicas, forwarder=None) -> None:
-        self.lifespan = Lifespan(replicas.app)
+        self.app = replicas.app
         self.forwarder = forwarder or Forwarder(replicas.open_stream, lambda e: isinstance(e, ReplicaDied), retries=2)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            await self.lifespan.start()
-            await self.forwarder(scope, receive, send)
-            await self.lifespan.stop()
+            async with self.app.router.lifespan_context(self.app):  # as ray_app's model replica runs it
+                await self.forwarder(scope, receive, send)
             return
         await self.forwarder(scope, receive, send)
 

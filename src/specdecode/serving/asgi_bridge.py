@@ -228,35 +228,3 @@ async def _lifespan_without_work(receive: Callable, send: Callable) -> None:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
-
-
-class Lifespan:
-    """An ASGI app's lifespan run by hand (where no server runs it): ``await start()`` runs its startup (the model
-    loads), ``await stop()`` its shutdown."""
-
-    def __init__(self, app: Callable) -> None:
-        self.app = app
-        self._inbox: asyncio.Queue[Message] = asyncio.Queue()
-        self._outbox: asyncio.Queue[Message] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
-        self._task = asyncio.create_task(self.app(scope, self._inbox.get, self._outbox.put))
-        await self._exchange("lifespan.startup")
-
-    async def stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            await self._exchange("lifespan.shutdown")
-            await self._task
-
-    async def _exchange(self, step: str) -> None:
-        await self._inbox.put({"type": step})
-        answer = asyncio.create_task(self._outbox.get())
-        await asyncio.wait({answer, self._task}, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[arg-type]
-        if not answer.done():
-            answer.cancel()
-            self._task.result()  # type: ignore[union-attr]  # the app's error
-            raise RuntimeError(f"the app ended during {step}")
-        if answer.result()["type"] != f"{step}.complete":
-            raise RuntimeError(f"{step} failed: {answer.result().get('message', '')}")

@@ -25,6 +25,7 @@ to another replica, and new requests go to the live ones.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -33,7 +34,7 @@ from typing import Any
 import uvicorn
 
 from .app import ServerConfig, create_app
-from .asgi_bridge import Forwarder, Lifespan, RawRequest, relay
+from .asgi_bridge import Forwarder, RawRequest, relay
 from .hosts import HostCheck
 from .middleware import Guard
 from .shutdown import GracefulServer
@@ -67,15 +68,15 @@ def model_replicas(config: ServerConfig, replicas: int = 1, threads: int | None 
 
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray awaits it: the model loads here
             self.app = create_app(replica_config)
-            self.lifespan = Lifespan(self.app)
-            await self.lifespan.start()
+            self.lifespan = contextlib.AsyncExitStack()  # the app's lifespan, run by hand: no server runs it here
+            await self.lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
 
         async def relay(self, request: RawRequest) -> AsyncIterator[list[dict]]:
             async for batch in relay(self.app, request):
                 yield batch
 
         async def __del__(self) -> None:  # Ray's graceful shutdown: stop the engine, write the suffix history
-            await self.lifespan.stop()
+            await self.lifespan.aclose()
 
     return ModelReplica.bind()
 
