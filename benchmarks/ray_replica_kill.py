@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -85,7 +84,7 @@ def read_stream(url: str, body: dict, end: StreamEnd) -> None:
         end.ended_at = time.monotonic()
 
 
-def model_replicas(app_name: str) -> dict[str, Any]:
+def replica_actors(app_name: str) -> dict[str, Any]:
     """{actor name: handle} of the application's model replicas."""
     import ray
 
@@ -108,7 +107,7 @@ def kill_one_replica_mid_stream(
     for reader in readers:
         reader.start()
     time.sleep(kill_after_s)
-    before = model_replicas(app_name)
+    before = replica_actors(app_name)
     victim = next(iter(before.values()))
     result.killed_pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()))
     killed = time.monotonic()
@@ -124,7 +123,7 @@ def kill_one_replica_mid_stream(
         states = serve.status().applications[app_name].deployments[MODEL_DEPLOYMENT].replica_states
         if states != {"RUNNING": 2} and result.noticed_s is None:
             result.noticed_s = time.monotonic() - killed
-        names = set(model_replicas(app_name))
+        names = set(replica_actors(app_name))
         if result.noticed_s is not None and states == {"RUNNING": 2} and len(names - set(before)) == 1:
             result.recovered_s = time.monotonic() - killed
             break
@@ -143,6 +142,7 @@ def deployed(target: str, front: str, app_name: str = "kill") -> Iterator[str]:
     (``proxy``, ``ray_app.application``)."""
     from ray import serve
 
+    from specdecode.bench.serve_load import free_port
     from specdecode.serving import ServerConfig
     from specdecode.serving.local import LocalServer
     from specdecode.serving.ray_app import application, model_replicas
@@ -151,9 +151,7 @@ def deployed(target: str, front: str, app_name: str = "kill") -> Iterator[str]:
     config = ServerConfig(target=target)
     try:
         if front == "proxy":
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
+            port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(application(config, replicas=2, threads=1), name=app_name, route_prefix="/")
             yield f"http://127.0.0.1:{port}"

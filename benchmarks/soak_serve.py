@@ -22,9 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -32,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from specdecode.bench.serve_load import scrape
+from specdecode.bench.serve_load import free_port, scrape, start_serve_process
 from specdecode.bench.workloads import default_items
 
 PROMPTS = [
@@ -52,12 +49,6 @@ FUZZ = [
     lambda b: {**b, "speculative": {"proposer": "nonexistent"}},
     lambda b: {**b, "prompt": ""} if "prompt" in b else {**b, "messages": []},
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def process_sample(pid: int, url: str) -> dict[str, float]:
@@ -141,21 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-c", "from specdecode.cli import main; main()", "serve", "--target", args.target,
-               "--port", str(port), *args.serve_options]  # fmt: skip
-    log = args.out.with_suffix(".server.log")  # a file, not a pipe: a full pipe would stall the server
-    with open(log, "w") as log_file:
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"the server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
+    log = args.out.with_suffix(".server.log")
+    server = start_serve_process(args.target, port, log, args.serve_options)
     counts: Counter = Counter()
     greedy: dict[str, str] = {}
     lock = threading.Lock()

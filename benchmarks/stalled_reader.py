@@ -25,15 +25,11 @@ import json
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
-
-from specdecode.bench.serve_load import run_load
+from specdecode.bench.serve_load import free_port, run_load, start_serve_process
 from specdecode.bench.workloads import default_items
 
 # greedy, with the end-of-text tokens banned (SmolLM2's 0 and 2): the same 3,500 tokens in every phase
@@ -41,29 +37,6 @@ EXTRA = {"messages": [{"role": "user", "content": "Tell me a very long story abo
          "max_tokens": 3500, "temperature": 0, "logit_bias": {"0": -100, "2": -100}, "logprobs": True,
          "top_logprobs": 20, "stream": True}  # fmt: skip
 PHASES = ("alone", "reader", "stalled")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(target: str, port: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-c", "from specdecode.cli import main; main()", "serve", "--target", target,
-               "--port", str(port)]  # fmt: skip
-    with open(log, "w") as log_file:
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file)
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"the server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
 
 
 def send_extra(port: int, receive_buffer: int | None) -> socket.socket:
@@ -138,7 +111,7 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = args.out.with_suffix(".server.log")
-    server = start_server(args.target, port, log)
+    server = start_serve_process(args.target, port, log)
     try:
         run_load(url, bodies, args.clients, 10.0)  # warm-up
         phases = []

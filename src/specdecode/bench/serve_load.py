@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -164,6 +167,33 @@ def run_load(
 
     asyncio.run(main())
     return record
+
+
+def free_port() -> int:
+    """A port free on the loopback interface now (the kernel's pick)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_serve_process(target: str, port: int, log: Path, options: Sequence[str] = ()) -> subprocess.Popen:
+    """``specdecode serve --target TARGET --port PORT [OPTIONS]`` in a process of its own, its stderr written to
+    ``log`` (a file, not a pipe: a full pipe would stall the server), once ``/health`` answers. Exits with the log's
+    end if it does not start within 10 minutes."""
+    command = [sys.executable, "-c", "from specdecode.cli import main; main()", "serve", "--target", target,
+               "--port", str(port), *options]  # fmt: skip
+    with open(log, "w") as log_file:
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"the server did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
 
 
 def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
