@@ -119,15 +119,18 @@ class _Tiles:
     def zeros(
         n: int, k: int, group: int, packing: tuple[bool, bool], scale_format: str, symmetric: bool, per: int
     ) -> _Tiles:
-        """``packing``: (nibbles, high bits), as ``packing_of`` gives them."""
+        """``packing``: (nibbles, high bits), as ``packing_of`` gives them. Every step streams these buffers whole:
+        they go on huge pages where the OS allows (``kernels.streamed_zeros``)."""
+        from ..kernels import streamed_zeros
+
         tiles = -(-n // 16)
-        packed = torch.zeros(tiles * 16 * packed_row_bytes(k, *packing), dtype=torch.uint8)
+        packed = streamed_zeros((tiles * 16 * packed_row_bytes(k, *packing),), torch.uint8)
         dtype = {"f16": torch.float16, "f32": torch.float32}.get(scale_format, torch.int8)
-        scales = torch.zeros(tiles, k // group, 16, dtype=dtype)
-        offsets = None if symmetric else torch.zeros_like(scales)
+        scales = streamed_zeros((tiles, k // group, 16), dtype)
+        offsets = None if symmetric else streamed_zeros(tuple(scales.shape), dtype)
         two_level = scale_format.startswith("super")
-        supers = torch.zeros(tiles, k // group // per, 16, dtype=torch.float16) if two_level else None
-        super_offsets = None if symmetric or not two_level else torch.zeros_like(supers)
+        supers = streamed_zeros((tiles, k // group // per, 16), torch.float16) if two_level else None
+        super_offsets = None if symmetric or not two_level else streamed_zeros(tuple(supers.shape), torch.float16)
         return _Tiles(packed, scales, offsets, supers, super_offsets)
 
     def repack(self, kernels, files: list, k: int, quads: bool, high_bits: bool) -> None:
