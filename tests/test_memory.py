@@ -56,7 +56,7 @@ def test_the_accounting_from_the_files_index_is_what_the_loaded_model_holds(layo
     assert planned == memory.loaded_footprint(loaded)
     # a tied Q8_0 embedding: the head's tiles; an untied one is read from the file's blocks a row at a time
     assert window == 512 and (planned.mapped == 0) == (head is None)
-    assert planned.repacked == sd.planner.stored_weight_bytes(loaded.model)
+    assert planned.repacked == memory.held_weight_bytes(loaded.model)[1]
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from .engine import SpeculativeDecoder
 from .models.loader import LoadedModel
 from .params import SamplingParams
 from .proposers.base import Proposer
-from .sampling import warp
+from .sampling import greedy_tokens, warp
 
 MIN_EXPECTED = 5.0
 NULL_REPLICATES = 200
@@ -38,7 +38,7 @@ NULL_REPLICATES = 200
 def target_law(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The target's warped distribution (float64) for one row of ``logits``; one-hot argmax if greedy."""
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).double()
+        return torch.nn.functional.one_hot(greedy_tokens(logits.unsqueeze(0))[0], logits.shape[-1]).double()
     return torch.softmax(warp(logits, params).double(), dim=-1)
 
 

@@ -62,7 +62,7 @@ def warp_logits(
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a request samples from: softmax of the warped logits, or one-hot argmax if greedy."""
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)
+        return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).to(torch.float32)
     return torch.softmax(warp(logits, params), dim=-1)
 
 

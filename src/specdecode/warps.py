@@ -56,11 +56,6 @@ class RowContexts:
         return self.draft_tokens[self.paths()[row]].tolist()
 
 
-def plain_row(context: Sequence[int], prompt_len: int) -> RowContexts:
-    """The one row of a plain decoding step after ``context``."""
-    return RowContexts(context, prompt_len, torch.zeros(0, dtype=torch.int64))
-
-
 def row_counts(rows: RowContexts, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the generated tokens' counts (float32 ``[n, V]``) and whether each token was seen in the prompt or
     generated (bool ``[n, V]``)."""

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from ..engine import autoregressive_generate
 from ..models.loader import LoadedModel
+from ..models.memory import held_weight_bytes
 from ..params import SamplingParams
-from ..planner import stored_weight_bytes
 
 REFERENCE = "float32"
 CHUNK = 512
@@ -144,7 +144,7 @@ def measure_quality(
     results = [
         SettingQuality(
             name=name,
-            weight_bytes=stored_weight_bytes(model.model),
+            weight_bytes=held_weight_bytes(model.model)[1],
             positions=text[name].positions,
             agreement=text[name].agreed / text[name].positions,
             perplexity=math.exp(text[name].nll / text[name].positions),

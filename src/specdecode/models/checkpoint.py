@@ -63,9 +63,6 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                 found[dtype] = found.get(dtype, 0) + size
         return max(found, key=found.__getitem__) if found else None
 
-    def bytes_of(self, name: str) -> int:
-        return self._where[name][4]
-
 
 def checkpoint_of(folder: Path) -> Checkpoint | None:
     """The safetensors checkpoint of an HF folder (one file or shards), or None when it has none."""

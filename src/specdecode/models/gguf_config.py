@@ -28,6 +28,7 @@ from ..errors import ModelNotAvailable
 from .gguf_index import GGUFIndex
 
 LLAMA3_CONTEXT = 8192  # the original context llama.cpp's converter assumes when it writes a Llama 3 rope_freqs tensor
+GEMMA3_27B_LAYERS = 62  # how llama.cpp recognises Gemma 3 27B, whose query scale differs (``_gemma3``)
 _TOLERANCE = 1e-5  # relative: transformers' llama3 inverse frequencies against the file's divisors, in float32
 
 
@@ -137,9 +138,10 @@ def _llama3_inv_freq(config: PretrainedConfig, params: dict) -> np.ndarray:
 
 
 def _gemma3(config: PretrainedConfig, index: GGUFIndex) -> None:
-    config.query_pre_attn_scalar = (
-        config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else config.head_dim
-    )
+    """llama.cpp's query scale for Gemma 3: 1/sqrt(hidden / heads) for the 27B, which it tells from the other sizes by
+    its layer count alone (``LLM_TYPE_27B``: 62 layers), 1/sqrt(head_dim) for every other size."""
+    is_27b = config.num_hidden_layers == GEMMA3_27B_LAYERS
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if is_27b else config.head_dim
     softcap = index.values.get("gemma3.final_logit_softcapping")
     if softcap:
         config.final_logit_softcapping = float(softcap)

@@ -9,7 +9,7 @@ import torch
 from ..keyed_noise import KeyedNoise
 from ..models.loader import LoadedModel
 from ..params import SamplingParams
-from ..sampling import probs_from_logits, sample
+from ..sampling import greedy_tokens, probs_from_logits, sample
 from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
 
 # After a round the draft is behind by one token (a rejection: the target's correction) or two (all accepted:
@@ -42,7 +42,7 @@ class DraftModelProposer(Proposer):
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         def pick(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:
             if params.greedy:
-                return int(logits.argmax()), None
+                return int(greedy_tokens(logits.unsqueeze(0))[0]), None
             probs = probs_from_logits(logits, params)
             return int(sample(probs, generator)), probs
 

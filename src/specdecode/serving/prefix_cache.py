@@ -18,15 +18,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 GIB = 1 << 30
 DEFAULT_BLOCK_TOKENS = 32  # a multiple of 16: the kernels' key tiles
-
-
-class Payload(Protocol):
-    @property
-    def nbytes(self) -> int: ...
 
 
 @dataclass(eq=False)

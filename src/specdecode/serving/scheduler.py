@@ -385,9 +385,13 @@ class Scheduler:
                 self._verify_round(job, this_round, job_logits, started)
 
     def _forward(self, rounds: list[tuple[Job, Round]]) -> list[torch.Tensor | None]:
-        """The target's logits for every round: the chains in one batched pass, token trees (their own
-        positions and mask) one by one; if the batched pass raises, each request alone, so only the faulty
-        one fails (None)."""
+        """The target's logits for every round (None: the request failed): the chains in one batched pass, token
+        trees (their own positions and mask) one by one.
+
+        A pass that raises fails the requests it computes, and only those: the engine thread goes on with the
+        others (any exception, as the README promises a request that fails inside the engine fails alone). The
+        batched pass is one computation for all its rows, so its failure is every chain's (a batching bug shows
+        in each of their answers, never hidden behind a retry)."""
         out: list[torch.Tensor | None] = [None] * len(rounds)
         chains = [i for i, (_, this_round) in enumerate(rounds) if this_round.positions is None]
         alone = [i for i, (_, this_round) in enumerate(rounds) if this_round.positions is not None]
@@ -395,9 +399,9 @@ class Scheduler:
             runners = [rounds[i][0].slot.runner for i in chains]
             for i, logits in zip(chains, forward_batch(runners, [rounds[i][1].tokens for i in chains]), strict=True):
                 out[i] = logits
-        except Exception:
-            log.exception("batched pass failed; retrying each request alone")
-            alone = list(range(len(rounds)))
+        except Exception as exc:
+            for i in chains:
+                self._fail(rounds[i][0], exc)
         for i in alone:
             job, this_round = rounds[i]
             runner = job.slot.runner
