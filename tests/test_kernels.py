@@ -172,8 +172,8 @@ def test_dense_formats_map_onto_the_kernels():
     weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(4))
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
     for blocks in (
-        IntBlocks.from_group_quant(GroupQuant.quantize(weight, 64)),
-        IntBlocks.from_int8(Int8Linear.quantize(weight)),
+        GroupQuant.quantize(weight, 64).blocks(),
+        Int8Linear.quantize(weight).blocks(),
     ):
         expected = quantized_reference(x, blocks)
         got = KernelLinear.from_blocks(blocks)(x).double()

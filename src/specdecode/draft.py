@@ -40,5 +40,24 @@ class Draft:
             None if self.parents is None else self.parents[:k],
         )
 
+    def after_forced(self, forced: list[int]) -> Draft:
+        """This draft (a chain or a tree, guessed after ``forced``) behind the chain of ``forced`` tokens, each a point
+        mass: a token a grammar forces is its row's only allowed token, so the target's masked law is that point
+        mass and it is always accepted."""
+        if not forced:
+            return self
+        f = len(forced)
+        tokens = torch.cat([torch.tensor(forced, dtype=torch.int64), self.tokens])
+        probs = None
+        if self.probs is not None:
+            probs = torch.cat(
+                [torch.nn.functional.one_hot(tokens[:f], self.probs.shape[-1]).to(self.probs), self.probs]
+            )
+        parents = None
+        if self.parents is not None:
+            shifted = torch.where(self.parents < 0, f - 1, self.parents + f)
+            parents = torch.cat([torch.arange(-1, f - 1, dtype=torch.int64), shifted])
+        return Draft(tokens, probs, parents)
+
 
 EMPTY_DRAFT = Draft(torch.zeros(0, dtype=torch.int64))

@@ -20,7 +20,7 @@ from .request import GenerationOutput, Request, TextCallback
 from .request import check_context_window as check_context_window  # re-exported (moved to request.py)
 from .request import fresh_seed as fresh_seed  # re-exported (moved to request.py)
 from .sampling import probs_from_logits
-from .structured import cut_at_forbidden, with_forced
+from .structured import Constraint
 from .tree import attention_mask, children, depths, prune_depth
 from .verify import (
     coupled_verify,
@@ -226,7 +226,7 @@ class SpeculativeDecoder:
             draft = prune_depth(draft, k)
         if not draft.is_tree and len(draft) > k:
             draft = draft.truncated(k)
-        draft, context = with_forced(forced, draft), request.context
+        draft, context = draft.after_forced(forced), request.context
         if request.constraint is not None and not draft.is_tree:
             draft, allowed, scored = cut_at_forbidden(request.constraint, draft)
             tokens = torch.cat([torch.tensor(context[-1:], dtype=torch.int64), draft.tokens[:scored]])
@@ -325,6 +325,17 @@ def every_row(this_round: Round, logits: torch.Tensor) -> torch.Tensor:
     forbidden token, its masked target probability being 0)."""
     missing = len(this_round.draft) + 1 - logits.shape[0]
     return logits if missing <= 0 else torch.cat([logits, logits[-1:].expand(missing, -1)])
+
+
+def cut_at_forbidden(constraint: Constraint, draft: Draft) -> tuple[Draft, torch.Tensor, int]:
+    """(the chain ``draft`` cut after its first token the grammar forbids, the masks of its rows [len + 1, V], n):
+    the target scores the n allowed tokens only; the forbidden one stays drafted, to be rejected with the residual
+    of its own row (dropping it instead would bias the law whenever the draft has a distribution). The row past it,
+    never reached, allows every token."""
+    allowed, n = constraint.chain_masks(draft.tokens.tolist())
+    if n == len(draft):
+        return draft, allowed, n
+    return draft.truncated(n + 1), torch.cat([allowed, torch.ones_like(allowed[:1])]), n
 
 
 def autoregressive_generate(

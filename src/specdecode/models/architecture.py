@@ -167,3 +167,11 @@ def architecture_of(model: nn.Module) -> Architecture:
         rope_of_layer=rope_of_layer,
         ropes=ropes,
     )
+
+
+def tied_head(model: nn.Module) -> bool:
+    """Whether the LM head shares the input embedding's weights (a skeleton's meta tensors: as its config says)."""
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    if head.is_meta or embed.is_meta:
+        return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    return embed.data_ptr() == head.data_ptr()

@@ -9,12 +9,9 @@ import ctypes
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .weights import GroupQuant, Int8Linear
 
 
 @dataclass(frozen=True)
@@ -107,20 +104,6 @@ class IntBlocks:
         factors = None if first.factors is None else SuperScales.cat([p.factors for p in parts])
         return dataclasses.replace(first, u=torch.cat([p.u for p in parts]), scale=torch.cat([p.scale for p in parts]),
                                    offset=offset, factors=factors)  # fmt: skip
-
-    @staticmethod
-    def from_group_quant(weights: GroupQuant) -> IntBlocks:
-        return IntBlocks(weights.q, weights.scale, weights.zero - 8 * weights.scale, -1, weights.group_size, 4)
-
-    @staticmethod
-    def from_int8(weights: Int8Linear) -> IntBlocks:
-        """Int8 rows with one scale per row, as 8-bit blocks of 32 sharing their row's scale."""
-        n, k = weights.q.shape
-        group = 32 if k % 32 == 0 else 16
-        scale = weights.scale.float()[:, None].expand(n, k // group).contiguous()
-        half = bool(torch.equal(scale.half().float(), scale))
-        u = weights.q.view(torch.uint8) ^ 0x80  # q + 128 for every int8 q, without int16 temporaries
-        return IntBlocks(u, scale, None, 128, group, 8, half)
 
 
 Layout = tuple[int, int, int, bool, str]  # IntBlocks.layout

@@ -205,7 +205,7 @@ def weight_bytes(tensors: Sequence[FileTensor]) -> tuple[int, int]:
 
 
 def _int8_layout(cols: int) -> Layout:
-    """``IntBlocks.from_int8``'s layout: a row's bfloat16 scale (a float16 value) over blocks of 32 (else 16)."""
+    """``Int8Linear.blocks``' layout: a row's bfloat16 scale (a float16 value) over blocks of 32 (else 16)."""
     return Layout(32 if cols % 32 == 0 else 16, 8, 128, "f16")
 
 
@@ -262,7 +262,7 @@ def file_footprint(path: str | Path, skeleton: Any) -> Footprint:
 def dense_footprint(skeleton: Any, element_bytes: float, kv_element: int, table_element: int) -> Footprint:
     """The footprint of a model whose weights take ``element_bytes`` per parameter (dense; a tied head shares the
     embedding's, though a skeleton's may not yet), and its computed buffers (RoPE's inverse frequencies)."""
-    from .quantize import tied_head
+    from .architecture import tied_head
 
     parameters = sum(p.numel() for p in skeleton.parameters())
     if skeleton.lm_head.weight is not skeleton.model.embed_tokens.weight and tied_head(skeleton):
@@ -280,8 +280,7 @@ def rounded_footprint(skeleton: Any, kind: str, group_size: int, kernels: bool, 
     scales) or, without ``kernels``, PyTorch's packed formats; the LM head as int8 rows (its tiles and its exact int8
     table, one float32 scale a row); the input embedding as the tied head's rows, else ``embed_element`` bytes a
     weight; norms, biases and buffers in float32; a float16 KV cache on the kernels (else float32)."""
-    from .architecture import FAMILIES
-    from .quantize import tied_head
+    from .architecture import FAMILIES, tied_head
 
     fused = getattr(skeleton.config, "model_type", None) in FAMILIES
     repacked = sum(b.nbytes for b in skeleton.buffers() if not b.is_meta)

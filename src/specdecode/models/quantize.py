@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .architecture import FAMILIES
+from .architecture import FAMILIES, tied_head
 from .gguf_blocks import BLOCK_TYPES, FileBlocks, StoredTensor, read_gguf_tensors
 from .weights import (
     CHUNK_BYTES,
@@ -138,14 +138,6 @@ def _fill_unquantized(model: nn.Module, checkpoint: Mapping[str, torch.Tensor]) 
     fill_from_file(model, {embed: checkpoint[embed]} if embed in checkpoint else {}, None)
 
 
-def tied_head(model: nn.Module) -> bool:
-    """Whether the LM head shares the input embedding's weights (a skeleton's meta tensors: as its config says)."""
-    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
-    if head.is_meta or embed.is_meta:
-        return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    return embed.data_ptr() == head.data_ptr()
-
-
 @torch.no_grad()
 def fill_from_file(
     model: nn.Module, stored: Mapping[str, StoredTensor], dtype: torch.dtype | None = torch.float32
@@ -189,10 +181,10 @@ def _source(module: nn.Module, stored, quantization: Quantization, native: bool)
     weight = stored if module.weight.is_meta and isinstance(stored, torch.Tensor) else module.weight
     if quantization.kind == "int4":
         groups = _rounded(weight, None, quantization)
-        return IntBlocks.from_group_quant(groups) if native else groups
+        return groups.blocks() if native else groups
     if quantization.kind == "int8":
         rows = _rounded(weight, bias, quantization)
-        return IntBlocks.from_int8(rows) if native else rows
+        return rows.blocks() if native else rows
     if not isinstance(stored, IntBlocks | FileBlocks):
         return None
     if native:
@@ -225,10 +217,10 @@ def _rounded(weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quan
 
 
 def _int8_blocks(rows: Int8Linear) -> StackedBlocks:
-    """``IntBlocks.from_int8(rows)`` made a slice of rows at a time (its int16 temporaries slice-sized: a
+    """``rows.blocks()`` made a slice of rows at a time (its int16 temporaries slice-sized: a
     vocabulary-sized head's were 4 bytes a weight), the same blocks."""
     step = max(16, CHUNK_BYTES // rows.q.shape[1] // 16 * 16)
-    parts = [IntBlocks.from_int8(Int8Linear(rows.q[start : start + step], rows.scale[start : start + step]))
+    parts = [Int8Linear(rows.q[start : start + step], rows.scale[start : start + step]).blocks()
              for start in range(0, rows.q.shape[0], step)]  # fmt: skip
     half = all(part.half_scales for part in parts)  # float16 scales only where every slice's are exactly so
     return StackedBlocks(tuple(dataclasses.replace(part, half_scales=half) for part in parts))

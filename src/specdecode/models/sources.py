@@ -13,11 +13,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import ModelNotAvailable
+from .architecture import tied_head
 from .bundled import BUNDLED
 from .checkpoint import Checkpoint, checkpoint_of
 from .gguf_cache import metadata_cache
 from .native_llama import supports_native
-from .quantize import tied_head
 
 if TYPE_CHECKING:  # transformers.modeling_utils costs ~2 s at `import specdecode`; loading a model imports it
     from transformers import PreTrainedModel

@@ -63,6 +63,10 @@ class GroupQuant:
         q = torch.round((groups - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.uint8).view(n, k)
         return GroupQuant(q, scale, zero, group_size)
 
+    def blocks(self) -> IntBlocks:
+        """The same weights as 4-bit blocks with offsets (w = scale·u + offset), for the compiled kernels."""
+        return IntBlocks(self.q, self.scale, self.zero - 8 * self.scale, -1, self.group_size, 4)
+
     @staticmethod
     def from_blocks(blocks: IntBlocks) -> GroupQuant:
         """4-bit blocks (``IntBlocks``) as ``GroupQuant`` (w = (q − 8)·scale + zero) for the pure-torch kernels."""
@@ -165,6 +169,16 @@ class Int8Linear:
 
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.q.shape[0]))
+
+    def blocks(self) -> IntBlocks:
+        """Int8 rows with one scale per row, as 8-bit blocks of 32 (16 where 32 does not divide a row) sharing their
+        row's scale, for the compiled kernels."""
+        n, k = self.q.shape
+        group = 32 if k % 32 == 0 else 16
+        scale = self.scale.float()[:, None].expand(n, k // group).contiguous()
+        half = bool(torch.equal(scale.half().float(), scale))
+        u = self.q.view(torch.uint8) ^ 0x80  # q + 128 for every int8 q, without int16 temporaries
+        return IntBlocks(u, scale, None, 128, group, 8, half)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """The weights of output rows ``index`` as the kernel sees them, in float32."""
