@@ -291,7 +291,7 @@ def table() -> str:
 
 
 def _power_row(name: str, law, samples: int, threshold: float) -> str:
-    from specdecode.exactness import detectable_tv, pooled_shape, samples_for_tv
+    from specdecode.exactness.check import detectable_tv, pooled_shape, samples_for_tv
 
     dof, hidden = pooled_shape(law, samples)
     tv = detectable_tv(samples, dof, threshold, hidden=hidden)
@@ -307,7 +307,7 @@ def power_table() -> str:
     import torch
 
     import specdecode as sd
-    from specdecode.exactness import first_token_law, pair_law
+    from specdecode.exactness.check import first_token_law, pair_law
 
     models, engine = _module("helpers.models"), _module("test_engine")
     small = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
@@ -341,7 +341,7 @@ def power_table() -> str:
 
 
 def _law_row(label: str, decoder, prompt: list[int], params, tokens: int = 2) -> str:
-    from specdecode.enumeration import engine_law, prefix_law, total_variation
+    from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
 
     started = time.perf_counter()
     result = engine_law(decoder, prompt, params, tokens=tokens)
@@ -354,7 +354,7 @@ def print_laws() -> None:
     """tests/test_enumeration.py's point-mass laws under each warp, then three with every residual mixed
     ``MIXED`` with the target's law (the controls, through ``verify._residual``)."""
     import specdecode as sd
-    import specdecode.verify
+    import specdecode.sampling.verify
 
     models, enumeration = _module("helpers.models"), _module("test_enumeration")
     target = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
@@ -364,20 +364,20 @@ def print_laws() -> None:
         for warp, params in enumeration.WARPED.items():
             decoder, prompt = enumeration.case(name, target)
             print(_law_row(f"{name} | {warp}", decoder, prompt, params), flush=True)
-    correct, mix = specdecode.verify._residual, enumeration.MIXED
+    correct, mix = specdecode.sampling.verify._residual, enumeration.MIXED
 
     def mixed(target_probs, draft, token):
         residual = correct(target_probs, draft, token)
         return (1 - mix) * residual / residual.sum() + mix * target_probs / target_probs.sum()
 
-    specdecode.verify._residual = mixed
+    specdecode.sampling.verify._residual = mixed
     try:
         for name in ("chain/lookup", "tree/lookup-3-branches", "tree/deep-wide-3-2"):
             decoder, prompt = enumeration.case(name, target)
             label = f"{name}, residual mixed {mix:.0%} (control) | T1"
             print(_law_row(label, decoder, prompt, enumeration.T1), flush=True)
     finally:
-        specdecode.verify._residual = correct
+        specdecode.sampling.verify._residual = correct
 
 
 def main() -> None:

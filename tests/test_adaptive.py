@@ -10,7 +10,7 @@ from helpers.models import LARGE_VOCAB, tiny_llama
 
 import specdecode as sd
 from specdecode.control import AcceptanceHistory, AdaptiveGamma, PassCosts
-from specdecode.proposers.base import Draft
+from specdecode.sampling.draft import Draft
 
 
 def fixed_costs(step: float = 1.0, extra_per_token: float = 0.05, draft_per_token: float = 0.1) -> PassCosts:

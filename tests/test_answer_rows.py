@@ -14,7 +14,8 @@ from helpers.tokenizers import CHAT_TEMPLATE, word_tokenizer
 
 import specdecode as sd
 from specdecode.training.answer_rows import AnswerMarkers, answer_markers, answer_positions, answer_rows
-from specdecode.training.train import TrainSettings, head_loss, packed_answer_rows, read_samples, train_head
+from specdecode.training.samples import read_samples
+from specdecode.training.train import TrainSettings, head_loss, packed_answer_rows, train_head
 from specdecode.training.windows import token_windows
 
 WORDS = [f"w{i}" for i in range(60)] + ["<turn>", "user", "assistant", "<end>"]
@@ -159,7 +160,7 @@ def chats(count: int) -> list[dict]:
 
 def test_the_answers_loss_reads_only_answer_rows(tmp_path, chat_target):
     from specdecode.heads.model import EagleHead, HeadShape, TargetParts
-    from specdecode.training.train import FeatureCache, batch_tensors
+    from specdecode.training.features import FeatureCache, batch_tensors
 
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in chats(6)))

@@ -15,7 +15,8 @@ import specdecode.cli as cli
 from specdecode import commands
 from specdecode.training import answers
 from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers
-from specdecode.training.train import TrainSettings, read_samples
+from specdecode.training.samples import read_samples
+from specdecode.training.train import TrainSettings
 
 QUESTIONS = [" ".join(f"w{(5 * i + j * j) % LARGE_VOCAB}" for j in range(3 + i % 4)) * 2 for i in range(10)]
 

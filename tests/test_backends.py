@@ -9,8 +9,8 @@ from helpers.models import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import specdecode as sd
-from specdecode.models.hf import HFRunner, cache_keyword
-from specdecode.models.native_llama import NativeLlamaRunner
+from specdecode.models.native.runner import NativeLlamaRunner
+from specdecode.models.transformers_runner import HFRunner, cache_keyword
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:

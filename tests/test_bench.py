@@ -49,8 +49,8 @@ from specdecode.bench.workloads import (
     subtask_of,
 )
 from specdecode.commands.bench import bench
+from specdecode.engine.stats import DecodeStats
 from specdecode.planner import speedup
-from specdecode.stats import DecodeStats
 
 
 def _record(method, qid, tokens, seconds, turn=0, subtask="qa", stats=None, ids=None):
@@ -291,7 +291,7 @@ def test_plain_decode_reuses_its_runner_outside_the_timed_region(tiny_target, mo
 def test_a_question_gets_a_fresh_proposer_and_the_decoder_keeps_what_it_measured(tiny_target, monkeypatch):
     """Per question a new proposer (no cache or text leaks), one decoder: gamma auto's costs and acceptance memory
     carry over, as in a long-lived decoder or the server, instead of being re-learnt every question."""
-    from specdecode.engine import SpeculativeDecoder
+    from specdecode.engine.decoder import SpeculativeDecoder
 
     decoders = []
     original = SpeculativeDecoder.__init__

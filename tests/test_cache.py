@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from specdecode import cache as entry_cache
+from specdecode import disk_cache as entry_cache
 from specdecode import kernels
-from specdecode.cache import CacheFull, ensure_entry, entries, problem, write_entry
+from specdecode.disk_cache import CacheFull, ensure_entry, entries, problem, write_entry
 
 
 def writer(payload: bytes, calls: list[int] | None = None):
@@ -163,7 +163,7 @@ def test_a_cut_dense_copy_is_rebuilt_by_the_loader_with_one_warning(cache, tmp_p
     import torch
     from safetensors.torch import save_file
 
-    from specdecode.models import gguf_cache
+    from specdecode.models.gguf import conversions as gguf_cache
 
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")

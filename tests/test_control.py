@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from specdecode.control import AcceptanceHistory, AdaptiveGamma, PassCosts, RequestAcceptance
-from specdecode.serving.policy import Candidate, SpeculationPolicy
+from specdecode.serving.batching.policy import Candidate, SpeculationPolicy
 
 SCENARIOS = 300
 

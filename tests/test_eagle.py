@@ -223,7 +223,7 @@ def test_drafts_for_the_target_as_loaded_quantized(head_dir):
 def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nodes):
     """Chain (siblings sampled with their law) and tree (top-k point masses): the first two tokens' law is the
     target's (chi-square, family false-alarm rate 1e-3 per case, 2 cases)."""
-    from specdecode.exactness import check_exactness
+    from specdecode.exactness.check import check_exactness
 
     proposer = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, branching=2)
     report = check_exactness(
@@ -334,7 +334,7 @@ def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes,
     The controls — a head misstating its law by 20%; the tree's residuals mixed 1% with the target's law — are
     off by TV ≈ 4.6e-4 and 8e-4, far below what sampling could see (the strong tier detects 0.02). (On an Intel
     Xeon with AMX and transformers 5.25 a 3% misstatement moved TV by only 6.5e-5, so the control misstates more.)"""
-    from specdecode.enumeration import engine_law, prefix_law, total_variation
+    from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
 
     if case == "tree-residual-control":
         correct = sd.verify._residual

@@ -22,8 +22,8 @@ from helpers.models import LARGE_VOCAB, perturbed, quantizable_llama, with_eos
 from helpers.tokenizers import fixed_width_words, word_tokenizer
 
 import specdecode as sd
-import specdecode.engine
-from specdecode.sampling import probs_from_logits
+import specdecode.engine.decoder
+from specdecode.sampling.probs import probs_from_logits
 
 ALPHA = 1e-3
 SAMPLES = 800  # ~6 s per case; a resample-from-p verifier then scores p < 1e-25
@@ -97,7 +97,7 @@ def test_first_two_tokens_follow_the_target_exactly(small_target, small_draft, p
 
 
 def test_negative_control_a_wrong_verifier_is_caught(small_target, small_draft, monkeypatch):
-    monkeypatch.setattr(specdecode.engine, "speculative_sample", resample_from_target)
+    monkeypatch.setattr(specdecode.engine.decoder, "speculative_sample", resample_from_target)
     params = WARPS["T1"]
     decoder = sd.SpeculativeDecoder(small_target, sd.DraftModelProposer(small_draft), gamma=4)
     counts, _ = sample_pairs(decoder, LOOKUP_PROMPT, params, seed0=1000)

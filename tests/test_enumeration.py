@@ -15,8 +15,8 @@ from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
 from helpers.trees import TreeProposer, random_tables
 
 import specdecode as sd
-import specdecode.verify
-from specdecode.enumeration import Enumerator, engine_law, prefix_law, total_variation
+import specdecode.sampling.verify
+from specdecode.exactness.enumeration import Enumerator, engine_law, prefix_law, total_variation
 from specdecode.proposers.suffix import SuffixHistory, SuffixProposer
 
 BOUND = 1e-6  # TV left by float32 target probs: ~2e-8 measured
@@ -92,13 +92,13 @@ def test_point_mass_laws_are_the_targets_exactly(target, name, warp):
 def test_a_residual_biased_by_one_percent_is_caught(target, name, monkeypatch):
     decoder, prompt = case(name, target)
     reference = prefix_law(target, prompt, T1, tokens=2)
-    correct = specdecode.verify._residual
+    correct = specdecode.sampling.verify._residual
 
     def mixed(target_probs, draft, token):
         residual = correct(target_probs, draft, token)
         return (1 - MIXED) * residual / residual.sum() + MIXED * target_probs / target_probs.sum()
 
-    monkeypatch.setattr(specdecode.verify, "_residual", mixed)
+    monkeypatch.setattr(specdecode.sampling.verify, "_residual", mixed)
     tv = total_variation(engine_law(decoder, prompt, T1, tokens=2).law, reference)
     assert tv > 100 * BOUND, (name, tv)
 

@@ -20,9 +20,9 @@ from test_enumeration import BOUND, LOOKUP_PROMPT, MIXED, T1, case
 from test_kernel_laws import residual_mixed_with_p
 
 import specdecode as sd
-import specdecode.verify
+import specdecode.sampling.verify
 from specdecode import kernels
-from specdecode.enumeration import engine_law, interval_law, prefix_law, total_variation
+from specdecode.exactness.enumeration import engine_law, interval_law, prefix_law, total_variation
 
 FIRST = sd.SamplingParams(temperature=1.0, max_new_tokens=2)  # one round of one guess decides the first token
 
@@ -49,14 +49,14 @@ def built(monkeypatch, variant: str) -> None:
 def kernel_law(decoder, prompt, params, tokens):
     """engine_law through the kernels, and the number of exact_chain calls it made (it must have made some)."""
     calls = []
-    chain_kernels = specdecode.verify._chain_kernels
+    chain_kernels = specdecode.sampling.verify._chain_kernels
 
     def counted(*rows):
         calls.append(1)
         return chain_kernels(*rows)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(specdecode.verify, "_chain_kernels", counted)
+        patch.setattr(specdecode.sampling.verify, "_chain_kernels", counted)
         result = engine_law(decoder, prompt, params, tokens=tokens, through_kernels=True)
     assert calls, "no round reached the compiled chain rule"
     return result
@@ -90,9 +90,11 @@ def test_point_mass_laws_through_the_compiled_ops(target, name, control, monkeyp
         pytest.skip("the tree rules' residual is torch code: test_enumeration's control; mutant_index is the kernel's")
     built(monkeypatch, "mutant_index" if control == "mutant_index" else "native")
     if control == "residual-mixed-1%":
-        chain_kernels = specdecode.verify._chain_kernels
+        chain_kernels = specdecode.sampling.verify._chain_kernels
         monkeypatch.setattr(
-            specdecode.verify, "_chain_kernels", lambda *rows: residual_mixed_with_p(chain_kernels(*rows), MIXED)
+            specdecode.sampling.verify,
+            "_chain_kernels",
+            lambda *rows: residual_mixed_with_p(chain_kernels(*rows), MIXED),
         )
     decoder, prompt = case(name, target)
     result = engine_law(decoder, prompt, T1, tokens=2, through_kernels=True)

@@ -27,12 +27,12 @@ from helpers.trees import TreeProposer
 from test_enumeration import BOUND, LOOKUP_PROMPT, MIXED, guided_tables
 
 import specdecode as sd
-import specdecode.engine
-import specdecode.output
-import specdecode.verify
+import specdecode.engine.decoder
+import specdecode.engine.output
+import specdecode.sampling.verify
 from specdecode import kernels
 from specdecode.control import AcceptanceHistory, PassCosts
-from specdecode.enumeration import Enumerator, KernelEnumerator, engine_law, prefix_law, total_variation
+from specdecode.exactness.enumeration import Enumerator, KernelEnumerator, engine_law, prefix_law, total_variation
 
 WARPS = {
     "T1.5": sd.SamplingParams(temperature=1.5, max_new_tokens=4),
@@ -110,13 +110,13 @@ def plain_output_law(target: sd.LoadedModel, prompt: list[int], params: sd.Sampl
 
 def residual_mixed(monkeypatch) -> None:
     """The control of tests/test_enumeration.py: every residual after a rejection mixed 1% with the target's law."""
-    correct = specdecode.verify._residual
+    correct = specdecode.sampling.verify._residual
 
     def mixed(target_probs, draft, token):
         residual = correct(target_probs, draft, token)
         return (1 - MIXED) * residual / residual.sum() + MIXED * target_probs / target_probs.sum()
 
-    monkeypatch.setattr(specdecode.verify, "_residual", mixed)
+    monkeypatch.setattr(specdecode.sampling.verify, "_residual", mixed)
 
 
 # ------------------------------------------------------------------------------------------------ gamma="auto"
@@ -181,7 +181,7 @@ def test_warped_laws_are_the_targets_exactly(target, name, warp, control, monkey
     if control == "residual-mixed-1%":
         residual_mixed(monkeypatch)
     if control == "top-p-before-top-k":
-        monkeypatch.setattr(specdecode.engine, "probs_from_logits", top_p_before_top_k)
+        monkeypatch.setattr(specdecode.engine.decoder, "probs_from_logits", top_p_before_top_k)
     decoder, prompt = warp_case(name, target)
     result = engine_law(decoder, prompt, params, tokens=2)
     tv = total_variation(result.law, prefix_law(target, prompt, params, tokens=2))
@@ -227,7 +227,7 @@ def test_an_eos_or_stop_string_inside_an_accepted_run_ends_the_output_exactly(ta
     loaded = with_eos(target, *eos)
     params = sd.SamplingParams(temperature=1.5, top_k=4, max_new_tokens=4, stop=stop)
     if control:
-        monkeypatch.setattr(specdecode.output.OutputSink, "push", keeps_the_round)
+        monkeypatch.setattr(specdecode.engine.output.OutputSink, "push", keeps_the_round)
     decoder = sd.SpeculativeDecoder(loaded, sd.PromptLookupProposer(), gamma=3)
     law, runs, _ = output_law(decoder, LOOKUP_PROMPT, params)
     reference = plain_output_law(loaded, LOOKUP_PROMPT, params)

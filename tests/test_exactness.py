@@ -11,8 +11,9 @@ from helpers.laws import resample_from_target
 from typer.testing import CliRunner
 
 import specdecode as sd
-from specdecode import cli, commands, engine
-from specdecode.exactness import (
+from specdecode import cli, commands
+from specdecode.engine import decoder as engine
+from specdecode.exactness.check import (
     check_exactness,
     detectable_tv,
     first_token_law,

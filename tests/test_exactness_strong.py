@@ -21,8 +21,8 @@ from test_kernel_laws import residual_mixed_with_p
 from test_tree import informed_table
 
 import specdecode as sd
-import specdecode.verify
-from specdecode.exactness import check_exactness, first_token_law, pair_law, pooled_shape, samples_for_tv
+import specdecode.sampling.verify
+from specdecode.exactness.check import check_exactness, first_token_law, pair_law, pooled_shape, samples_for_tv
 from specdecode.proposers.eagle import EagleProposer
 from specdecode.proposers.suffix import SuffixHistory, SuffixProposer
 
@@ -108,7 +108,7 @@ def test_a_minimally_biased_residual_is_caught(name, small, large, head_dir, mon
     op with its draw uniform split (tests/test_kernel_laws.py) — for a draft model's sampled q (the op's
     max(0, p − q) path) and prompt lookup's point masses (p without the guess). The biased code must have run: a
     chain's op and a tree's ``_residual`` are counted."""
-    exact = specdecode.verify._residual
+    exact = specdecode.sampling.verify._residual
     reached = {"chain": 0, "tree": 0}
 
     def mixed(target, draft, token):
@@ -116,8 +116,8 @@ def test_a_minimally_biased_residual_is_caught(name, small, large, head_dir, mon
         residual = exact(target, draft, token)
         return (1 - MIXED) * residual / residual.sum() + MIXED * target / target.sum()
 
-    monkeypatch.setattr(specdecode.verify, "_residual", mixed)
-    chain_kernels = specdecode.verify._chain_kernels
+    monkeypatch.setattr(specdecode.sampling.verify, "_residual", mixed)
+    chain_kernels = specdecode.sampling.verify._chain_kernels
 
     def mixed_chain_kernels(*rows):
         ops = chain_kernels(*rows)
@@ -126,7 +126,7 @@ def test_a_minimally_biased_residual_is_caught(name, small, large, head_dir, mon
         reached["chain"] += 1
         return residual_mixed_with_p(ops, MIXED)
 
-    monkeypatch.setattr(specdecode.verify, "_chain_kernels", mixed_chain_kernels)
+    monkeypatch.setattr(specdecode.sampling.verify, "_chain_kernels", mixed_chain_kernels)
     report = run(name, small, large, head_dir)
     excess = max(t.tv - t.tv_null for t in report.tests)
     print(f"{name} control: measured TV excess {excess:.3f}")

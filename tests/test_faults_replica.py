@@ -14,8 +14,8 @@ from helpers.models import word_target
 
 from specdecode.bench.serve_load import scrape
 from specdecode.serving import ServerConfig, create_app
-from specdecode.serving.asgi_bridge import Forwarder, RawRequest, relay
 from specdecode.serving.local import LocalServer
+from specdecode.serving.replicas.asgi_bridge import Forwarder, RawRequest, relay
 
 
 class ReplicaDied(Exception):
@@ -185,7 +185,7 @@ class Handle:
 
 
 def test_the_ray_front_checks_the_host_and_the_key_before_relaying():
-    from specdecode.serving.ray_app import front
+    from specdecode.serving.replicas.ray_app import front
 
     config = ServerConfig(target=word_target(backend="native"), api_key="k")
     replicas = Replicas(create_app(config))

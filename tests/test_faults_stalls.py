@@ -14,7 +14,7 @@ import pytest
 from helpers.models import word_target
 
 from specdecode.bench.serve_load import scrape
-from specdecode.proposers.base import EMPTY_DRAFT
+from specdecode.sampling.draft import EMPTY_DRAFT
 from specdecode.serving import ServerConfig, create_app, stalls
 from specdecode.serving.local import LocalServer
 

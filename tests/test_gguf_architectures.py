@@ -39,7 +39,7 @@ from transformers import (
 import specdecode as sd
 from specdecode import kernels
 from specdecode.errors import ModelNotAvailable
-from specdecode.models.architecture import architecture_of, unsupported_reason
+from specdecode.models.native.architecture import architecture_of, unsupported_reason
 
 pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
 

@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
-from specdecode.models.gguf_index import gguf_index, read_gguf_index, read_gguf_index_with_gguf
-from specdecode.models.gguf_speedups import PlainViewReader, faster_transformers_gguf
+from specdecode.models.gguf.index import gguf_index, read_gguf_index, read_gguf_index_with_gguf
+from specdecode.models.gguf.transformers_speedups import PlainViewReader, faster_transformers_gguf
 
 
 def _write(path, endianess=gguf.GGUFEndian.LITTLE, alignment: int | None = 64) -> None:
@@ -139,8 +139,8 @@ def test_a_process_that_finds_the_dense_copy_being_built_waits_and_reads_it(tmp_
     import threading
     import time
 
-    from specdecode.cache import exclusive
-    from specdecode.models import gguf_cache
+    from specdecode.disk_cache import exclusive
+    from specdecode.models.gguf import conversions as gguf_cache
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     gguf_file = tmp_path / "tiny.gguf"

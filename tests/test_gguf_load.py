@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 import specdecode as sd
 from specdecode import kernels
 from specdecode.errors import ModelNotAvailable
-from specdecode.models import gguf_cache, loader
-from specdecode.models.quantize import Quantization, quantize_model
+from specdecode.models.gguf import conversions as gguf_cache
+from specdecode.models.loading import loader
+from specdecode.models.loading.quantize import Quantization, quantize_model
 
 pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
 
@@ -167,7 +168,8 @@ def test_five_bit_blocks_held_in_high_bit_planes_give_the_one_byte_formats_logit
     bitwise the logits of the same file held one byte per weight (``HIGH_BIT_PLANES`` off: the earlier format) on
     the ``build`` given, and those of the native build; k-row passes are bitwise their one-row steps; the weights
     held shrink by exactly 3/8 of a byte per 5-bit weight."""
-    from specdecode.models import kernel_linear, memory
+    from specdecode.models import memory
+    from specdecode.models.formats import kernel_linear
 
     path = write_gguf(tmp_path / "five.gguf", LAYOUTS["five-bit"], embedding="Q5_0")
     ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(4))

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
 from specdecode import kernels as compiled
-from specdecode.enumeration import engine_law, prefix_law, total_variation
+from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
 from specdecode.heads.drafting import KernelHead, TorchHead, TreeRows, kernel_blocks
 from specdecode.heads.model import TargetParts, lm_head_rows
 from specdecode.heads.saved import load_head

@@ -15,14 +15,10 @@ from safetensors.torch import load_file
 import specdecode as sd
 from specdecode.heads.saved import load_head
 from specdecode.training import data
-from specdecode.training.train import (
-    FeatureCache,
-    TrainSettings,
-    extract_batch_tokens,
-    read_samples,
-    train_head,
-    training_device,
-)
+from specdecode.training.features import FeatureCache, extract_batch_tokens
+from specdecode.training.loop import training_device
+from specdecode.training.samples import read_samples
+from specdecode.training.train import TrainSettings, train_head
 
 
 def chat(question: str, answer: str = "fine") -> dict:
@@ -420,7 +416,7 @@ def test_one_long_text_file_trains_as_windows_of_max_length(tmp_path, monkeypatc
 
     import specdecode.cli as cli
     from specdecode import commands
-    from specdecode.training.train import read_samples
+    from specdecode.training.samples import read_samples
 
     generator = torch.Generator().manual_seed(4)
     text = " ".join(WORDS[t] for t in torch.randint(0, 64, (8000,), generator=generator).tolist())[:30_000]

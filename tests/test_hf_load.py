@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import specdecode as sd
 from specdecode import kernels
-from specdecode.models import loader, memory
-from specdecode.models.weights import FloatRows, GroupQuant, Int8Linear
+from specdecode.models import memory
+from specdecode.models.formats.weights import FloatRows, GroupQuant, Int8Linear
+from specdecode.models.loading import plan
 
 VOCAB = 64
 needs_kernels = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
@@ -143,7 +144,7 @@ def test_int8_and_int4_round_each_tensor_as_the_dense_model_would_and_hold_no_fl
 @pytest.mark.parametrize(("dtype", "quantization"), [(None, None), (None, "int8"), (None, "int4"), ("float32", None)])
 def test_the_pre_load_accounting_is_what_the_loaded_model_holds(dtype, quantization, tmp_path):
     _checkpoint(tmp_path, hidden_size=128, intermediate_size=256)
-    planned, window = loader.planned_footprint(str(tmp_path), dtype, quantization)
+    planned, window = plan.planned_footprint(str(tmp_path), dtype, quantization)
     loaded = sd.load_model(tmp_path, dtype=dtype, quantization=quantization)
     assert window == 256 and planned == memory.loaded_footprint(loaded)
 

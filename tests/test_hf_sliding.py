@@ -18,7 +18,7 @@ from transformers import (
 )
 
 import specdecode as sd
-from specdecode.models.hf import HFRunner
+from specdecode.models.transformers_runner import HFRunner
 
 VOCAB = 128
 WINDOW = 8

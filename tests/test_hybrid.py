@@ -15,10 +15,10 @@ from test_layer_skip import skip_target as skip_target  # the fixture: a 4-layer
 
 import specdecode as sd
 from specdecode.control import HybridGamma, PassCosts
-from specdecode.exactness import check_exactness
+from specdecode.exactness.check import check_exactness
 from specdecode.factory import lookup_hybrid
 from specdecode.proposers import EagleProposer, HybridProposer, PromptLookupProposer, SuffixHistory, SuffixProposer
-from specdecode.proposers.base import Draft
+from specdecode.sampling.draft import Draft
 
 GREEDY = sd.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[5, 17, 33, 5, 17, 2, 60, 41], [5, 17, 33, 9], [2, 60, 41, 7, 7]]
@@ -283,7 +283,7 @@ def test_eagle_lookup_exact_sampling_follows_the_targets_law_with_both_sides_dra
 
 def test_the_cli_words_build_a_hybrid_and_refuse_what_is_not_one(large_target, head_dir):
     from specdecode.commands import build_proposer
-    from specdecode.serving.app import ServerConfig
+    from specdecode.serving.config import ServerConfig
 
     hybrid = build_proposer("eagle+suffix", large_target, None, head=str(head_dir))
     assert isinstance(hybrid, HybridProposer) and isinstance(hybrid.model, EagleProposer)

@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from specdecode import kernels
-from specdecode.models.gguf_blocks import (
+from specdecode.models.formats.blocks import IntBlocks
+from specdecode.models.formats.kernel_linear import KernelLinear, _tile_layout
+from specdecode.models.formats.weights import GroupQuant, Int8Linear
+from specdecode.models.gguf.file_blocks import (
     decode_q4_0,
     decode_q4_1,
     decode_q4_k,
@@ -26,7 +29,6 @@ from specdecode.models.gguf_blocks import (
     decode_q6_k,
     decode_q8_0,
 )
-from specdecode.models.weights import GroupQuant, Int8Linear, IntBlocks, KernelLinear, _tile_layout
 
 pytestmark = pytest.mark.skipif(kernels.ops("native") is None, reason="the CPU kernels did not build here")
 
@@ -104,8 +106,8 @@ def test_the_compiled_repacker_lays_out_the_files_blocks_as_the_decoders_do(kind
     as the numpy decoders + _tile_layout do: one part and stacked parts whose seams fall inside a tile (40 + 24
     rows), in file order and permuted (Llama's q/k), both activation layouts. The control: a part's rows in
     another order give other tiles."""
-    from specdecode.models.gguf_blocks import FileBlocks
-    from specdecode.models.weights import StackedBlocks
+    from specdecode.models.formats.blocks import StackedBlocks
+    from specdecode.models.gguf.file_blocks import FileBlocks
 
     fields = ("packed", "scales", "offsets", "supers", "super_offsets")
     raws = [random_raw(kind, 40, 512, seed=20), random_raw(kind, 24, 512, seed=21)]
@@ -182,7 +184,7 @@ def test_dense_formats_map_onto_the_kernels():
 
 def _register(ops, linear: KernelLinear, packed: torch.Tensor, n: int, k: int):
     """``linear``'s matrix with the tiles ``packed`` registered with the build ``ops`` (released with the handle)."""
-    from specdecode.models.weights import KernelHandle
+    from specdecode.models.formats.kernel_linear import KernelHandle
 
     per = 1 if linear.supers is None else linear.scales.numel() // linear.supers.numel()
     matrix = ops.register_matrix(packed, linear.scales, linear.offsets, None, n, k, linear.group_size, linear.nibbles,
@@ -198,8 +200,8 @@ def test_five_bit_blocks_in_nibbles_and_high_bits_give_the_one_byte_layouts_bits
     compute bitwise what the same integers held one byte per weight compute (the earlier format), for 1 to 9 rows and
     a partial last tile, repacked from the file's blocks or laid out from decoded ones. The control: one fifth bit
     flipped in the plane (tile 0, group 0, bit 0: output 0's first low nibble) moves output 0 and no other."""
-    from specdecode.models import kernel_linear
-    from specdecode.models.gguf_blocks import FileBlocks
+    from specdecode.models.formats import kernel_linear
+    from specdecode.models.gguf.file_blocks import FileBlocks
 
     raw = random_raw(kind, 40, 512, seed=40)
     planes = KernelLinear.from_blocks(FileBlocks(_MappedTensor(kind, raw)), activation_bits=bits)
@@ -316,7 +318,7 @@ def test_argmax_rows_is_torchs_argmax(variant):
 
 
 def test_greedy_tokens_takes_the_kernel_or_torch_with_the_same_result(monkeypatch):
-    from specdecode.sampling import greedy_tokens
+    from specdecode.sampling.probs import greedy_tokens
 
     cases = _argmax_cases()
     with_kernels = [greedy_tokens(logits) for logits in cases]
@@ -331,7 +333,7 @@ def test_threads_split_work_never_a_sum():
     """Two threads give bitwise the one-thread results (threads take output columns and attention tasks), and the
     compiled repacker's threads give the one-thread tiles (they take whole tiles: outputs of a tile share bytes of
     the high-bit plane; 40 rows on 3 threads would split tile 0 by rows)."""
-    from specdecode.models.gguf_blocks import FileBlocks
+    from specdecode.models.gguf.file_blocks import FileBlocks
 
     blocks = random_blocks("Q4_1", 160, 512, seed=16)
     linear = KernelLinear.from_blocks(blocks)
@@ -480,7 +482,7 @@ def test_bad_rows_are_refused_not_read_out_of_bounds():
 
 
 def test_head_refines_each_rows_top_logits_exactly():
-    from specdecode.models.weights import Int8Groups
+    from specdecode.models.formats.weights import Int8Groups
 
     blocks = random_blocks("Q8_0", 200, 128, seed=14)
     head = KernelLinear.from_blocks(blocks)
@@ -509,7 +511,7 @@ def test_a_heads_exact_rows_read_back_from_its_tiles_are_the_int8_tables(kind, b
     table's, in each layout (bytes, nibbles, nibbles + high bits; pairs, and quads with int8 activations), and the
     head's refined logits bitwise those refined from the table. Control: a head of other blocks refines to other
     logits."""
-    from specdecode.models.weights import Int8Groups, KernelRows
+    from specdecode.models.formats.weights import Int8Groups, KernelRows
 
     blocks = random_blocks(kind, 200, 256, seed=16)  # 200 outputs: a partial last tile
     head = KernelLinear.from_blocks(blocks, activation_bits=bits)
@@ -593,7 +595,7 @@ def _gguf_model(kinds, monkeypatch):
     as quantization="gguf" loads a file (the file's reader replaced), plus its dense twin (the same weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdecode.models import loader, quantize
+    from specdecode.models.loading import loader, quantize
 
     config = LlamaConfig(
         vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands, kernels, skip_search
-from specdecode.enumeration import EngineLaw, engine_law, prefix_law, total_variation
-from specdecode.params import SamplingParams
+from specdecode import commands, kernels
+from specdecode.bench import skip_search
+from specdecode.exactness.enumeration import EngineLaw, engine_law, prefix_law, total_variation
 from specdecode.proposers.layer_skip import SkipSet, parse_layer_list, self_draft_model, skipping_model
+from specdecode.sampling.params import SamplingParams
 
 runner = CliRunner()
 

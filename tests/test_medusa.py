@@ -227,7 +227,7 @@ def test_medusa_laws_enumerated_exactly(large_target, heads_dir, case, shape, ga
     Medusa's point-mass chain and tree is the target's to float32 rounding (TV < 1e-5; measured ~1e-8 on the native
     runner, up to ~1e-6 on transformers'); the control (the tree's residuals mixed 1% with the target's law) is off
     by far more (~2e-3)."""
-    from specdecode.enumeration import engine_law, prefix_law, total_variation
+    from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
 
     if case == "residual-control":
         correct = sd.verify._residual
@@ -287,7 +287,8 @@ def test_cli_trains_resumes_and_generates_with_medusa(tmp_path, monkeypatch, cor
 
 
 def test_server_config_takes_medusa_heads(heads_dir, large_target):
-    from specdecode.serving.app import Server, ServerConfig
+    from specdecode.serving.config import ServerConfig
+    from specdecode.serving.server import Server
 
     server = Server(ServerConfig(target=large_target, proposer="medusa", heads=str(heads_dir), policy="always"))
     assert isinstance(server.scheduler.decoder.proposer, MedusaProposer)

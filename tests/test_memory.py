@@ -20,9 +20,10 @@ import specdecode as sd
 import specdecode.cli as cli
 from specdecode import commands, kernels
 from specdecode.bench import synthetic
-from specdecode.cache import cache_root
+from specdecode.disk_cache import cache_root
 from specdecode.errors import ModelNotAvailable
-from specdecode.models import loader, memory
+from specdecode.models import memory
+from specdecode.models.loading import loader, plan
 from specdecode.models.memory import FileTensor, Footprint, Layout, Shape
 
 runner = CliRunner()
@@ -51,7 +52,7 @@ def test_an_embedding_the_kernels_cannot_hold_as_int8_stays_mapped_and_a_tied_he
 )
 def test_the_accounting_from_the_files_index_is_what_the_loaded_model_holds(layout, head, tmp_path, cache):
     path = write_gguf(tmp_path / f"{layout}.gguf", LAYOUTS[layout], head=head)
-    planned, window = loader.planned_footprint(str(path))
+    planned, window = plan.planned_footprint(str(path))
     loaded = sd.load_model(path)
     assert planned == memory.loaded_footprint(loaded)
     # a tied Q8_0 embedding: the head's tiles; an untied one is read from the file's blocks a row at a time
@@ -64,10 +65,10 @@ def test_the_accounting_from_the_files_index_is_what_the_loaded_model_holds(layo
 def test_the_accounting_of_the_bundled_model_is_its_tensors_bytes():
     loaded = sd.load_model("smollm2")
     found = memory.loaded_footprint(loaded)
-    planned, _ = loader.planned_footprint("smollm2")
+    planned, _ = plan.planned_footprint("smollm2")
     assert planned == found
     held = [loaded.model.lm_head.kernel, loaded.model.model.embed_tokens.table]
-    held += [m.kernel for m in loaded.model.modules() if isinstance(m, sd.models.weights.QuantizedLinear)]
+    held += [m.kernel for m in loaded.model.modules() if isinstance(m, sd.models.formats.weights.QuantizedLinear)]
     tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in memory._tensors(held)}
     norms = [*loaded.model.parameters(), *loaded.model.buffers()]
     tensors |= {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in norms}
@@ -145,7 +146,7 @@ def test_a_model_or_server_that_will_not_fit_is_refused_in_one_line_before_its_w
     tmp_path, cache, monkeypatch
 ):
     path = write_gguf(tmp_path / "tiny.gguf", LAYOUTS["q4-q5"])
-    found, window = loader.planned_footprint(str(path))
+    found, window = plan.planned_footprint(str(path))
     generate = ["generate", "hi", "--target", str(path), "--max-context", "256"]
     serve = ["serve", "--target", str(path), "--max-batch", "64", "--max-context", "256", "--proposer", "none"]
 
@@ -164,7 +165,8 @@ def test_a_model_or_server_that_will_not_fit_is_refused_in_one_line_before_its_w
 
 
 def test_a_server_caps_its_requests_at_its_context(monkeypatch):
-    from specdecode.serving.app import Server, ServerConfig
+    from specdecode.serving.config import ServerConfig
+    from specdecode.serving.server import Server
 
     monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
     target = _tiny()

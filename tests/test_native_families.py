@@ -14,9 +14,10 @@ from test_native_llama import SETTING_NAMES, SETTINGS, _assert_rows_equal_single
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 import specdecode as sd
-from specdecode.models.architecture import unsupported_reason
-from specdecode.models.native_llama import NativeLlamaRunner, last_visible
-from specdecode.tree import attention_mask, depths
+from specdecode.models.native.architecture import unsupported_reason
+from specdecode.models.native.runner import NativeLlamaRunner
+from specdecode.models.native.torch_path import last_visible
+from specdecode.sampling.tree import attention_mask, depths
 
 VOCAB = 48
 WINDOW = 8  # sliding layers' window: every test prompt is longer

@@ -19,8 +19,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdecode.models.base import ModelRunner
-from specdecode.models.native_llama import NativeLlamaRunner, supports_native
+from specdecode.models.native.layers import supports_native
+from specdecode.models.native.runner import NativeLlamaRunner
+from specdecode.models.runner import ModelRunner
 
 VOCAB = 48
 ATOL = 1e-4
@@ -336,7 +337,7 @@ def test_every_row_of_a_deep_wide_tree_is_bitwise_its_branch_then_the_cache_is_i
 ):
     """Branches of different depths and prefixes in one pass (the runner moves each branch's entries next to
     its prefix in turn): every row equals the chain along its branch, and the cache keeps every row's entry."""
-    from specdecode.tree import attention_mask, depths
+    from specdecode.sampling.tree import attention_mask, depths
 
     runner = _loaded(_wide(), dtype, quantization, group_size, kernels).new_runner()
     prefix = _ids(12, seed=8)
@@ -366,7 +367,7 @@ def test_every_row_of_a_deep_wide_tree_is_bitwise_its_branch_then_the_cache_is_i
 
 def _dequantized_copy(model, quantization: str, group_size: int):
     """``model`` with every matrix replaced by the values its quantized format stands for (float32, dense)."""
-    from specdecode.models.weights import GroupQuant, Int8Linear
+    from specdecode.models.formats.weights import GroupQuant, Int8Linear
 
     reference = copy.deepcopy(model)
     with torch.no_grad():
@@ -396,7 +397,7 @@ def test_quantized_runner_computes_the_dequantized_model(quantization, group_siz
 
 
 def test_quantization_swaps_modules_and_leaves_the_callers_model_alone():
-    from specdecode.models.weights import QuantizedEmbedding, QuantizedLinear
+    from specdecode.models.formats.weights import QuantizedEmbedding, QuantizedLinear
 
     model = _wide(tie_word_embeddings=True)
     loaded = _loaded(model, "float32", "int4", 32)

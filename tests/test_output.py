@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from specdecode.output import OutputSink
+from specdecode.engine.output import OutputSink
 
 WORDS = {0: "Hel", 1: "lo", 2: " wo", 3: "rld", 4: "!", 5: " S", 6: "TO", 7: "P", 8: "x"}
 

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode.params import SamplingParams
-from specdecode.sampling import probs_from_logits
+from specdecode.sampling.params import SamplingParams
+from specdecode.sampling.probs import probs_from_logits
 from specdecode.training import answers
 from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers, padded_batches
 from specdecode.training.padded import answer_padded, left_pad
@@ -92,7 +92,7 @@ def test_padded_batches_take_prompts_in_windows_sorted_by_length_within_the_toke
 
 
 def test_make_data_batching_option(target, chats, tmp_path, monkeypatch):
-    monkeypatch.setattr("specdecode.models.loader.load_model", lambda *a, **k: target)
+    monkeypatch.setattr("specdecode.models.loading.loader.load_model", lambda *a, **k: target)
     args = ["make-data", "--prompts", str(chats), "--out", str(tmp_path / "d"), "--limit", "3", "--max-new-tokens", "4"]
     result = CliRunner().invoke(cli.app, [*args, "--batching", "padded"])
     assert result.exit_code == 0, result.output
@@ -162,7 +162,7 @@ def test_make_data_dtype_option(target, chats, tmp_path, monkeypatch):
         seen.append(kwargs.get("dtype"))
         return target
 
-    monkeypatch.setattr("specdecode.models.loader.load_model", load)
+    monkeypatch.setattr("specdecode.models.loading.loader.load_model", load)
     args = ["make-data", "--prompts", str(chats), "--out", str(tmp_path / "d"), "--limit", "2", "--max-new-tokens", "3"]
     result = CliRunner().invoke(cli.app, [*args, "--batching", "padded", "--dtype", "bfloat16"])
     assert result.exit_code == 0, result.output

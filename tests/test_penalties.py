@@ -18,12 +18,12 @@ from helpers.trees import TreeProposer
 from test_enumeration import BOUND, LOOKUP_PROMPT, guided_tables
 
 import specdecode as sd
-import specdecode.engine
-import specdecode.request
-import specdecode.warps
-from specdecode.enumeration import engine_law, total_variation
-from specdecode.exactness import target_law
-from specdecode.warps import RowContexts, target_logits
+import specdecode.engine.decoder
+import specdecode.engine.request
+import specdecode.sampling.warps
+from specdecode.exactness.check import target_law
+from specdecode.exactness.enumeration import engine_law, total_variation
+from specdecode.sampling.warps import RowContexts, target_logits
 
 BIAS = {4: 2.5, 1: -1.5, 9: 1.0}
 LAW_WARPS = {
@@ -120,9 +120,11 @@ def min_p_before_temperature(logits, params):
 
 
 CONTROLS = {
-    "one-row-late": lambda mp: mp.setattr(specdecode.warps.RowContexts, "paths", one_row_late),
-    "first-row-only": lambda mp: mp.setattr(specdecode.request, "target_logits", first_row_only),
-    "min-p-before-temperature": lambda mp: mp.setattr(specdecode.engine, "probs_from_logits", min_p_before_temperature),
+    "one-row-late": lambda mp: mp.setattr(specdecode.sampling.warps.RowContexts, "paths", one_row_late),
+    "first-row-only": lambda mp: mp.setattr(specdecode.engine.request, "target_logits", first_row_only),
+    "min-p-before-temperature": lambda mp: mp.setattr(
+        specdecode.engine.decoder, "probs_from_logits", min_p_before_temperature
+    ),
 }
 
 
@@ -221,7 +223,7 @@ def test_greedy_speculation_equals_plain_decoding_with_each_warp(large_target, l
 def test_greedy_identity_fails_with_the_counts_one_row_late(large_target, large_draft, monkeypatch):
     """The control reaches the production path: with each row's own draft token left out of its counts, speculative
     greedy output departs from plain decoding for some penalty."""
-    monkeypatch.setattr(specdecode.warps.RowContexts, "paths", one_row_late)
+    monkeypatch.setattr(specdecode.sampling.warps.RowContexts, "paths", one_row_late)
     differs = []
     for warp in ("presence", "frequency", "repetition"):
         params = GREEDY_WARPS[warp]

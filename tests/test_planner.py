@@ -464,7 +464,7 @@ def test_cli_memory_quantized(invoke, monkeypatch, quantization, stored):
     dense = json.loads(invoke(*args[:-5], "--json").stdout)
     assert data["target_weight_bytes"] < dense["target_weight_bytes"] / 2
     # 2 (K and V) · 2 layers · 2 kv heads · head_dim 32 · bytes: float16 on the compiled kernels, else float32
-    from specdecode.models.loader import load_model  # specdecode.load_model is patched to take names
+    from specdecode.models.loading.loader import load_model  # specdecode.load_model is patched to take names
 
     kernels = load_model(models["target"], quantization=quantization).kv_dtype == torch.float16
     assert data["target_kv_bytes_per_token"] == 2 * 2 * 2 * 32 * (2 if kernels else 4)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specdecode.serving.prefix_cache import GIB, PrefixCache, default_budget_bytes
+from specdecode.serving.batching.prefix_cache import GIB, PrefixCache, default_budget_bytes
 
 
 @dataclass(frozen=True)

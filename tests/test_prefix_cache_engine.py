@@ -13,8 +13,8 @@ import torch
 from helpers.models import LARGE_VOCAB, perturbed, quantizable_llama, tiny_llama
 
 import specdecode as sd
-from specdecode.prefix_reuse import HeldPrefix
-from specdecode.proposers.base import EMPTY_DRAFT
+from specdecode.engine.prefix_reuse import HeldPrefix
+from specdecode.sampling.draft import EMPTY_DRAFT
 
 FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4")]
 GREEDY = sd.SamplingParams(max_new_tokens=24)

@@ -17,12 +17,12 @@ import torch
 from helpers.models import LARGE_VOCAB, quantizable_llama
 
 import specdecode as sd
-from specdecode.engine import Request
+from specdecode.engine.request import Request
 from specdecode.serving import ServerConfig, create_app
+from specdecode.serving.batching.policy import SpeculationPolicy
+from specdecode.serving.batching.prefix_cache import PrefixCache
+from specdecode.serving.batching.scheduler import Job, Scheduler, Speculation
 from specdecode.serving.local import LocalServer
-from specdecode.serving.policy import SpeculationPolicy
-from specdecode.serving.prefix_cache import PrefixCache
-from specdecode.serving.scheduler import Job, Scheduler, Speculation
 
 SYSTEM = [(7 * i + 3) % LARGE_VOCAB for i in range(70)]  # a 70-token "system prompt": two 32-token blocks
 GREEDY = sd.SamplingParams(max_new_tokens=20)
@@ -205,7 +205,7 @@ def test_usage_reports_cached_tokens_and_metrics_count_hits(target):
 def test_prefix_cache_gb_is_checked_and_zero_turns_it_off(target):
     with pytest.raises(ValueError, match="prefix_cache_gb"):
         ServerConfig(prefix_cache_gb=-1)
-    from specdecode.serving.prefix_cache import build_prefix_cache
+    from specdecode.serving.batching.prefix_cache import build_prefix_cache
 
     assert build_prefix_cache(0, target, 4) is None
     assert build_prefix_cache(0.5, target, 4).budget_bytes == 1 << 29

@@ -11,7 +11,7 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
 import specdecode as sd
-from specdecode.provenance import Detokenizer, TokenSource, round_sources, token_logprobs
+from specdecode.engine.provenance import Detokenizer, TokenSource, round_sources, token_logprobs
 
 PROMPT = [5, 9, 3, 5, 9, 3, 5, 9, 1, 2]
 GREEDY = sd.SamplingParams(max_new_tokens=40)
@@ -133,7 +133,7 @@ def test_pieces_concatenate_to_the_decoded_text(text):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
 def test_pieces_concatenate_to_the_text_with_the_bundled_tokenizers(name):
-    from specdecode.models.loader import load_tokenizer
+    from specdecode.models.loading.sources import load_tokenizer
 
     tokenizer = load_tokenizer(name)  # the tokenizer load_model attaches, without the weights
     text = "Grüße aus Köln — 東京タワー 🗼🎉 naïve café\n\n  indented\tcode() {}"

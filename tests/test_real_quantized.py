@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import specdecode as sd
-from specdecode.models.bundled import BUNDLED
-from specdecode.models.gguf_blocks import FileBlocks, read_gguf_tensors
-from specdecode.models.weights import Int8Groups
+from specdecode.models.formats.weights import Int8Groups
+from specdecode.models.gguf.file_blocks import FileBlocks, read_gguf_tensors
+from specdecode.models.loading.bundled import BUNDLED
 
 pytestmark = [
     pytest.mark.slow,

@@ -12,9 +12,9 @@ from scipy.stats import chi2
 
 import specdecode as sd
 from specdecode import kernels
-from specdecode.keyed_noise import KeyedNoise, gumbel_max, gumbel_noise, keyed_argmax, philox_uniforms
-from specdecode.sampling import probs_from_logits
-from specdecode.verify import coupled_verify
+from specdecode.sampling.keyed_noise import KeyedNoise, gumbel_max, gumbel_noise, keyed_argmax, philox_uniforms
+from specdecode.sampling.probs import probs_from_logits
+from specdecode.sampling.verify import coupled_verify
 
 PROMPT = [3, 17, 42, 5]
 WARPS = [(1.0, 0, 1.0), (0.7, 8, 1.0), (1.3, 0, 0.9), (0.5, 20, 0.8)]

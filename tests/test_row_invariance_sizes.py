@@ -76,7 +76,7 @@ def test_the_bundled_models_144_row_batch_is_each_requests_own_steps(name, quant
     import importlib.util
 
     import specdecode as sd
-    from specdecode.models.bundled import BUNDLED
+    from specdecode.models.loading.bundled import BUNDLED
 
     if importlib.util.find_spec(BUNDLED[name].package) is None:
         pytest.skip(BUNDLED[name].install)

@@ -9,8 +9,8 @@ import torch
 from helpers.laws import chisquare_pvalue
 
 from specdecode import SamplingParams, kernels
-from specdecode.choices import GeneratorChoices, inverse_cdf, inverse_cdf_torch
-from specdecode.sampling import probs_from_logits, sample, warp_logits
+from specdecode.sampling.choices import GeneratorChoices, inverse_cdf, inverse_cdf_torch
+from specdecode.sampling.probs import probs_from_logits, sample, warp_logits
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:

@@ -21,8 +21,8 @@ from helpers.tokenizers import CHAT_TEMPLATE
 
 import specdecode as sd
 from specdecode.bench.serve_load import run_load, scrape
-from specdecode.engine import Request
-from specdecode.proposers.base import EMPTY_DRAFT, Draft
+from specdecode.engine.request import Request
+from specdecode.sampling.draft import EMPTY_DRAFT, Draft
 from specdecode.serving import ServerConfig, create_app
 from specdecode.serving.local import LocalServer
 
@@ -536,7 +536,7 @@ def test_32_concurrent_streaming_clients_lose_nothing(server, target):
 
 def test_engine_thread_batches_requests_of_mixed_prompt_lengths_in_one_pass(target, monkeypatch):
     """The scheduler gathers every active request into one forward_batch call."""
-    from specdecode.serving import scheduler as scheduler_module
+    from specdecode.serving.batching import scheduler as scheduler_module
 
     calls = []
     real = scheduler_module.forward_batch

@@ -23,10 +23,10 @@ import pytest
 from helpers.models import LARGE_VOCAB, word_target
 
 import specdecode as sd
-import specdecode.verify
-from specdecode.proposers.base import EMPTY_DRAFT
+import specdecode.sampling.verify
+from specdecode.sampling.draft import EMPTY_DRAFT
 from specdecode.serving import ServerConfig, create_app
-from specdecode.serving import scheduler as scheduler_module
+from specdecode.serving.batching import scheduler as scheduler_module
 from specdecode.serving.local import LocalServer
 
 GAMMA = 3
@@ -111,7 +111,7 @@ class NoDraft:
 
 def resample_from_p(target_probs, draft_probs, draft_tokens, generator):
     """WRONG (the control): the chain rule with every rejection resampled from p instead of the residual."""
-    n, _ = specdecode.verify.speculative_sample(target_probs, draft_probs, draft_tokens, generator)
+    n, _ = specdecode.sampling.verify.speculative_sample(target_probs, draft_probs, draft_tokens, generator)
     if n == len(draft_tokens):
         return n, _
     return n, int(sd.sampling.sample(target_probs[n], generator))
@@ -124,7 +124,7 @@ def test_exact_mode_under_concurrency_gives_each_request_the_engines_output(targ
     laws). Control: the server verifying with a rule that resamples rejections from p differs somewhere."""
     expected = [engine_output(target, i, "exact").text for i in range(16)]
     if control:
-        monkeypatch.setattr(sd.engine, "speculative_sample", resample_from_p)
+        monkeypatch.setattr(sd.engine.decoder, "speculative_sample", resample_from_p)
     answers, passes = serve_all(target, "exact", monkeypatch)
     got = [a["choices"][0]["text"] for a in answers]
     assert_batched(passes)
@@ -149,7 +149,7 @@ def test_reproducible_mode_under_concurrency_gives_plain_sampling_text_and_logpr
     logprobs and top-2 alternatives are plain decoding's for its seed, bitwise. Control: a coupled rule that keeps
     every guess gives another text for some request."""
     if control:
-        monkeypatch.setattr(sd.engine, "coupled_verify", accept_every_guess)
+        monkeypatch.setattr(sd.engine.decoder, "coupled_verify", accept_every_guess)
     answers, passes = serve_all(target, "reproducible", monkeypatch, logprobs=2)
     assert_batched(passes)
     plain = [engine_output(target, i, "reproducible", logprobs=2) for i in range(16)]

@@ -14,7 +14,7 @@ import pytest
 from test_serving import PATHS, REPEATING, body_for, chat_ids, events, server, target
 
 import specdecode as sd
-from specdecode.serving.responses import choice_seed
+from specdecode.serving.openai.responses import choice_seed
 
 __all__ = ["server", "target"]  # module fixtures, re-used from test_serving
 

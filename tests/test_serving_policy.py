@@ -7,7 +7,7 @@ import pytest
 
 from specdecode.control import PRIOR_WEIGHT, AcceptanceHistory, PassCosts, RequestAcceptance
 from specdecode.planner import expected_tokens_per_position
-from specdecode.serving.policy import Candidate, SpeculationPolicy
+from specdecode.serving.batching.policy import Candidate, SpeculationPolicy
 
 
 def test_pass_costs_interpolate_and_extrapolate_what_they_measured():

@@ -108,7 +108,7 @@ def test_ray_serve_two_replicas_answer_the_openai_routes(tmp_path, monkeypatch):
     """On a new local Ray (as ``serve --ray`` without RAY_ADDRESS starts it), whose node registers 127.0.0.1."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (pip install 'specdecode[ray]')")
-    from specdecode.serving.ray_app import ONE_MACHINE, application, init_ray
+    from specdecode.serving.replicas.ray_app import ONE_MACHINE, application, init_ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     for name, value in ONE_MACHINE.items():  # init_ray sets it; monkeypatch puts the environment back afterwards
@@ -159,7 +159,7 @@ def test_ray_serve_a_replica_killed_mid_stream_ends_its_streams_with_an_error_ev
     answered, and Ray runs two replicas again."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (pip install 'specdecode[ray]')")
-    from specdecode.serving.ray_app import ONE_MACHINE, init_ray
+    from specdecode.serving.replicas.ray_app import ONE_MACHINE, init_ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     for name, value in ONE_MACHINE.items():

@@ -20,7 +20,7 @@ from test_structured import PIECES, SCHEMAS, json_tokenizer
 import specdecode as sd
 from specdecode.serving import ServerConfig, create_app
 from specdecode.serving.local import LocalServer
-from specdecode.serving.responses import choice_seed
+from specdecode.serving.openai.responses import choice_seed
 
 PROMPT = "{ [ a"
 SCHEMA = SCHEMAS[5]  # {"name": "ab" | "ba" | "cab", "age": 1 | 2 | null}

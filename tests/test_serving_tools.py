@@ -21,7 +21,7 @@ from test_structured import PIECES, SCHEMAS, json_tokenizer
 import specdecode as sd
 from specdecode.serving import ServerConfig, create_app
 from specdecode.serving.local import LocalServer
-from specdecode.serving.tools import FunctionSpec, call_schema
+from specdecode.serving.openai.tools import FunctionSpec, call_schema
 
 # Renders each tool's name before the messages (as real templates render their schemas), and each earlier call's
 # name and whether its arguments came as a mapping (transformers' convention)

@@ -18,9 +18,9 @@ from helpers.trees import TreeProposer
 from test_enumeration import BOUND, LOOKUP_PROMPT, guided_tables
 
 import specdecode as sd
-import specdecode.request
-from specdecode.enumeration import engine_law, prefix_law, total_variation
-from specdecode.exactness import target_law
+import specdecode.engine.request
+from specdecode.exactness.check import target_law
+from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
 from specdecode.structured import Constraint
 
 LETTERS = [chr(ord("a") + i) for i in range(SMALL_VOCAB)]
@@ -90,7 +90,7 @@ def test_the_law_under_a_grammar_is_plain_constrained_samplings(target, name):
 def test_a_mask_applied_one_row_late_is_caught(target, name, monkeypatch):
     decoder, prompt, params = case(name, target)
     reference = constrained_law(target, prompt, params, tokens=3)
-    correct = specdecode.request.mask_logits
+    correct = specdecode.engine.request.mask_logits
 
     def late(logits, allowed):  # row i under row i−1's grammar state (row 0 keeps its own)
         return correct(logits, None if allowed is None else torch.cat([allowed[:1], allowed[:-1]]))
@@ -100,7 +100,7 @@ def test_a_mask_applied_one_row_late_is_caught(target, name, monkeypatch):
             self.consume(token)  # a refused token leaves the matcher where it was
         return len(tokens)
 
-    monkeypatch.setattr(specdecode.request, "mask_logits", late)
+    monkeypatch.setattr(specdecode.engine.request, "mask_logits", late)
     monkeypatch.setattr(Constraint, "advance", lenient)
     tv = total_variation(engine_law(decoder, prompt, params, tokens=3).law, reference)
     assert tv > 100 * BOUND, (name, tv)

@@ -20,9 +20,9 @@ from helpers.laws import biased_tree_sample
 from helpers.models import SMALL_VOCAB
 
 import specdecode as sd
-import specdecode.engine
+import specdecode.engine.decoder
 from specdecode.control import PassCosts
-from specdecode.exactness import check_exactness
+from specdecode.exactness.check import check_exactness
 from specdecode.proposers.suffix import MAGIC, SuffixCacheError, SuffixHistory, SuffixProposer
 from specdecode.proposers.suffix_index import ORDERS, SuffixIndex, suffix_hashes
 
@@ -312,7 +312,7 @@ def test_a_history_of_another_vocabulary_is_refused(large_target):
         sd.SpeculativeDecoder(large_target, proposer)
     fresh = SuffixProposer()
     sd.SpeculativeDecoder(large_target, fresh)
-    assert fresh.history.vocabulary == sd.vocab.vocabulary_fingerprint(large_target)
+    assert fresh.history.vocabulary == sd.engine.vocab.vocabulary_fingerprint(large_target)
 
 
 # ------------------------------------------------------------------------------------------- correctness
@@ -383,7 +383,7 @@ def test_sampling_follows_the_target_exactly(small_target, tree_nodes):
 
 def test_negative_control_a_biased_tree_rule_is_caught(small_target, monkeypatch):
     biased = functools.partial(biased_tree_sample, update_residual=False)
-    monkeypatch.setattr(specdecode.engine, "tree_speculative_sample", biased)
+    monkeypatch.setattr(specdecode.engine.decoder, "tree_speculative_sample", biased)
     report = exact_report(small_target, 8)
     assert not report.passed, report.verdict
 

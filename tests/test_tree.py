@@ -21,9 +21,9 @@ from helpers.models import SMALL_VOCAB, with_eos
 from helpers.trees import TreeProposer, draw_tree, random_tables
 
 import specdecode as sd
-import specdecode.engine
-from specdecode.exactness import check_exactness, first_token_law
-from specdecode.tree import attention_mask, children, depths, prune_depth
+import specdecode.engine.decoder
+from specdecode.exactness.check import check_exactness, first_token_law
+from specdecode.sampling.tree import attention_mask, children, depths, prune_depth
 
 # ------------------------------------------------------------------------------------------- structure
 #        root ─┬─ 0 ─── 2 ─── 4
@@ -242,6 +242,6 @@ def test_tree_sampling_follows_the_target_exactly(small_target, case):
 @pytest.mark.parametrize("bug", ["update_residual", "remove_tried"])
 def test_negative_control_a_biased_tree_rule_is_caught(small_target, monkeypatch, bug):
     biased = functools.partial(biased_tree_sample, **{bug: False})
-    monkeypatch.setattr(specdecode.engine, "tree_speculative_sample", biased)
+    monkeypatch.setattr(specdecode.engine.decoder, "tree_speculative_sample", biased)
     report = exactness_report(small_target, "star/random/sampled")
     assert not report.passed, report.verdict

@@ -19,10 +19,10 @@ import torch
 from helpers.laws import biased_tree_sample, chisquare_pvalue, resample_from_target
 from helpers.trees import draw_tree, random_tables
 
-import specdecode.choices
-import specdecode.verify
+import specdecode.sampling.choices
+import specdecode.sampling.verify
 from specdecode import kernels
-from specdecode.verify import (
+from specdecode.sampling.verify import (
     greedy_verify,
     speculative_sample,
     tree_coupled_verify,
@@ -236,8 +236,8 @@ def test_joint_law_of_accepted_count_and_next_token(name, compiled):
 def torch_only():
     """Both exact-sampling fast paths turned off: ``speculative_sample`` and ``inverse_cdf`` in torch ops."""
     with (
-        mock.patch.object(specdecode.verify, "_chain_kernels", lambda *rows: None),
-        mock.patch.object(specdecode.choices, "_sampling_kernels", lambda probs: None),
+        mock.patch.object(specdecode.sampling.verify, "_chain_kernels", lambda *rows: None),
+        mock.patch.object(specdecode.sampling.choices, "_sampling_kernels", lambda probs: None),
     ):
         yield
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from specdecode.models.gguf_blocks import (
+from specdecode.models.formats.weights import ACTIVATION_DTYPE, DenseLinear, GroupQuant, Int4Linear, Int8Linear
+from specdecode.models.gguf.file_blocks import (
     decode_q4_0,
     decode_q4_1,
     decode_q4_k,
@@ -17,7 +18,6 @@ from specdecode.models.gguf_blocks import (
     decode_q6_k,
     decode_q8_0,
 )
-from specdecode.models.weights import ACTIVATION_DTYPE, DenseLinear, GroupQuant, Int4Linear, Int8Linear
 
 ROWS, COLS = 128, 256
 
@@ -134,7 +134,7 @@ def test_int4_kernel_computes_the_dequantized_product(group_size):
 
 
 def test_row_slices_compute_through_the_fused_matrix():
-    from specdecode.models.weights import RowSlice
+    from specdecode.models.formats.weights import RowSlice
 
     fused = Int4Linear.from_groups(GroupQuant.quantize(torch.randn(192, COLS), 32))
     x = torch.randn(3, COLS)

@@ -1,10 +1,10 @@
 """specdecode: speculative decoding that makes generation faster without changing its output."""
 
-from . import sampling, verify
+from . import sampling
 from .engine import GenerationOutput, SpeculativeDecoder, autoregressive_generate
+from .engine.stats import DecodeStats
 from .errors import ModelNotAvailable, SpecDecodeError, VocabularyMismatch
 from .models import LoadedModel, load_model
-from .params import SamplingParams
 from .proposers import (
     Draft,
     DraftModelProposer,
@@ -17,7 +17,8 @@ from .proposers import (
     SuffixHistory,
     SuffixProposer,
 )
-from .stats import DecodeStats
+from .sampling import verify
+from .sampling.params import SamplingParams
 from .structured import Grammar
 
 __all__ = [

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .models.loader import LoadedModel
+    from .models.loaded import LoadedModel
     from .proposers import Proposer, SuffixProposer
     from .proposers.hybrid import HybridProposer
 
@@ -23,7 +23,7 @@ LOOKUP_MIN_ORDER = 2  # a hybrid copies after prompt lookup's 2- and 3-gram matc
 
 def parse_quantization(text: str) -> str | None:
     """``--quantization`` words: ``none`` = dense, else auto / gguf / int8 / int4."""
-    from .models.quantize import QUANTIZATIONS
+    from .models.loading.quantize import QUANTIZATIONS
 
     if text == "none":
         return None
@@ -36,7 +36,7 @@ def load(
     name: str, dtype: str, quantization: str = "auto", group_size: int = 32, max_context: int | None = None
 ) -> LoadedModel:
     """A model from CLI words (``--quantization`` as the CLI spells it; ``--max-context``)."""
-    from .models.loader import load_model
+    from .models.loading.loader import load_model
 
     return load_model(
         name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size, max_context=max_context

@@ -41,7 +41,7 @@ def biased_tree_sample(
 ):
     """A WRONG tree rule (negative controls): recursive rejection over siblings with one step left out —
     the residual not updated after a rejected sibling, or tried siblings not removed from q."""
-    from specdecode.tree import children
+    from specdecode.sampling.tree import children
 
     kids = children(parents)
     accepted, row = [], 0

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import specdecode as sd
-from specdecode.choices import as_choices
+from specdecode.sampling.choices import as_choices
 
 
 def random_tables(depth: int, vocab_size: int, seed: int, concentration: float = 0.5) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 from ..planner import MAX_GAMMA, VerifyCost, expected_tokens_per_position, speedup
 from .methods import PLAIN, build_methods
 from .metrics import OVERALL, merged_stats

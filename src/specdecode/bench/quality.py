@@ -17,10 +17,10 @@ from importlib import resources
 import torch
 import torch.nn.functional as F
 
-from ..engine import autoregressive_generate
-from ..models.loader import LoadedModel
+from ..engine.decoder import autoregressive_generate
+from ..models.loaded import LoadedModel
 from ..models.memory import held_weight_bytes
-from ..params import SamplingParams
+from ..sampling.params import SamplingParams
 
 REFERENCE = "float32"
 CHUNK = 512

@@ -41,7 +41,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
-    from specdecode.serving.policy import POLICIES
+    from specdecode.serving.batching.policy import POLICIES
 
     chosen = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [p for p in chosen if p not in POLICIES]
@@ -210,7 +210,8 @@ def _planned(options: BenchServeOptions) -> _Plan:
 def _server(options: BenchServeOptions, plan: _Plan) -> tuple[Any, Any]:
     """(the target loaded, an in-process ``Server`` over it with the options' proposer, gamma and batch)."""
     from specdecode.commands import load
-    from specdecode.serving.app import Server, ServerConfig
+    from specdecode.serving.config import ServerConfig
+    from specdecode.serving.server import Server
 
     loaded = load(options.target, options.dtype, options.quantization, options.group_size)
     server = Server(
@@ -248,8 +249,8 @@ def _measured(
     ``run_order``, each under a fresh policy that has learned nothing, the server idle between runs."""
     from specdecode.bench.serve_load import run_load, scrape, server_side
     from specdecode.serving.app import create_app
+    from specdecode.serving.batching.policy import SpeculationPolicy
     from specdecode.serving.local import LocalServer
-    from specdecode.serving.policy import SpeculationPolicy
 
     runs = run_order(plan.counts, options.repeats, plan.policies)
     cells: dict[tuple[int, str], list] = {}

@@ -81,7 +81,7 @@ def cache(context: typer.Context) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from specdecode.cache import cache_root, entries
+    from specdecode.disk_cache import cache_root, entries
 
     root = cache_root()
     found = entries(root)
@@ -121,7 +121,7 @@ def clean(
 ) -> None:
     """Remove cache entries: all of them, or (with --older-than and/or --stale) those that match either option.
     Each is rebuilt when next needed; a process using one keeps reading its files."""
-    from specdecode.cache import cache_root, entries, remove
+    from specdecode.disk_cache import cache_root, entries, remove
 
     now = time.time()
     current = _current_builds() if stale else {}

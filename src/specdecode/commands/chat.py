@@ -121,7 +121,7 @@ class _Nothing:
     """A proposer that never guesses: every round a plain step."""
 
     def propose(self, context, k, params, generator):
-        from specdecode.proposers.base import EMPTY_DRAFT
+        from specdecode.sampling.draft import EMPTY_DRAFT
 
         return EMPTY_DRAFT
 
@@ -148,7 +148,7 @@ def _print_shown(model: LoadedModel, out: GenerationOutput) -> None:
     from rich.console import Console
 
     from specdecode.commands.show import coloured, legend
-    from specdecode.provenance import token_pieces
+    from specdecode.engine.provenance import token_pieces
 
     console = Console(highlight=False, soft_wrap=True)
     console.print(coloured(token_pieces(model.decode, out.token_ids, out.text), out.sources))

@@ -78,8 +78,8 @@ def check_exact(
     """Test that speculative decoding samples the first 1 and 2 tokens exactly as the target does."""
     from specdecode.bench.workloads import load_items
     from specdecode.commands import build_proposer, load, quiet_transformers
-    from specdecode.exactness import check_exactness
-    from specdecode.params import SamplingParams
+    from specdecode.exactness.check import check_exactness
+    from specdecode.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     kind = proposer or ("draft" if draft else "lookup")

@@ -173,7 +173,7 @@ def _checked(options: GenerateOptions) -> _Checked:
     """The prompt, the sampling settings, the --suffix-cache file and the proposer chosen, each option checked (in
     one line on a mistake) before the slow load."""
     from specdecode import SamplingParams
-    from specdecode.models.loader import resolve_dtype
+    from specdecode.models.loaded import resolve_dtype
 
     if options.show and (options.stream or options.as_json):
         raise ValueError("--show prints the coloured answer once it is complete: drop --stream and --json")
@@ -237,7 +237,7 @@ def _printed(options: GenerateOptions, out: GenerationOutput, choice: ProposerCh
         from rich.console import Console
 
         from specdecode.commands.show import coloured, legend
-        from specdecode.provenance import token_pieces
+        from specdecode.engine.provenance import token_pieces
 
         console = Console(highlight=False, soft_wrap=True)
         console.print(coloured(token_pieces(target_model.decode, out.token_ids, out.text), out.sources))

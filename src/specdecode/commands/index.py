@@ -32,9 +32,9 @@ def index(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from specdecode.commands import load
+    from specdecode.engine.vocab import vocabulary_fingerprint
     from specdecode.proposers import SuffixHistory
     from specdecode.training.samples import tokenize
-    from specdecode.vocab import vocabulary_fingerprint
 
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")

@@ -12,7 +12,7 @@ from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transforme
 from specdecode.training.data import HELD_OUT
 
 if TYPE_CHECKING:
-    from specdecode.models.loader import LoadedModel
+    from specdecode.models.loaded import LoadedModel
     from specdecode.training.answers import AnswerSettings
 
 DTYPES = ("float32", "bfloat16")
@@ -155,7 +155,7 @@ def _loaded(options: MakeDataOptions, settings: AnswerSettings, on_gpu: bool) ->
     """The target: dense through the transformers runner for padded batching (moved to a GPU if asked), else as
     ``generate`` loads it, in float32 (the engine's dtype)."""
     from specdecode.commands import load
-    from specdecode.models.loader import load_model
+    from specdecode.models.loading.loader import load_model
 
     if on_gpu or settings.batching == "padded":
         model = load_model(options.target, dtype=options.dtype, backend="transformers", quantization=None)

@@ -120,7 +120,7 @@ def plan(
 
 def _quantization(text: str, group_size: int) -> str | None:
     """``--quantization`` as ``load_model`` takes it, checked before any model loads."""
-    from specdecode.models.weights import GROUP_SIZES
+    from specdecode.models.formats.weights import GROUP_SIZES
 
     if group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")

@@ -38,7 +38,7 @@ def quality(
     with usage_errors():
         from specdecode.bench import quality as q
         from specdecode.commands.bench import _quantizations
-        from specdecode.models.weights import GROUP_SIZES
+        from specdecode.models.formats.weights import GROUP_SIZES
 
         settings = _quantizations(quantization)
         if group_size not in GROUP_SIZES:

@@ -22,7 +22,7 @@ from specdecode.commands import (
 )
 
 if TYPE_CHECKING:
-    from specdecode.serving.app import ServerConfig
+    from specdecode.serving.config import ServerConfig
 
 TargetOption = Annotated[str, typer.Option(help="Target model: a bundled name, an HF folder or a .gguf file.")]
 ProposerOption = Annotated[
@@ -136,7 +136,7 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can reach it may use it")
     if ray:
-        from specdecode.serving.ray_app import run
+        from specdecode.serving.replicas.ray_app import run
 
         run(config, replicas=replicas, host=host, port=port, grace=shutdown_grace)
         return
@@ -179,7 +179,7 @@ class ServeOptions:
 def _config(options: ServeOptions) -> ServerConfig:
     """The server's settings from the options (the proposer defaulted, the gamma and quantization checked, the
     allowed hosts split at commas)."""
-    from specdecode.serving.app import ServerConfig
+    from specdecode.serving.config import ServerConfig
 
     parse_quantization(options.quantization)
     choice = options.proposer or (ProposerChoice.draft if options.draft else ProposerChoice.lookup)
@@ -210,7 +210,7 @@ def _config(options: ServeOptions) -> ServerConfig:
 
 
 def _serve_here(config, host: str, port: int, grace: float) -> None:
-    from specdecode.serving.app import Server
+    from specdecode.serving.server import Server
     from specdecode.serving.shutdown import serve_until_signalled
 
     quiet_transformers()

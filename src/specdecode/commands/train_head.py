@@ -142,7 +142,8 @@ class TrainHeadOptions:
 
 def _settings(options: TrainHeadOptions) -> TrainSettings:
     """The training settings, every option checked (and the device found usable) before the slow load."""
-    from specdecode.training.train import TrainSettings, training_device
+    from specdecode.training.loop import training_device
+    from specdecode.training.train import TrainSettings
 
     if options.max_minutes is not None and not options.max_minutes > 0:
         raise ValueError(f"--max-minutes must be > 0, got {options.max_minutes}")

@@ -34,7 +34,7 @@ def tune_skip(
     when the draft's argmax is the target's token) at the step cost of the kept layers and this machine's
     verify cost v(k). The best few sets are then run end to end by the bench; the measured best is written.
     """
-    from specdecode import skip_search
+    from specdecode.bench import skip_search
     from specdecode.bench.workloads import build_prompt
     from specdecode.commands import load
     from specdecode.planner import VerifyCost

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 from .model import EagleHead, HeadShape, config_fingerprint, vocab_fingerprint
 
 FORMAT = "specdecode-eagle-head"

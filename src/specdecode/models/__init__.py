@@ -1,7 +1,8 @@
 """Model backends: the runner contract, the transformers runner, and loading."""
 
-from .base import ModelRunner
-from .hf import HFRunner
-from .loader import LoadedModel, load_model
+from .loaded import LoadedModel
+from .loading.loader import load_model
+from .runner import ModelRunner
+from .transformers_runner import HFRunner
 
 __all__ = ["HFRunner", "LoadedModel", "ModelRunner", "load_model"]

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import ModelRunner
-from .native_llama import NativeLlamaRunner
-from .native_llama import forward_batch as _native_forward_batch
+from .native.runner import NativeLlamaRunner
+from .native.runner import forward_batch as _native_forward_batch
+from .runner import ModelRunner
 
 
 def forward_batch(runners: Sequence[ModelRunner], tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -8,14 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .architecture import architecture_of, unsupported_reason
-from .base import ModelRunner
-from .hf import HFRunner
+from .formats.weights import FloatRows
 from .memory import INITIAL_SLOTS, loaded_footprint
 from .memory import describe as describe_memory
-from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner
-from .native_llama import uses_kernels as native_uses_kernels
-from .weights import FloatRows
+from .native.architecture import architecture_of, unsupported_reason
+from .native.layers import KERNEL_CACHE_DTYPE
+from .native.layers import uses_kernels as native_uses_kernels
+from .native.runner import NativeLlamaRunner
+from .runner import ModelRunner
+from .transformers_runner import HFRunner
 
 if TYPE_CHECKING:  # transformers.modeling_utils costs ~2 s at `import specdecode`; loading a model imports it
     from transformers import PreTrainedModel

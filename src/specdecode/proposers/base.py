@@ -1,7 +1,7 @@
-"""The proposer contract: guess up to k next tokens for a context (a ``Draft``, from ``specdecode.draft`` and
-re-exported here), plus optional hooks whose defaults do nothing, so the engine and the server call them directly.
+"""The proposer contract: guess up to k next tokens for a context (a ``sampling.draft.Draft``), plus optional hooks
+whose defaults do nothing, so the engine and the server call them directly.
 
-A user's object that only has ``propose`` (duck-typed, as DESIGN.md allows) is adapted once where it enters
+A user's object that only has ``propose`` (duck-typed, as the public API allows) is adapted once where it enters
 (``as_proposer``: ``SpeculativeDecoder``, the server's slots, ``HybridProposer``'s model side).
 """
 
@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..draft import EMPTY_DRAFT as EMPTY_DRAFT
-from ..draft import Draft as Draft
-from ..keyed_noise import KeyedNoise
-from ..params import SamplingParams
+from ..sampling.draft import Draft
+from ..sampling.keyed_noise import KeyedNoise
+from ..sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..models.loader import LoadedModel
+    from ..models.loaded import LoadedModel
 
 
 class Proposer:
@@ -79,7 +78,7 @@ class DuckTypedProposer(Proposer):
         return self.wrapped.propose(context, k, params, generator)  # type: ignore[attr-defined]
 
     def vocabulary_model(self) -> LoadedModel | None:
-        from ..models.loader import LoadedModel
+        from ..models.loaded import LoadedModel
 
         return self._model if isinstance(self._model, LoadedModel) else None
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..keyed_noise import KeyedNoise
-from ..params import SamplingParams
-from .base import Draft, Proposer, as_proposer
+from ..sampling.draft import Draft
+from ..sampling.keyed_noise import KeyedNoise
+from ..sampling.params import SamplingParams
+from .base import Proposer, as_proposer
 from .prompt_lookup import PromptLookupProposer
 from .suffix import SuffixProposer
 
@@ -119,8 +120,8 @@ class HybridProposer(Proposer):
     def preview(self, context: list[int], k: int) -> tuple[str, int]:
         """Which side would draft a round of at most ``k`` after ``context``, and how many tokens: ("copy", the
         copied run's length) or ("model", its guesses). A function of (context, k) alone; the server plans each
-        round's length with the chosen side's acceptance (``serving.scheduler``). The next ``propose`` on the same
-        context with k' ≤ k drafts with the previewed side (``_copy``), so the side priced is the side that drafts
+        round's length with the chosen side's acceptance (``serving.batching.scheduler``). The next ``propose`` on the
+        same context with k' ≤ k drafts with the previewed side (``_copy``), so the side priced is the side that drafts
         (searched afresh, a round whose plan cut k below ``min_copied`` could copy instead), and takes a chained
         copy's first k' tokens instead of searching again (~0.06 ms of a ~5 ms round)."""
         self._previewed = None

@@ -32,10 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import write_file
+from ..disk_cache import write_file
 from ..errors import SpecDecodeError
-from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft, Proposer
+from ..sampling.draft import EMPTY_DRAFT, Draft
+from ..sampling.params import SamplingParams
+from .base import Proposer
 from .suffix_index import ORDERS, SEPARATOR, SuffixIndex, suffix_hashes
 
 MAGIC = b"specdecode-suffix-cache\n"

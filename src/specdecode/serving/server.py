@@ -17,21 +17,22 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import GenerationOutput, Request, SpeculativeDecoder, fresh_seed
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
+from ..engine.decoder import SpeculativeDecoder
+from ..engine.request import GenerationOutput, Request, fresh_seed
+from ..models.loaded import LoadedModel
 from ..proposers import HybridProposer, PromptLookupProposer, Proposer, SuffixProposer
+from ..sampling.params import SamplingParams
+from .batching.policy import SpeculationPolicy
+from .batching.prefix_cache import build_prefix_cache
+from .batching.scheduler import PLAIN, Event, Job, Scheduler, Speculation
 from .config import ServerConfig, capped_to_context, replicate, reserve_memory
 from .metrics import ServerMetrics
 from .middleware import error_response
-from .policy import SpeculationPolicy
-from .prefix_cache import build_prefix_cache
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
-from .responses import DONE, Shape, choice_seed, sse, usage
-from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
-from .structured import response_grammar
-from .tokens import TokenRecord, TokenTrack
-from .tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, renders_tools, tool_plan
+from .openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
+from .openai.response_format import response_grammar
+from .openai.responses import DONE, Shape, choice_seed, sse, usage
+from .openai.tokens import TokenRecord, TokenTrack
+from .openai.tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, renders_tools, tool_plan
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25

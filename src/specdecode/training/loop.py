@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..models.loader import resolve_dtype
+from ..models.loaded import resolve_dtype
 from .data import DataStats
 from .features import FeatureCache, batch_tensors
 

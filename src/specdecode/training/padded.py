@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.hf import cache_keyword
-from ..params import SamplingParams
-from ..sampling import greedy_tokens, probs_from_logits
+from ..models.transformers_runner import cache_keyword
+from ..sampling.params import SamplingParams
+from ..sampling.probs import greedy_tokens, probs_from_logits
 
 
 @dataclass(frozen=True)

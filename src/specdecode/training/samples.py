@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 from . import windows
 from .data import DataStats, Sample, iter_samples, spec_bench_questions
 
