@@ -9,8 +9,8 @@ from helpers.models import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import specdecode as sd
-from specdecode.models.native.runner import NativeLlamaRunner
-from specdecode.models.transformers_runner import HFRunner, cache_keyword
+from specdecode.models.native.runner import NativeRunner
+from specdecode.models.transformers_runner import TransformersRunner, cache_keyword
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
@@ -20,9 +20,9 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 def test_auto_picks_native_for_llama_and_transformers_otherwise():
     llama = sd.load_model(tiny_llama(32, seed=1))
-    assert llama.backend == "native" and isinstance(llama.new_runner(), NativeLlamaRunner)
+    assert llama.backend == "native" and isinstance(llama.new_runner(), NativeRunner)
     gpt2 = sd.load_model(tiny_gpt2())
-    assert gpt2.backend == "transformers" and isinstance(gpt2.new_runner(), HFRunner)
+    assert gpt2.backend == "transformers" and isinstance(gpt2.new_runner(), TransformersRunner)
     with pytest.raises(ValueError, match="native runner does not support"):
         sd.load_model(tiny_gpt2(), backend="native")
     with pytest.raises(ValueError, match="backend"):
@@ -55,7 +55,7 @@ def test_self_speculation_on_native_shares_the_fused_weights():
     draft = sd.LayerSkipProposer(target, 2)
     assert draft.model.backend == "native"
     full, part = target.new_runner(), draft.model.new_runner()
-    assert part._layers[0].qkv.weight.data_ptr() == full._layers[0].qkv.weight.data_ptr()
+    assert part.decoder.layers[0].qkv.weight.data_ptr() == full.decoder.layers[0].qkv.weight.data_ptr()
 
 
 def _tree_pass(runner, newest: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 import specdecode as sd
-from specdecode.models.transformers_runner import HFRunner
+from specdecode.models.transformers_runner import TransformersRunner
 
 VOCAB = 128
 WINDOW = 8
@@ -97,7 +97,7 @@ def gemma() -> Gemma3ForCausalLM:
 
 
 def test_the_cache_holds_every_position_of_every_layer(gemma):
-    runner = HFRunner(gemma, VOCAB)
+    runner = TransformersRunner(gemma, VOCAB)
     runner.prefill(torch.tensor(random_ids(30, seed=1)))
     assert [layer.keys.shape[-2] for layer in runner._cache.layers] == [30, 30, 30]
     assert runner.supports_trees
@@ -105,7 +105,7 @@ def test_the_cache_holds_every_position_of_every_layer(gemma):
 
 def test_prefill_rollback_and_reforward_match_a_full_forward(gemma):
     ids = random_ids(34, seed=2)
-    runner = HFRunner(gemma, VOCAB)
+    runner = TransformersRunner(gemma, VOCAB)
     runner.prefill(torch.tensor(ids[:30]))
     runner.forward(torch.tensor(ids[30:]))
     runner.rollback_to(25)
@@ -118,7 +118,7 @@ def test_rounds_of_forward_and_rollback_match_a_fresh_full_forward(name):
     model = MODELS[name](seed=3)
     generator = torch.Generator().manual_seed(4)
     ids = random_ids(20, seed=5)
-    runner = HFRunner(model, VOCAB)
+    runner = TransformersRunner(model, VOCAB)
     runner.prefill(torch.tensor(ids))
     for _ in range(12):
         k = int(torch.randint(1, 6, (), generator=generator))
@@ -132,7 +132,7 @@ def test_rounds_of_forward_and_rollback_match_a_fresh_full_forward(name):
     assert runner.length == len(ids) > 3 * WINDOW
 
 
-def tree_pass(runner: HFRunner, newest: int) -> torch.Tensor:
+def tree_pass(runner: TransformersRunner, newest: int) -> torch.Tensor:
     """A tree over the cache: newest token, children 5 and 7 of it, 9 under 7, 3 under 9; its row logits."""
     start = runner.length
     tokens = torch.tensor([newest, 5, 7, 9, 3])
@@ -149,7 +149,7 @@ def tree_pass(runner: HFRunner, newest: int) -> torch.Tensor:
 def test_tree_rows_and_retain_equal_one_token_steps_along_each_path(name, attention):
     model = MODELS[name](seed=6, attention=attention)
     ids = random_ids(21, seed=7)
-    tree, chain = HFRunner(model, VOCAB), HFRunner(model, VOCAB)
+    tree, chain = TransformersRunner(model, VOCAB), TransformersRunner(model, VOCAB)
     for runner in (tree, chain):
         runner.prefill(torch.tensor(ids[:-1]))
     start = tree.length
@@ -166,7 +166,7 @@ def test_tree_rows_and_retain_equal_one_token_steps_along_each_path(name, attent
 def test_the_tree_mask_needs_the_window(gemma):
     """Power check: with the tree mask reaching sliding layers unwindowed, the rows differ."""
     ids = random_ids(21, seed=8)
-    windowed, unwindowed = HFRunner(gemma, VOCAB), HFRunner(gemma, VOCAB)
+    windowed, unwindowed = TransformersRunner(gemma, VOCAB), TransformersRunner(gemma, VOCAB)
     unwindowed._window = None
     for runner in (windowed, unwindowed):
         runner.prefill(torch.tensor(ids[:-1]))
@@ -225,6 +225,6 @@ def test_a_cache_that_cannot_roll_back_is_refused_at_construction():
     )
     model = Lfm2ForCausalLM(config).eval()
     with pytest.raises(ValueError, match="cannot roll back"):
-        HFRunner(model, VOCAB)
+        TransformersRunner(model, VOCAB)
     with pytest.raises(ValueError, match="cannot roll back"):
         sd.load_model(model).new_runner()

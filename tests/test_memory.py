@@ -88,9 +88,9 @@ def test_the_kv_cache_stops_at_max_context_and_a_longer_request_is_refused():
     assert (capped.context_window, free.context_window) == (48, 512)
     runner_ = capped.new_runner()
     if runner_.uses_kernels:
-        assert runner_._capacity == 48  # a multiple of the kernels' 16-slot tiles
+        assert runner_.cache.capacity == 48  # a multiple of the kernels' 16-slot tiles
     runner_.prefill(torch.arange(40) % 64)
-    assert runner_._capacity == 48  # never doubled past the cap
+    assert runner_.cache.capacity == 48  # never doubled past the cap
     out = sd.autoregressive_generate(capped, list(range(8)), sd.SamplingParams(max_new_tokens=40))
     assert len(out.token_ids) <= 40
     with pytest.raises(ValueError, match=r"past the 48 tokens a sequence may hold \(max_context, --max-context\)"):

@@ -15,7 +15,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3
 
 import specdecode as sd
 from specdecode.models.native.architecture import unsupported_reason
-from specdecode.models.native.runner import NativeLlamaRunner
+from specdecode.models.native.runner import NativeRunner
 from specdecode.models.native.torch_path import last_visible
 from specdecode.sampling.tree import attention_mask, depths
 
@@ -51,7 +51,7 @@ def test_logits_equal_transformers_past_the_window(family):
     assert unsupported_reason(model) is None
     ids = _ids(40, seed=3)
     reference = no_cache_logits(model, ids)
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    runner = NativeRunner(model, vocab_size=VOCAB)
     _close(runner.forward(torch.tensor(ids)), reference)
     runner.reset()  # a prefill (one masked attention call), then chains of several sizes
     runner.prefill(torch.tensor(ids[:13]))
@@ -69,20 +69,20 @@ def test_gemma_window_and_rope_bases_matter():
     model = gemma()
     wide = gemma(window=64)
     assert not torch.allclose(no_cache_logits(model, ids)[WINDOW:], no_cache_logits(wide, ids)[WINDOW:], atol=1e-3)
-    _close(NativeLlamaRunner(wide, vocab_size=VOCAB).forward(torch.tensor(ids)), no_cache_logits(wide, ids))
+    _close(NativeRunner(wide, vocab_size=VOCAB).forward(torch.tensor(ids)), no_cache_logits(wide, ids))
     swapped = gemma()
     swapped.config.rope_parameters["sliding_attention"]["rope_theta"] = 1e6
     other = type(swapped.model.rotary_emb)(swapped.config)
     swapped.model.rotary_emb = other
     assert not torch.allclose(no_cache_logits(swapped, ids), no_cache_logits(model, ids), atol=1e-3)
-    _close(NativeLlamaRunner(swapped, vocab_size=VOCAB).forward(torch.tensor(ids)), no_cache_logits(swapped, ids))
+    _close(NativeRunner(swapped, vocab_size=VOCAB).forward(torch.tensor(ids)), no_cache_logits(swapped, ids))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_bfloat16_close_to_transformers(family):
     model = FAMILIES[family]().to(torch.bfloat16)
     ids = _ids(30, seed=4)
-    logits = NativeLlamaRunner(model, vocab_size=VOCAB).forward(torch.tensor(ids))
+    logits = NativeRunner(model, vocab_size=VOCAB).forward(torch.tensor(ids))
     reference = no_cache_logits(model, ids)
     assert (logits - reference).norm() / reference.norm() < 0.03
 
@@ -143,8 +143,6 @@ def test_every_gemma_tree_row_is_bitwise_its_branch(window, dtype, quantization,
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize(SETTING_NAMES, SETTINGS[::2])
 def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(family, dtype, quantization, group_size, kernels):
-    from specdecode.models.batch import forward_batch
-
     target = _loaded(FAMILIES[family](), dtype, quantization, group_size, kernels)
     ids = _ids(200, seed=7)
     contexts = [ids[:1], ids[5:14], ids[20:170], ids[40:43]]  # mixed cache lengths, inside and past the window
@@ -154,7 +152,7 @@ def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(family, dtype, qu
         runner.capture_hidden = True
         runner.prefill(torch.tensor(context))
     alone.capture_hidden = True
-    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
+    together = batch[0].forward_batch(batch, [torch.tensor(c) for c in chunks])
     for context, chunk, logits, runner in zip(contexts, chunks, together, batch, strict=True):
         alone.reset()
         alone.prefill(torch.tensor(context))
@@ -211,7 +209,7 @@ def test_unsupported_configs_say_why():
     capped = gemma(final_logit_softcapping=30.0)
     assert "final_logit_softcapping" in unsupported_reason(capped)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        NativeLlamaRunner(capped, vocab_size=VOCAB)
+        NativeRunner(capped, vocab_size=VOCAB)
     loaded = sd.load_model(capped)
     assert loaded.backend == "transformers"
     assert "transformers runner (not native: final_logit_softcapping is set)" in loaded.describe()
@@ -251,7 +249,7 @@ def test_every_instruction_set_runs_the_gemma_and_qwen_options_to_the_same_bits(
             runners.append(sd.load_model(copy.deepcopy(model), quantization="int8").new_runner())
         monkeypatch.delenv("SPECDECODE_KERNELS")
         assert all(r.uses_kernels for r in runners)
-        assert [r._lm_head.handle.kernels for r in runners] == [ops("native"), ops(variant)]  # two builds ran
+        assert [r.decoder.lm_head.handle.kernels for r in runners] == [ops("native"), ops(variant)]  # two builds ran
         chains = [r.forward(torch.tensor(ids[:30])) for r in runners]
         trees = []
         for runner in runners:

@@ -1,4 +1,4 @@
-"""NativeLlamaRunner reproduces the transformers forward pass of Llama-family models."""
+"""NativeRunner reproduces the transformers forward pass of Llama-family models."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from transformers import (
 )
 
 from specdecode.models.native.layers import supports_native
-from specdecode.models.native.runner import NativeLlamaRunner
+from specdecode.models.native.runner import NativeRunner
+from specdecode.models.native.torch_path import rms_norm
 from specdecode.models.runner import ModelRunner
 
 VOCAB = 48
@@ -76,7 +77,7 @@ def _feed(runner, ids: list[int], chunks: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("tied", [False, True])
 def test_prefill_matches_transformers(tied):
     model = _llama(tie_word_embeddings=tied)
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    runner = NativeRunner(model, vocab_size=VOCAB)
     assert isinstance(runner, ModelRunner)
     ids = _ids(20)
     logits = runner.forward(torch.tensor(ids))
@@ -87,7 +88,7 @@ def test_prefill_matches_transformers(tied):
 
 def test_chunked_forwards_match_full_sequence():
     model = _llama()
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    runner = NativeRunner(model, vocab_size=VOCAB)
     ids = _ids(30)
     logits = _feed(runner, ids, [1, 4, 1, 8, 2, 1, 13])
     torch.testing.assert_close(logits, no_cache_logits(model, ids), atol=ATOL, rtol=0)
@@ -95,7 +96,7 @@ def test_chunked_forwards_match_full_sequence():
 
 def test_rollback_then_different_tokens():
     model = _llama()
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    runner = NativeRunner(model, vocab_size=VOCAB)
     ids = _ids(16)
     runner.forward(torch.tensor(ids))
     runner.rollback_to(10)
@@ -112,7 +113,7 @@ def test_rollback_then_different_tokens():
 
 def test_cache_grows_past_max_length():
     model = _llama()
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB, max_length=5)
+    runner = NativeRunner(model, vocab_size=VOCAB, max_length=5)
     ids = _ids(40)
     logits = _feed(runner, ids, [3, 1, 1, 6, 1, 20, 8])
     torch.testing.assert_close(logits, no_cache_logits(model, ids), atol=ATOL, rtol=0)
@@ -123,21 +124,21 @@ def test_num_layers_matches_truncated_model_and_shares_weights():
     truncated = copy.deepcopy(model)
     truncated.config.num_hidden_layers = 2
     truncated.model.layers = truncated.model.layers[:2]
-    target = NativeLlamaRunner(model, vocab_size=VOCAB)
-    draft = NativeLlamaRunner(model, vocab_size=VOCAB, num_layers=2)
+    target = NativeRunner(model, vocab_size=VOCAB)
+    draft = NativeRunner(model, vocab_size=VOCAB, num_layers=2)
     ids = _ids(12)
     target.forward(torch.tensor(ids[:5]))
     logits = _feed(draft, ids, [4, 1, 7])
     torch.testing.assert_close(logits, no_cache_logits(truncated, ids), atol=ATOL, rtol=0)
-    assert draft._layers[0].qkv.weight.data_ptr() == target._layers[0].qkv.weight.data_ptr()
+    assert draft.decoder.layers[0].qkv.weight.data_ptr() == target.decoder.layers[0].qkv.weight.data_ptr()
     assert (target.length, draft.length) == (5, 12)
     with pytest.raises(ValueError):
-        NativeLlamaRunner(model, vocab_size=VOCAB, num_layers=4)
+        NativeRunner(model, vocab_size=VOCAB, num_layers=4)
 
 
 def test_padded_vocabulary_is_sliced():
     model = _llama()
-    runner = NativeLlamaRunner(model, vocab_size=40)
+    runner = NativeRunner(model, vocab_size=40)
     ids = _ids(6)
     logits = runner.forward(torch.tensor(ids))
     assert logits.shape == (6, 40)
@@ -147,7 +148,7 @@ def test_padded_vocabulary_is_sliced():
 def test_token_tree_matches_separate_branches():
     model = _llama()
     prefix, branch_a, branch_b = _ids(9), [3, 17], [5, 11, 40]
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    runner = NativeRunner(model, vocab_size=VOCAB)
     runner.forward(torch.tensor(prefix))
     n = len(prefix)
     tree = branch_a + branch_b
@@ -180,7 +181,7 @@ def test_llama3_and_linear_rope_scaling():
     for rope in (llama3, linear):
         model = _llama(rope_parameters=rope)
         assert supports_native(model)
-        runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+        runner = NativeRunner(model, vocab_size=VOCAB)
         torch.testing.assert_close(_feed(runner, ids, [40, 1, 19]), no_cache_logits(model, ids), atol=ATOL, rtol=0)
 
 
@@ -190,7 +191,7 @@ def test_qwen2_biases_and_mistral():
     mistral = _build(MistralForCausalLM, _small(MistralConfig, sliding_window=None))
     for model in (qwen, mistral):
         assert supports_native(model)
-        runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+        runner = NativeRunner(model, vocab_size=VOCAB)
         torch.testing.assert_close(_feed(runner, ids, [10, 1, 14]), no_cache_logits(model, ids), atol=ATOL, rtol=0)
 
 
@@ -199,7 +200,7 @@ def test_supports_native_refuses_what_it_cannot_reproduce():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64))
     assert not supports_native(gpt2)
     with pytest.raises(ValueError):
-        NativeLlamaRunner(gpt2, vocab_size=VOCAB)
+        NativeRunner(gpt2, vocab_size=VOCAB)
     assert supports_native(_llama())
     assert not supports_native(_build(MistralForCausalLM, _small(MistralConfig, sliding_window=8)))
     assert not supports_native(_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
@@ -208,7 +209,7 @@ def test_supports_native_refuses_what_it_cannot_reproduce():
 
 def test_bfloat16_close_to_transformers():
     model = _llama().to(torch.bfloat16)
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    runner = NativeRunner(model, vocab_size=VOCAB)
     ids = _ids(20)
     logits = _feed(runner, ids, [12, 1, 7])
     reference = no_cache_logits(model, ids)
@@ -233,7 +234,7 @@ def test_smollm2_matches_transformers():
     ).eval()
     assert supports_native(model)
     ids = torch.randint(0, 49152, (100,), generator=torch.Generator().manual_seed(0)).tolist()
-    runner = NativeLlamaRunner(model, vocab_size=model.config.vocab_size, max_length=64)
+    runner = NativeRunner(model, vocab_size=model.config.vocab_size, max_length=64)
     logits = _feed(runner, ids, [60, 1, 8, 31])
     torch.testing.assert_close(logits, no_cache_logits(model, ids), atol=1e-3, rtol=0)
 
@@ -241,10 +242,10 @@ def test_smollm2_matches_transformers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_bitwise_transformers(dtype):
     model = _llama().to(dtype)
-    runner = NativeLlamaRunner(model, vocab_size=VOCAB)
+    runner = NativeRunner(model, vocab_size=VOCAB)
     x = (torch.randn(5, 32, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     with torch.no_grad():
-        assert torch.equal(runner._rms_norm(x, runner._norm), model.model.norm(x))
+        assert torch.equal(rms_norm(runner.decoder, x, runner.decoder.norm), model.model.norm(x))
 
 
 # Row invariance: the contract that makes greedy speculative output identical to plain decoding.
@@ -412,7 +413,7 @@ def test_quantization_swaps_modules_and_leaves_the_callers_model_alone():
     ours = loaded.new_runner().forward(torch.tensor(ids))
     assert (ours - hf).norm() / hf.norm() < 0.02  # our runner multiplies SiLU(gate)·up in bfloat16, theirs in float32
     # q/k/v run as one fused matrix that the modules compute through
-    fused = loaded.new_runner()._layers[0].qkv
+    fused = loaded.new_runner().decoder.layers[0].qkv
     assert layer.self_attn.k_proj.kernel.fused is fused and layer.self_attn.k_proj.kernel.start == 128
 
 
@@ -433,8 +434,6 @@ def test_load_model_quantization_errors():
 
 @pytest.mark.parametrize(SETTING_NAMES, SETTINGS)
 def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(dtype, quantization, group_size, kernels):
-    from specdecode.models.batch import forward_batch
-
     target = _loaded(_wide(), dtype, quantization, group_size, kernels)
     ids = _ids(300, seed=7)
     contexts = [ids[:1], ids[5:14], ids[20:220], ids[40:43]]  # mixed cache lengths
@@ -444,7 +443,7 @@ def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(dtype, quantizati
         runner.capture_hidden = True
         runner.prefill(torch.tensor(context))
     alone.capture_hidden = True
-    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
+    together = batch[0].forward_batch(batch, [torch.tensor(c) for c in chunks])
     for runner, context, chunk, logits in zip(batch, contexts, chunks, together, strict=True):
         assert runner.length == len(context) + len(chunk)
         alone.reset()
@@ -461,10 +460,10 @@ def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(dtype, quantizati
 
 
 def test_forward_batch_refuses_runners_of_different_models():
-    from specdecode.models.batch import forward_batch
-
     one, other = _loaded(_wide(), "float32", None, 32), _loaded(_wide(), "float32", None, 32)
     with pytest.raises(ValueError, match="same model"):
-        forward_batch([one.new_runner(), other.new_runner()], [torch.tensor([1]), torch.tensor([2])])
+        runners = [one.new_runner(), other.new_runner()]
+        runners[0].forward_batch(runners, [torch.tensor([1]), torch.tensor([2])])
     with pytest.raises(ValueError, match="2 runners but 1"):
-        forward_batch([one.new_runner(), one.new_runner()], [torch.tensor([1])])
+        runners = [one.new_runner(), one.new_runner()]
+        runners[0].forward_batch(runners, [torch.tensor([1])])

@@ -240,11 +240,11 @@ def check_plan_equals_allocation(build) -> int:
     (loaded, runner, before_runner), allocated = allocated_by(build)
     weights = memory.held_weight_bytes(loaded.model)[1]
     assert weights == before_runner  # fusing q/k/v and gate/up makes views, not copies
-    tables = [*runner._cos, *runner._signed_sin, runner._slots]
-    cache = runner._keys.nbytes + runner._values.nbytes
+    tables = [*runner.cache.cos, *runner.cache.signed_sin, runner.cache.slots]
+    cache = runner.cache.keys.nbytes + runner.cache.values.nbytes
     assert weights == allocated - cache - sum(t.untyped_storage().nbytes() for t in tables)
     per_token = memory.kv_bytes_per_token(memory.shape_of(loaded.model), loaded.kv_dtype.itemsize)
-    assert per_token * runner._capacity == cache
+    assert per_token * runner.cache.capacity == cache
     assert loaded.kv_dtype == (torch.float16 if runner.uses_kernels else torch.float32)
     return weights
 

@@ -70,7 +70,7 @@ def test_a_duck_typed_proposers_own_hooks_are_called_and_the_rest_are_no_ops(tar
     adapted = as_proposer(OnlyPropose())
     adapted.bind_target("vocabulary", None, 10)  # the base class's no-ops
     adapted.end_request([1, 2])
-    assert not adapted.needs_target_hidden and not adapted.chooses_length and adapted.vocabulary_model() is None
+    assert not adapted.needs_target_hidden and adapted.vocabulary_model() is None
     with pytest.raises(TypeError, match="keyed noise"):
         adapted.propose_coupled([1], 1, GREEDY, None)  # type: ignore[arg-type]
 

@@ -13,8 +13,6 @@ import torch
 from test_native_families import gemma
 from test_native_llama import SETTING_NAMES, SETTINGS, _ids, _loaded, _wide
 
-from specdecode.models.batch import forward_batch
-
 REQUESTS, ROWS_PER_REQUEST = 16, 9  # the server's defaults: max_batch 16, max_gamma 8 (+ the bonus row)
 MODELS = {"llama": _wide, "gemma3": gemma}
 
@@ -38,7 +36,7 @@ def _assert_batch_is_each_requests_own(target, ids: list[int], lengths: list[int
     for runner, context, chunk in zip(batch, contexts, chunks, strict=True):
         alone.append(_single_steps(runner, context, chunk))
         runner.rollback_to(len(context))
-    together = forward_batch(batch, [torch.tensor(c) for c in chunks])
+    together = batch[0].forward_batch(batch, [torch.tensor(c) for c in chunks])
     assert sum(t.shape[0] for t in together) == REQUESTS * ROWS_PER_REQUEST
     for index, (context, steps, logits) in enumerate(zip(contexts, alone, together, strict=True)):
         assert torch.equal(logits, steps), f"request {index} (cache {len(context)})"

@@ -536,16 +536,16 @@ def test_32_concurrent_streaming_clients_lose_nothing(server, target):
 
 def test_engine_thread_batches_requests_of_mixed_prompt_lengths_in_one_pass(target, monkeypatch):
     """The scheduler gathers every active request into one forward_batch call."""
-    from specdecode.serving.batching import scheduler as scheduler_module
 
     calls = []
-    real = scheduler_module.forward_batch
+    runner_class = type(target.new_runner())
+    real = runner_class.forward_batch
 
-    def spy(runners, tokens):
+    def spy(self, runners, tokens):
         calls.append([int(t.shape[0]) for t in tokens])
-        return real(runners, tokens)
+        return real(self, runners, tokens)
 
-    monkeypatch.setattr(scheduler_module, "forward_batch", spy)
+    monkeypatch.setattr(runner_class, "forward_batch", spy)
     with LocalServer(create_app(ServerConfig(target=target, policy="never"))) as running:
         bodies = [body_for("completions", p, max_tokens=12, temperature=0) for p in PROMPTS[:6]]
         with ThreadPoolExecutor(6) as pool:

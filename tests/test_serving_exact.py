@@ -26,7 +26,6 @@ import specdecode as sd
 import specdecode.sampling.verify
 from specdecode.sampling.draft import EMPTY_DRAFT
 from specdecode.serving import ServerConfig, create_app
-from specdecode.serving.batching import scheduler as scheduler_module
 from specdecode.serving.local import LocalServer
 
 GAMMA = 3
@@ -65,13 +64,14 @@ def serve_all(target, mode: str, monkeypatch, **extra) -> tuple[list[dict], list
     """The 16 requests sent at once to a fresh server in ``mode``; their JSON answers and the row counts of every
     batched target pass (per request in the pass)."""
     passes: list[list[int]] = []
-    real = scheduler_module.forward_batch
+    runner_class = type(target.new_runner())
+    real = runner_class.forward_batch
 
-    def spy(runners, tokens):
+    def spy(self, runners, tokens):
         passes.append([int(t.shape[0]) for t in tokens])
-        return real(runners, tokens)
+        return real(self, runners, tokens)
 
-    monkeypatch.setattr(scheduler_module, "forward_batch", spy)
+    monkeypatch.setattr(runner_class, "forward_batch", spy)
     config = ServerConfig(target=target, gamma=GAMMA, policy="always", mode=mode, proposers=factories(target))
     with LocalServer(create_app(config)) as running, httpx.Client(base_url=running.url, timeout=120) as http:
 

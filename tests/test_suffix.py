@@ -312,7 +312,7 @@ def test_a_history_of_another_vocabulary_is_refused(large_target):
         sd.SpeculativeDecoder(large_target, proposer)
     fresh = SuffixProposer()
     sd.SpeculativeDecoder(large_target, fresh)
-    assert fresh.history.vocabulary == sd.engine.vocab.vocabulary_fingerprint(large_target)
+    assert fresh.history.vocabulary == large_target.vocabulary_fingerprint
 
 
 # ------------------------------------------------------------------------------------------- correctness

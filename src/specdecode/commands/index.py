@@ -32,7 +32,6 @@ def index(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from specdecode.commands import load
-    from specdecode.engine.vocab import vocabulary_fingerprint
     from specdecode.proposers import SuffixHistory
     from specdecode.training.samples import tokenize
 
@@ -48,7 +47,7 @@ def index(
         model = load(target, "float32")
     if model.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: a history is built from text")
-    fingerprint = vocabulary_fingerprint(model)
+    fingerprint = model.vocabulary_fingerprint
     history = SuffixHistory.load(out, max_tokens) if append and out.exists() else SuffixHistory(max_tokens)
     if history.vocabulary not in (None, fingerprint):
         raise ValueError(f"{out} was built for another tokenizer than {target}'s: index into a new file")

@@ -13,6 +13,7 @@ from ..models.loaded import LoadedModel
 from ..models.loading.loader import load_model
 from ..models.runner import ModelRunner
 from ..proposers.base import Proposer, as_proposer
+from ..proposers.hybrid import HybridProposer
 from ..proposers.prompt_lookup import PromptLookupProposer
 from ..sampling.draft import EMPTY_DRAFT, Draft
 from ..sampling.params import SamplingParams
@@ -30,7 +31,7 @@ from ..structured import Constraint
 from .prefix_reuse import HeldPrefix, held_after, reusable_length
 from .provenance import round_sources
 from .request import GenerationOutput, Request, TextCallback
-from .vocab import check_vocabularies, vocabulary_fingerprint
+from .vocab import check_vocabularies
 
 FORCED_PER_ROUND = 32  # tokens a grammar forces that one round drafts for free, at most
 
@@ -76,7 +77,7 @@ class SpeculativeDecoder:
     positions; each node attends to the cache, the newest token and its ancestors), the mode's tree rule
     keeps one root path, and ``runner.retain`` keeps that path's cache entries. ``gamma`` then bounds the
     tree's depth (the tokens a round can accept); the proposer chooses the width. Under ``gamma="auto"`` a
-    proposer with ``chooses_length`` (``HybridProposer``) gets a controller a side (``HybridGamma``).
+    ``HybridProposer`` gets a controller a side (``HybridGamma``).
     """
 
     def __init__(
@@ -123,7 +124,7 @@ class SpeculativeDecoder:
         draft_model = proposer.vocabulary_model()
         if draft_model is not None:
             check_vocabularies(self.target, draft_model)
-        proposer.bind_target(vocabulary_fingerprint(self.target), self.costs, self.target.vocab_size)
+        proposer.bind_target(self.target.vocabulary_fingerprint, self.costs, self.target.vocab_size)
         return proposer
 
     def end_request(self, request: Request, proposer: Proposer | None) -> None:
@@ -175,7 +176,7 @@ class SpeculativeDecoder:
         self, prompt: str | list[int], params: SamplingParams, on_text: TextCallback | None, logprobs: int | None
     ) -> Request:
         request = Request(self.target, prompt, params, on_text, logprobs)
-        if self.gamma == "auto" and self.proposer.chooses_length:
+        if self.gamma == "auto" and isinstance(self.proposer, HybridProposer):
             request.controller = HybridGamma.for_request(
                 self.proposer, request.context, self.max_gamma, self.costs, self.acceptance_memories
             )

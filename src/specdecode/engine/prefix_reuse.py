@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.runner import ModelRunner
 from ..proposers.base import common_prefix_length
+from .request import Request
 
 
 @dataclass
@@ -24,25 +26,25 @@ class HeldPrefix:
     hidden: torch.Tensor | None = None
 
 
-def held_after(request, runner) -> HeldPrefix:
+def held_after(request: Request, runner: ModelRunner) -> HeldPrefix:
     """What ``runner`` holds once ``request`` is over: a prefix of its context (every token but the newest, or
     fewer; the runner is rolled back to it) and, if the runner captures them, those positions' features."""
     held = min(runner.length, len(request.context) - 1)
     hidden = None
-    if getattr(runner, "capture_hidden", False) and request.target_hidden:
+    if runner.capture_hidden and request.target_hidden:
         hidden = torch.cat(request.target_hidden)[:held]
         held = min(held, hidden.shape[0])
     runner.rollback_to(held)
     return HeldPrefix(request.context[:held], hidden)
 
 
-def reusable_length(runner, held: HeldPrefix, context: list[int]) -> int:
+def reusable_length(runner: ModelRunner, held: HeldPrefix, context: list[int]) -> int:
     """How many of ``context``'s first tokens ``runner`` may keep from ``held``: their longest common prefix, at
     most every token but the last (it leads the first round); 0 on a runner without ``exact_prefix_reuse``,
     one that holds something else, or one that captures features ``held`` lacks."""
-    if not getattr(runner, "exact_prefix_reuse", False) or runner.length != len(held.tokens):
+    if not runner.exact_prefix_reuse or runner.length != len(held.tokens):
         return 0
     cached = min(common_prefix_length(held.tokens, context), len(context) - 1)
-    if getattr(runner, "capture_hidden", False):
+    if runner.capture_hidden:
         cached = min(cached, 0 if held.hidden is None else held.hidden.shape[0])
     return cached

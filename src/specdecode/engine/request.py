@@ -13,6 +13,7 @@ import torch
 
 from ..control import AdaptiveGamma, HybridGamma
 from ..models.loaded import LoadedModel
+from ..models.runner import ModelRunner
 from ..sampling.keyed_noise import KeyedNoise
 from ..sampling.params import SamplingParams
 from ..sampling.warps import RowContexts, target_logits
@@ -120,7 +121,7 @@ class Request:
         if params.grammar is not None:
             self.constraint = Constraint(params.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids)
 
-    def prefill(self, runner, cached: int = 0, cached_hidden: torch.Tensor | None = None) -> None:
+    def prefill(self, runner: ModelRunner, cached: int = 0, cached_hidden: torch.Tensor | None = None) -> None:
         """Fill the cache with every prompt token but the last, which leads the first round.
 
         ``cached`` > 0: the runner already holds this prompt's first ``cached`` tokens (a reused prefix, at most
@@ -132,7 +133,7 @@ class Request:
             raise ValueError(f"cached {cached} outside 0..{len(self.context) - 1}")
         if cached:
             runner.rollback_to(cached)
-            if getattr(runner, "capture_hidden", False):
+            if runner.capture_hidden:
                 self.target_hidden.append(cached_hidden[:cached])
         else:
             runner.reset()
@@ -142,9 +143,9 @@ class Request:
             self.keep_hidden(runner, slice(None))
         self.stats.prefill_seconds += time.perf_counter() - t0
 
-    def keep_hidden(self, runner, rows: slice | list[int]) -> None:
+    def keep_hidden(self, runner: ModelRunner, rows: slice | list[int]) -> None:
         """Record the features of the last pass's ``rows`` (verified tokens) if the runner captures them."""
-        if getattr(runner, "capture_hidden", False):
+        if runner.capture_hidden:
             self.target_hidden.append(runner.hidden[rows])
 
     def emit(self, tokens: list[int], sources: list[TokenSource], rows: torch.Tensor) -> int:

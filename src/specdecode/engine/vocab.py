@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from ..errors import VocabularyMismatch
 from ..models.loaded import LoadedModel
 
@@ -29,18 +26,3 @@ def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
                 f"vocabularies differ at token id {token_id}: target has {mine!r}, draft has {theirs!r} "
                 f"(target {target.vocab_size} tokens, draft {draft.vocab_size}); pair models that share a tokenizer"
             )
-
-
-def vocabulary_fingerprint(model: LoadedModel) -> str:
-    """A sha256 of the model's id -> token table (its size alone without a tokenizer): token ids stored for
-    one model (a suffix history) are only meaningful for models with the same fingerprint."""
-    cached = getattr(model, "_vocabulary_fingerprint", None)
-    if cached is not None:
-        return cached
-    if model.tokenizer is None:
-        table: object = {"vocab_size": model.vocab_size}
-    else:
-        table = model.tokenizer.convert_ids_to_tokens(list(range(model.vocab_size)))
-    fingerprint = hashlib.sha256(json.dumps(table).encode()).hexdigest()
-    model._vocabulary_fingerprint = fingerprint  # computed once per loaded model
-    return fingerprint

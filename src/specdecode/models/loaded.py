@@ -3,7 +3,10 @@ the dtypes ``load_model`` accepts."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,9 +17,9 @@ from .memory import describe as describe_memory
 from .native.architecture import architecture_of, unsupported_reason
 from .native.layers import KERNEL_CACHE_DTYPE
 from .native.layers import uses_kernels as native_uses_kernels
-from .native.runner import NativeLlamaRunner
+from .native.runner import NativeRunner
 from .runner import ModelRunner
-from .transformers_runner import HFRunner
+from .transformers_runner import TransformersRunner
 
 if TYPE_CHECKING:  # transformers.modeling_utils costs ~2 s at `import specdecode`; loading a model imports it
     from transformers import PreTrainedModel
@@ -84,14 +87,24 @@ class LoadedModel:
         quantized = self.quantization is not None
         return torch.float32 if quantized else next(self.model.parameters()).dtype
 
+    @cached_property
+    def vocabulary_fingerprint(self) -> str:
+        """A sha256 of the id -> token table (its size alone without a tokenizer), computed once: token ids stored
+        for one model (a suffix history) are only meaningful for models with the same fingerprint."""
+        if self.tokenizer is None:
+            table: object = {"vocab_size": self.vocab_size}
+        else:
+            table = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return hashlib.sha256(json.dumps(table).encode()).hexdigest()
+
     def new_runner(self) -> ModelRunner:
         """A fresh runner with its own empty KV cache over this model's weights (native or transformers); a native
         one's cache grows on demand up to ``context_window`` slots."""
         if self.backend == "native":
             cap = self.context_window
             first = INITIAL_SLOTS if cap is None else min(INITIAL_SLOTS, cap)
-            return NativeLlamaRunner(self.model, self.vocab_size, max_length=first, max_capacity=cap)
-        return HFRunner(self.model, self.vocab_size)
+            return NativeRunner(self.model, self.vocab_size, max_length=first, max_capacity=cap)
+        return TransformersRunner(self.model, self.vocab_size)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt: a string is tokenized as the tokenizer does; a list is checked and kept."""

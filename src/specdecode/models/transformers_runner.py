@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedConfig, cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .runner import check_retained_slots
+from .runner import ModelRunner, check_retained_slots
 
 if TYPE_CHECKING:  # transformers.modeling_utils costs ~2 s at `import specdecode`; loading a model imports it
     from transformers import PreTrainedModel
@@ -81,7 +81,7 @@ def attention_kinds(config: PreTrainedConfig) -> frozenset[str]:
     return frozenset({"full_attention"})
 
 
-class HFRunner:
+class TransformersRunner(ModelRunner):
     """Generic runner: one ``model(...)`` call per forward; rollback crops the DynamicCache.
 
     The cache keeps every position of every layer (``full_cache``), so rollback and ``retain`` are exact for

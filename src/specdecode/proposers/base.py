@@ -27,10 +27,6 @@ class Proposer:
 
     needs_target_hidden: bool = False  # the engine captures the target's features and hands them to observe_target
     couples_with_keyed_noise: bool = False  # propose_coupled draws with the request's keyed noise (reproducible)
-    chooses_length: bool = False  # drafts two ways, previewing the side and length a round gets (HybridProposer)
-    sizes_its_drafts: bool = False  # a draft runs as deep as the proposer finds it pays (suffix decoding)
-    copier_sizes_its_drafts: bool = False  # (chooses_length) the copy side sizes its drafts: taken as offered
-    last_side: str | None = None  # (chooses_length) the side that drafted the last round: "copy" or "model"
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """At most ``k`` guessed tokens following ``context`` (prompt + generated so far)."""
@@ -53,10 +49,6 @@ class Proposer:
 
     def end_request(self, context: list[int]) -> None:
         """A request ended with ``context`` (prompt + output): a proposer that remembers requests keeps it."""
-
-    def preview(self, context: list[int], k: int) -> tuple[str, int]:
-        """(``chooses_length`` only) the side that would draft a round of at most ``k`` and how many tokens."""
-        raise NotImplementedError(f"{type(self).__name__} does not choose its length (chooses_length is False)")
 
 
 class DuckTypedProposer(Proposer):

@@ -40,12 +40,11 @@ class HybridProposer(Proposer):
     a draft model).
 
     A fixed ``gamma`` caps a copied run; the model drafts at most ``model_gamma`` guesses a round. Under
-    ``gamma="auto"`` (``chooses_length``) each side has its own controller (``control.HybridGamma`` in the decoder,
+    ``gamma="auto"`` each side has its own controller (``control.HybridGamma`` in the decoder,
     per-side books in the server): ``preview`` says which side would draft and how far, and that side's acceptance
     and drafting price choose the round's length, 0 (a plain round) included.
     """
 
-    chooses_length = True
     couples_with_keyed_noise = True  # copies are fixed; the model side must couple (else a TypeError)
 
     def __init__(
@@ -75,11 +74,11 @@ class HybridProposer(Proposer):
         self._previewed: tuple[list[int], int, int, Draft | None] | None = None  # context, its length, k, the copy
 
     @property
-    def copier_sizes_its_drafts(self) -> bool:  # type: ignore[override]
+    def copier_sizes_its_drafts(self) -> bool:
         """Whether a copied run is as long as the copier finds it pays (suffix decoding: its match's depth and the
         measured v(k)) rather than as long as asked (prompt lookup copies k tokens): γ auto then takes a copy as
         offered and prices only whether the model drafts."""
-        return self.copier.sizes_its_drafts
+        return isinstance(self.copier, SuffixProposer)
 
     def fork(self) -> HybridProposer:
         """A proposer for another request stream: the copier's request state its own (the history shared), the

@@ -340,7 +340,7 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         # An LM head may carry its weights' exact rows (float32 by token id): the native runner recomputes
-        # the few highest logits of each row from them (see NativeLlamaRunner).
+        # the few highest logits of each row from them (see NativeRunner).
         self.exact_rows = exact_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

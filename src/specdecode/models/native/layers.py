@@ -1,6 +1,7 @@
-"""The native runner's view of a model's weights (``runner``): per decoder layer the matrices fused
-(q/k/v and gate/up) in whatever format they are stored, the norms as the runner applies them, and whether the
-compiled kernels can run the stack. Fused layers are cached per module, so runners over one model share them.
+"""The native runner's view of a model's weights (``runner``): per decoder layer the matrices fused (q/k/v and
+gate/up) in whatever format they are stored, the norms as the runner applies them, and whether the compiled kernels
+can run the stack; and the ``Decoder`` a pass runs (those layers, the head, the embedding and the shapes). Fused
+layers are cached per module, so runners over one model share them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from ..formats.kernel_linear import KernelHandle, KernelLinear
 from ..formats.weights import (
     ConcatLinear,
     Embedding,
+    Int8Groups,
+    KernelRows,
     Linear,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -32,7 +35,7 @@ KERNEL_CACHE_DTYPE = torch.float16  # the compiled kernels' KV cache (llama.cpp'
 
 
 def supports_native(model: nn.Module) -> bool:
-    """True iff ``NativeLlamaRunner`` reproduces ``model``'s forward pass exactly (else use the transformers runner);
+    """True iff ``NativeRunner`` reproduces ``model``'s forward pass exactly (else use the transformers runner);
     ``architecture.unsupported_reason`` says why not."""
     return unsupported_reason(model) is None
 
@@ -136,7 +139,7 @@ def _kernels_of(linear: Linear):
 
 
 def uses_kernels(model: nn.Module) -> bool:
-    """Whether a ``NativeLlamaRunner`` over ``model`` runs the compiled kernels."""
+    """Whether a ``NativeRunner`` over ``model`` runs the compiled kernels."""
     weights = _weights(model)
     attn = model.model.layers[0].self_attn
     return _kernel_layers(weights.layers, weights.lm_head, model.config, attn.head_dim) is not None
@@ -171,4 +174,79 @@ def _weights(model: nn.Module) -> _Weights:
         norm=_norm_weight(base.norm, dtype, arch),
         lm_head=linear_of(model.lm_head),
         exact_head_rows=getattr(model.lm_head, "exact_rows", None),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Decoder:
+    """What a native pass runs (``torch_path``, ``kernel_path``): the first ``len(layers)`` fused decoder layers of a
+    model, its embedding, final norm and LM head, and the shapes and constants both paths read. Runners over one
+    model and layer count hold decoders over the same fused layers (``same_weights``): one pass may run them all."""
+
+    dtype: torch.dtype  # the residual stream's
+    arch: Architecture
+    device: torch.device
+    embed: Embedding
+    embed_scale: torch.Tensor | None  # Gemma's sqrt(hidden), in the residual dtype
+    layers: tuple[_Layer, ...]
+    norm: torch.Tensor
+    lm_head: Linear
+    exact_head_rows: Callable[[torch.Tensor], torch.Tensor] | None  # a quantized head's exact rows, by token id
+    head_refinement: tuple  # (int8 table, its scales, rows refined, from the head's own tiles): the kernels' head
+    vocab_size: int
+    eps: float
+    hidden_shape: tuple[int, ...]
+    heads: int
+    kv_heads: int
+    groups: int  # query heads per key/value head
+    head_dim: int
+    scaling: float
+    intermediate: int
+    kernel_layers: list[int] | None  # the layers' ids in the compiled kernels, None on the torch path
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.kernel_layers is not None
+
+    def same_weights(self, other: Decoder) -> bool:
+        """Whether ``other`` runs these very layers and final norm (one pass may compute rows for both)."""
+        return (
+            len(other.layers) == len(self.layers)
+            and all(a is b for a, b in zip(other.layers, self.layers, strict=True))
+            and other.norm.data_ptr() == self.norm.data_ptr()
+        )
+
+
+def decoder_of(model: nn.Module, vocab_size: int, num_layers: int) -> Decoder:
+    """The ``Decoder`` of ``model``'s first ``num_layers`` layers, its logits cut to ``vocab_size`` columns."""
+    weights = _weights(model)
+    config = model.config
+    attn = model.model.layers[0].self_attn
+    layers = weights.layers[:num_layers]
+    exact = weights.exact_head_rows
+    # The kernels' head refines its top logits from an int8 table, or from its own tiles (KernelRows), or not.
+    q, scale = (exact.q, exact.scale) if isinstance(exact, Int8Groups) else (None, None)
+    from_head = isinstance(exact, KernelRows) and exact.matrix is weights.lm_head
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return Decoder(
+        dtype=weights.dtype,
+        arch=weights.arch,
+        device=weights.norm.device,
+        embed=weights.embed,
+        embed_scale=None if weights.arch.embed_scale is None else weights.arch.embed_scale.to(weights.dtype),
+        layers=layers,
+        norm=weights.norm,
+        lm_head=weights.lm_head,
+        exact_head_rows=exact,
+        head_refinement=(q, scale, REFINED_LOGITS if q is not None or from_head else 0, from_head),
+        vocab_size=vocab_size,
+        eps=config.rms_norm_eps,
+        hidden_shape=(config.hidden_size,),
+        heads=heads,
+        kv_heads=kv_heads,
+        groups=heads // kv_heads,
+        head_dim=attn.head_dim,
+        scaling=attn.scaling,
+        intermediate=config.intermediate_size,
+        kernel_layers=_kernel_layers(layers, weights.lm_head, config, attn.head_dim),
     )

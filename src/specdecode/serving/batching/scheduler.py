@@ -4,10 +4,10 @@ All model work runs on one background thread. Requests arrive through a thread-s
 slot (a runner with its own KV cache, plus the request's proposer state), up to ``max_batch`` at once. Each
 step the thread (1) drops requests whose client went away and admits waiting ones (prefill), (2) asks the
 policy how many tokens each request drafts, (3) drafts them (``SpeculativeDecoder.draft``), (4) runs ONE
-target pass for all of them (``forward_batch``: every request's newest token plus its draft; a token tree,
+target pass for all of them (the runner's ``forward_batch``: every request's newest token plus its draft; a token tree,
 with positions and a mask of its own, runs alone), and (5)
 verifies, emits and handles stops per request (``SpeculativeDecoder.verify_round``). A hybrid proposer
-(``chooses_length``: ``eagle+suffix``) says before (2) which side would draft (a copied run or the model's
+(``HybridProposer``: ``eagle+suffix``) says before (2) which side would draft (a copied run or the model's
 guesses) and how far; the policy prices that round with that side's acceptance and drafting cost, kept apart
 (``eagle+suffix:copy``, ``eagle+suffix:model``), so a head's ~45% never cuts a ~90% copy short. Requests join and leave
 between steps. Events (text deltas, the final output, an error) go back through each job's ``deliver``
@@ -35,10 +35,10 @@ from ...engine.decoder import Round, SpeculativeDecoder
 from ...engine.prefix_reuse import held_after
 from ...engine.provenance import TokenLogprob, TokenSource
 from ...engine.request import GenerationOutput, Request
-from ...models.batch import forward_batch
 from ...models.runner import ModelRunner
 from ...openmp import release_thread_pool
 from ...proposers.base import Proposer
+from ...proposers.hybrid import HybridProposer
 from ..metrics import ServerMetrics
 from .policy import Candidate, SpeculationPolicy
 from .prefix_cache import CachedRows, PrefixCache
@@ -291,7 +291,7 @@ class Scheduler:
         computed — bitwise the cache a full prefill gives (``Request.prefill``); then cache the prompt's whole
         blocks, so that requests arriving while it runs share them too."""
         request, runner, cache = job.request, job.slot.runner, self.prefix_cache
-        if cache is None or not getattr(runner, "exact_prefix_reuse", False):
+        if cache is None or not runner.exact_prefix_reuse:
             request.prefill(runner)
             return
         capture = runner.capture_hidden  # an EAGLE head's request reuses only blocks that carry the features
@@ -308,7 +308,7 @@ class Scheduler:
 
     def _keep_blocks(self, job: Job) -> None:
         """Copy the whole blocks of what the job's runner holds into the prefix cache (features too, if captured)."""
-        if self.prefix_cache is None or job.slot is None or not getattr(job.slot.runner, "exact_prefix_reuse", False):
+        if self.prefix_cache is None or job.slot is None or not job.slot.runner.exact_prefix_reuse:
             return
         runner = job.slot.runner
         held = held_after(job.request, runner)
@@ -347,7 +347,7 @@ class Scheduler:
             return Candidate(0, ()), None
         name, gamma = job.speculation.proposer, job.speculation.gamma
         cap = max(0, min(self.max_gamma if gamma == "auto" else gamma, job.request.sink.remaining - 1))
-        if cap and job.proposer.chooses_length:
+        if cap and isinstance(job.proposer, HybridProposer):
             # a hybrid: the side that would draft (a copy or a model) and its length, priced by that side's books
             side, length = job.proposer.preview(job.request.context, cap)
             name, cap = f"{name}:{side}", min(cap, length)
@@ -398,7 +398,8 @@ class Scheduler:
         alone = [i for i, (_, this_round) in enumerate(rounds) if this_round.positions is not None]
         try:
             runners = [rounds[i][0].slot.runner for i in chains]
-            for i, logits in zip(chains, forward_batch(runners, [rounds[i][1].tokens for i in chains]), strict=True):
+            chunks = [rounds[i][1].tokens for i in chains]
+            for i, logits in zip(chains, runners[0].forward_batch(runners, chunks) if chains else [], strict=True):
                 out[i] = logits
         except Exception as exc:
             for i in chains:
@@ -425,7 +426,7 @@ class Scheduler:
         name = None
         if drafted:
             name = job.speculation.proposer
-            if job.proposer.chooses_length:  # a hybrid: the books of the side that drafted
+            if isinstance(job.proposer, HybridProposer):  # the books of the side that drafted
                 name = f"{name}:{job.proposer.last_side}"
             self._books(job, name).observe(drafted, accepted)
             if job.drafted_by == name:  # else the time holds a catch-up (see Job.drafted_by), not a price
