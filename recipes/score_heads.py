@@ -34,7 +34,7 @@ def scores(target: sd.LoadedModel, head_dir: Path, held_out: dict[str, list[list
     result = {}
     for name, sequences in held_out.items():
         cache = FeatureCache(cache_root / name, target, torch.bfloat16)
-        markers = answer_markers(target.tokenizer)
+        markers = answer_markers(target)
         figures = held_out_accuracy(head, parts, rows, cache, sequences, [draft_vocab.numel()], markers)
         cache.flush()
         result[name] = figures[draft_vocab.numel()]["top1_by_depth"]

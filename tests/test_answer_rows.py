@@ -27,6 +27,10 @@ TEMPLATE = (
 )
 
 
+def with_tokenizer(tokenizer) -> sd.LoadedModel:
+    return sd.load_model(tiny_llama(64, seed=3), tokenizer=tokenizer)
+
+
 @pytest.fixture(scope="module")
 def chat_target() -> sd.LoadedModel:
     tokenizer = word_tokenizer(WORDS, eos="<end>")
@@ -37,12 +41,12 @@ def chat_target() -> sd.LoadedModel:
 
 
 def test_markers_are_read_off_the_chat_template(chat_target):
-    assert answer_markers(chat_target.tokenizer) == AnswerMarkers((TURN, ASSISTANT), END, frozenset({TURN, END}))
+    assert answer_markers(chat_target) == AnswerMarkers((TURN, ASSISTANT), END, frozenset({TURN, END}))
     plain = word_tokenizer(WORDS, eos="<end>")
-    assert answer_markers(plain) is None  # no template: every row counts
+    assert answer_markers(with_tokenizer(plain)) is None  # no template: every row counts
     odd = word_tokenizer(WORDS, eos="<end>")
     odd.chat_template = CHAT_TEMPLATE  # no generation prompt
-    assert answer_markers(odd) is None
+    assert answer_markers(with_tokenizer(odd)) is None
 
 
 def test_a_turn_end_marked_special_but_not_named_is_found():
@@ -53,7 +57,7 @@ def test_a_turn_end_marked_special_but_not_named_is_found():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<turn>"]})
     tokenizer.add_tokens(["<end>"], special_tokens=True)
     assert END not in tokenizer.all_special_ids and len(tokenizer) == len(WORDS)
-    assert answer_markers(tokenizer) == AnswerMarkers((TURN, ASSISTANT), END, frozenset({TURN, END}))
+    assert answer_markers(with_tokenizer(tokenizer)) == AnswerMarkers((TURN, ASSISTANT), END, frozenset({TURN, END}))
 
 
 def test_answer_positions_cover_each_assistant_turn_and_its_end():
@@ -98,13 +102,11 @@ def test_a_long_chat_trains_as_windows_of_whole_exchanges_each_answer_once(chat_
             {"role": "user", "content": words(generator, 4)},
             {"role": "assistant", "content": f"w{50 + turn} " + words(generator, 11)},
         ]
-    tokenizer = chat_target.tokenizer
-    whole = tokenizer.apply_chat_template(messages, tokenize=True)
-    whole = whole if isinstance(whole, list) else whole["input_ids"]
-    assert token_windows(tokenizer, messages, len(whole)) == [list(whole)]  # a chat that fits: as before
-    windows = token_windows(tokenizer, messages, 48)
+    whole = chat_target.chat_ids(messages, generation_prompt=False)
+    assert token_windows(chat_target, messages, len(whole)) == [list(whole)]  # a chat that fits: as before
+    windows = token_windows(chat_target, messages, 48)
     assert len(windows) == 3 and all(len(ids) <= 48 for ids in windows)
-    markers = answer_markers(tokenizer)
+    markers = answer_markers(chat_target)
     for ids in windows:
         assert ids[:2] == [TURN, USER]  # each window opens as a chat does
         assert answer_positions(ids, markers).any()
@@ -118,16 +120,15 @@ def test_an_exchange_past_max_length_keeps_the_end_of_its_question_and_its_answe
     generator = torch.Generator().manual_seed(7)
     question, answer = words(generator, 100), words(generator, 10)
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    (ids,) = token_windows(chat_target.tokenizer, messages, 40)
+    (ids,) = token_windows(chat_target, messages, 40)
     vocab = chat_target.tokenizer.get_vocab()
     kept = [vocab[w] for w in question.split()[-20:]]  # max_length // 2 of its last tokens
     assert ids == [TURN, USER, *kept, END, TURN, ASSISTANT, *[vocab[w] for w in answer.split()], END]
-    markers = answer_markers(chat_target.tokenizer)
+    markers = answer_markers(chat_target)
     assert answer_positions(ids, markers).sum() == 11  # the answer and its end
-    whole = chat_target.tokenizer.apply_chat_template(messages, tokenize=True)
-    whole = whole if isinstance(whole, list) else whole["input_ids"]
+    whole = chat_target.chat_ids(messages, generation_prompt=False)
     assert not answer_positions(list(whole)[:40], markers).any()  # the control: cut from the end, none
-    longer = token_windows(chat_target.tokenizer, [*messages[:1], {"role": "assistant", "content": question}], 40)
+    longer = token_windows(chat_target, [*messages[:1], {"role": "assistant", "content": question}], 40)
     assert len(longer[0]) == 40 and longer[0][:2] == [TURN, USER]  # an answer past it all: cut at the end
 
 
@@ -166,7 +167,7 @@ def test_the_answers_loss_reads_only_answer_rows(tmp_path, chat_target):
     path.write_text("".join(json.dumps(c) + "\n" for c in chats(6)))
     base = TrainSettings(data=str(path), held_out=1, max_length=64, batch_tokens=128, extract_dtype="float32")
     _, train, _ = read_samples(chat_target, base)
-    markers = answer_markers(chat_target.tokenizer)
+    markers = answer_markers(chat_target)
     cache = FeatureCache(tmp_path / "features", chat_target, torch.float32)
     batch = batch_tensors(cache, "t", train, [0, 1])
     torch.manual_seed(0)

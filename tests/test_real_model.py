@@ -42,7 +42,7 @@ def test_bundled_model_loads_with_its_tokenizer_and_chat_template(smollm2):
 def test_answer_rows_of_a_bundled_chat_are_the_assistant_turn(smollm2):
     from specdecode.training.answer_rows import answer_markers, answer_positions
 
-    markers = answer_markers(smollm2.tokenizer)
+    markers = answer_markers(smollm2)
     assert smollm2.tokenizer.decode(list(markers.header)) == "<|im_start|>assistant\n"
     assert smollm2.tokenizer.decode([markers.end]) == "<|im_end|>"
     chat = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]

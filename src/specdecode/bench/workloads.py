@@ -112,8 +112,8 @@ def select_items(
 def build_prompt(target, turns: Sequence[Turn], answers: Sequence[list[int]]) -> list[int]:
     """Prompt ids for turn ``len(answers)``: earlier turns and the model's own answers as history.
 
-    Text turns go through the tokenizer's chat template with the full message list (plain concatenation
-    without a template); token-id turns are concatenated with the answers' ids.
+    Text turns go through the model's chat template with the full message list (``LoadedModel.chat_ids``);
+    token-id turns are concatenated with the answers' ids.
     """
     n = len(answers)
     if all(isinstance(t, list) for t in turns[: n + 1]):
@@ -128,9 +128,4 @@ def build_prompt(target, turns: Sequence[Turn], answers: Sequence[list[int]]) ->
         messages.append({"role": "user", "content": turn})
         messages.append({"role": "assistant", "content": target.decode(answer)})
     messages.append({"role": "user", "content": turns[n]})
-    if not getattr(target.tokenizer, "chat_template", None):
-        return target.encode("\n\n".join(m["content"] for m in messages))
-    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    return target.chat_ids(messages)

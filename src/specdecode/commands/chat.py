@@ -107,11 +107,7 @@ class Conversation:
 
     def prompt(self, text: str) -> list[int]:
         self.messages.append({"role": "user", "content": text})
-        tokenizer = self.model.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            return self.model.encode("\n".join(m["content"] for m in self.messages))
-        ids = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
-        return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+        return self.model.chat_ids(self.messages)
 
     def answer(self, text: str) -> None:
         self.messages.append({"role": "assistant", "content": text})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -127,17 +128,40 @@ class LoadedModel:
             return " ".join(map(str, ids))
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer brings a chat template (else ``chat_ids`` joins the messages as plain text)."""
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of ``messages`` (``{"role", "content", ...}`` dicts) in the model's chat template, ``tools``
+        rendered by it and, with ``generation_prompt``, the assistant's header appended: the one way a chat becomes
+        a prompt (the CLI, the server, the benchmarks, training). Without a template: the messages' contents
+        joined by newlines, as plain text (no tools). A template that refuses the messages raises ValueError."""
+        if self.tokenizer is None:
+            raise ValueError(f"model '{self.name}' has no tokenizer: pass the prompt as a list of token ids")
+        if not self.has_chat_template:
+            if tools:
+                raise ValueError(f"model '{self.name}' has no chat template to render tools with")
+            return self.encode("\n".join(str(m["content"]) for m in messages))
+        from jinja2 import TemplateError  # what a template's raise_exception raises (transformers renders with jinja2)
+
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                list(messages), tools=tools, add_generation_prompt=generation_prompt, tokenize=True
+            )
+        except (TemplateError, TypeError, KeyError, IndexError) as exc:  # raise_exception, or fields it cannot read
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
+        return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+
     def chat_prompt(self, text: str) -> list[int]:
-        """Token ids of ``text`` as one user turn in the model's chat template (plain text if it has none)."""
-        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
-        if not template:
-            return self.encode(text)
-        ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """Token ids of ``text`` as one user turn in the model's chat template (``chat_ids``)."""
+        return self.chat_ids([{"role": "user", "content": text}])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -32,7 +32,7 @@ from .openai.protocol import APIError, ChatCompletionRequest, CompletionRequest,
 from .openai.response_format import response_grammar
 from .openai.responses import DONE, Shape, choice_seed, sse, usage
 from .openai.tokens import TokenRecord, TokenTrack
-from .openai.tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, renders_tools, tool_plan
+from .openai.tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, tool_plan
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
@@ -193,21 +193,17 @@ class Server:
             raise APIError(400, str(exc), exc.param) from None
 
     def _chat_ids(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's ids through the chat template (``tools``: rendered by it; a 400 if it ignores them)."""
-        tokenizer = self.target.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        """The prompt's ids through the chat template (``LoadedModel.chat_ids``; ``tools``: rendered by it, a 400 if
+        the template renders them no differently)."""
+        if not self.target.has_chat_template:
             raise APIError(400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages")
         messages = [m.template_dict() for m in body.messages]
         try:
-            if tools is not None and not renders_tools(tokenizer, messages, tools):
+            ids = self.target.chat_ids(messages, tools)
+            if tools is not None and ids == self.target.chat_ids(messages):
                 raise APIError(400, NO_TOOL_SUPPORT, "tools")
-            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-        except APIError:
-            raise
-        except Exception as exc:  # the template's own checks (e.g. roles it refuses)
-            raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
+        except ValueError as exc:  # the template's own checks (e.g. roles it refuses)
+            raise APIError(400, str(exc), "messages") from None
         if not ids:
             raise APIError(400, "messages produced an empty prompt", "messages")
         return [int(t) for t in ids]

@@ -47,7 +47,7 @@ def tokenize(target: LoadedModel, sample: Sample, max_length: int) -> list[int]:
 def token_windows(target: LoadedModel, sample: Sample, max_length: int) -> list[list[int]]:
     """A text's ids in consecutive windows of ``max_length`` tokens, a chat's in windows of whole exchanges
     (``windows.token_windows``): a long document or a long chat trains as many samples, not one cut short."""
-    return windows.token_windows(target.tokenizer, sample, max_length)
+    return windows.token_windows(target, sample, max_length)
 
 
 def read_samples(target: LoadedModel, settings: DataSettings) -> tuple[list[list[int]], list[list[int]], DataStats]:

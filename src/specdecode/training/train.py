@@ -258,7 +258,7 @@ def train_head(
     torch.manual_seed(settings.seed)
     head, draft_vocab, scale = _starting_head(target, settings, cache, train, held_out)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
-    markers = answer_markers(target.tokenizer)
+    markers = answer_markers(target)
     head.to(device)
     trained = training_loop(
         head,

@@ -1,5 +1,5 @@
 """``tools`` and ``tool_choice`` on /v1/chat/completions (OpenAI's shapes). The tools are rendered into the prompt by
-the model's chat template (``apply_chat_template(..., tools=...)``); a template that renders them no differently has
+the model's chat template (``LoadedModel.chat_ids(messages, tools)``); a template that renders them no differently has
 no tool support (a 400). A forced call (``tool_choice`` ``"required"`` or a named function) is constrained by the
 grammar of ``{"name": <a function's name>, "arguments": <valid under that function's parameters>}`` (JSON schema
 ``anyOf`` over the functions, or the named one only), so the grammar's mask is part of the target's law at every
@@ -176,10 +176,3 @@ def tool_call_message(text: str) -> dict[str, Any] | None:
     function = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
     tool_call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
     return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
-
-
-def renders_tools(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> bool:
-    """Whether the chat template renders ``tools`` at all: the prompt with them differs from the prompt without."""
-    with_tools = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    without = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return with_tools != without
