@@ -196,7 +196,7 @@ def test_train_head_on_answer_rows_records_both_held_out_figures(tmp_path, monke
     from typer.testing import CliRunner
 
     import specdecode.cli as cli
-    from specdecode import commands
+    from specdecode import factory
 
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in chats(10)))
@@ -211,7 +211,7 @@ def test_train_head_on_answer_rows_records_both_held_out_figures(tmp_path, monke
     assert config["training"]["held_out_answers_top1_by_depth"] == figures["answers_top1_by_depth"]
     with pytest.raises(ValueError, match="loss_rows"):
         TrainSettings(loss_rows="prompts")
-    monkeypatch.setattr(commands, "load", lambda name, *settings: chat_target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: chat_target)
     args = ["train-head", "--data", str(path), "--out", str(tmp_path / "cli"), "--held-out", "2", "--max-length", "64"]
     args += ["--batch-tokens", "128"]
     bad = CliRunner().invoke(cli.app, [*args, "--loss-rows", "prompts"])

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands
+from specdecode import factory
 from specdecode.training import answers
 from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers
 from specdecode.training.samples import read_samples
@@ -79,7 +79,7 @@ def test_too_long_prompts_and_spec_bench_questions_are_skipped(target, tmp_path)
 
 
 def test_make_data_command(target, chats, tmp_path, monkeypatch):
-    monkeypatch.setattr(commands, "load", lambda name, *settings: target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: target)
     args = ["make-data", "--prompts", str(chats), "--out", str(tmp_path / "d"), "--limit", "3", "--max-new-tokens", "6"]
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, result.output

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands
+from specdecode import factory
 
 runner = CliRunner()
 TURNS = ["w1 w2 w3 w1 w2", "w4 w5 w4", "w6"]
@@ -22,7 +22,7 @@ def chat_target(monkeypatch):
     from helpers.tokenizers import CHAT_TEMPLATE
 
     loaded = word_target(seed=5, chat_template=CHAT_TEMPLATE)
-    monkeypatch.setattr(commands, "load", lambda name, *settings: loaded)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: loaded)
     return loaded
 
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 import specdecode.cli as cli
-from specdecode import commands
+from specdecode import factory
 from specdecode.errors import ModelNotAvailable
 
 runner = CliRunner()
@@ -20,7 +20,7 @@ def tiny_target(monkeypatch):
     from helpers.models import word_target
 
     loaded = word_target(seed=5)
-    monkeypatch.setattr(commands, "load", lambda name, *settings: loaded)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: loaded)
     return loaded
 
 
@@ -120,7 +120,7 @@ def test_unknown_model_names_the_fix(monkeypatch):
             f"'{name}' is neither a bundled model (smollm2, gemma3-270m), a .gguf file nor a folder"
         )
 
-    monkeypatch.setattr(commands, "load", missing)
+    monkeypatch.setattr(factory, "load", missing)
     result = runner.invoke(cli.app, ["generate", "hi", "--target", "nope"])
     assert result.exit_code == 1
     assert "nope" in result.output and "Traceback" not in result.output
@@ -167,7 +167,7 @@ def test_a_long_error_is_one_unwrapped_line_and_never_markup(monkeypatch):
     def fail(name, *settings):
         raise ValueError(message)
 
-    monkeypatch.setattr(commands, "load", fail)
+    monkeypatch.setattr(factory, "load", fail)
     result = runner.invoke(cli.app, ["generate", "hi"])
     assert (result.exit_code, result.stderr) == (1, f"error: {message}\n")
 

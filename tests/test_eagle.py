@@ -194,10 +194,10 @@ def test_cli_generate_with_eagle_prints_plain_decoding(head_dir, monkeypatch):
     from typer.testing import CliRunner
 
     import specdecode.cli as cli
-    from specdecode import commands
+    from specdecode import factory
 
     target = word_target()
-    monkeypatch.setattr(commands, "load", lambda name, *settings: target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: target)
     common = ["generate", "w1 w2 w3 w4", "--raw", "--json", "--max-new-tokens", "16"]
     plain = CliRunner().invoke(cli.app, [*common, "--proposer", "none"])
     for tree in ("0", "5"):

@@ -11,7 +11,7 @@ from helpers.laws import resample_from_target
 from typer.testing import CliRunner
 
 import specdecode as sd
-from specdecode import cli, commands
+from specdecode import cli, factory
 from specdecode.engine import decoder as engine
 from specdecode.exactness.check import (
     check_exactness,
@@ -90,7 +90,7 @@ def test_biased_verifier_is_flagged(small_target, small_draft, monkeypatch):
 
 def test_check_exact_command_json(small_target, small_draft, monkeypatch, tmp_path):
     models = {"tiny": small_target, "tiny-draft": small_draft}
-    monkeypatch.setattr(commands, "load", lambda name, *settings: models[name])
+    monkeypatch.setattr(factory, "load", lambda name, *settings: models[name])
     prompts = tmp_path / "q.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": [PROMPT]}) + "\n")
     args = ["check-exact", "--target", "tiny", "--draft", "tiny-draft", "--prompts", str(prompts)]
@@ -103,7 +103,7 @@ def test_check_exact_command_json(small_target, small_draft, monkeypatch, tmp_pa
 
 
 def test_check_exact_command_with_lookup_trees(small_target, monkeypatch, tmp_path):
-    monkeypatch.setattr(commands, "load", lambda name, *settings: small_target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: small_target)
     prompts = tmp_path / "q.jsonl"
     branching = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]  # [1, 2] was followed by 3, 4 and 5: a three-branch tree
     prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": [branching]}) + "\n")

@@ -314,7 +314,7 @@ def test_an_unusable_device_is_refused_in_one_line(tmp_path, monkeypatch, word_t
     from typer.testing import CliRunner
 
     import specdecode.cli as cli
-    from specdecode import commands
+    from specdecode import factory
 
     assert training_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="unknown device"):
@@ -324,7 +324,7 @@ def test_an_unusable_device_is_refused_in_one_line(tmp_path, monkeypatch, word_t
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="sees no CUDA device"):
         training_device("cuda")
-    monkeypatch.setattr(commands, "load", lambda name, *settings: word_target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: word_target)
     for command in (["train-head", "--data", str(corpus)], ["make-data", "--prompts", str(corpus)]):
         result = CliRunner().invoke(cli.app, [*command, "--out", str(tmp_path / "x"), "--device", "cuda"])
         assert result.exit_code == 1 and "sees no CUDA device" in result.stderr
@@ -387,9 +387,9 @@ def test_train_head_command_trains_saves_and_resumes(tmp_path, monkeypatch, word
     from typer.testing import CliRunner
 
     import specdecode.cli as cli
-    from specdecode import commands
+    from specdecode import commands, factory
 
-    monkeypatch.setattr(commands, "load", lambda name, *settings: word_target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: word_target)
     args = ["train-head", "--data", str(corpus), "--out", str(tmp_path / "h"), "--held-out", "2", "--limit", "6"]
     args += ["--max-length", "40", "--batch-tokens", "80", "--checkpoint-every", "2"]
     result = CliRunner().invoke(cli.app, args)
@@ -415,7 +415,7 @@ def test_one_long_text_file_trains_as_windows_of_max_length(tmp_path, monkeypatc
     from typer.testing import CliRunner
 
     import specdecode.cli as cli
-    from specdecode import commands
+    from specdecode import factory
     from specdecode.training.samples import read_samples
 
     generator = torch.Generator().manual_seed(4)
@@ -425,7 +425,7 @@ def test_one_long_text_file_trains_as_windows_of_max_length(tmp_path, monkeypatc
     words = len(text.split())
     assert stats.samples == 1 and stats.sequences == len(held) + len(train) == -(-words // 48)
     assert [t for ids in held + train for t in ids] == word_target.encode(text)  # every token, in order, once
-    monkeypatch.setattr(commands, "load", lambda name, *settings: word_target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: word_target)
     args = ["train-head", "--data", str(tmp_path / "mine.txt"), "--out", str(tmp_path / "h"), "--held-out", "2"]
     result = CliRunner().invoke(cli.app, [*args, "--limit", "8", "--max-length", "40", "--batch-tokens", "80"])
     assert result.exit_code == 0, result.output

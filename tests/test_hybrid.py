@@ -282,7 +282,7 @@ def test_eagle_lookup_exact_sampling_follows_the_targets_law_with_both_sides_dra
 
 
 def test_the_cli_words_build_a_hybrid_and_refuse_what_is_not_one(large_target, head_dir):
-    from specdecode.commands import build_proposer
+    from specdecode.factory import build_proposer
     from specdecode.serving.config import ServerConfig
 
     hybrid = build_proposer("eagle+suffix", large_target, None, head=str(head_dir))

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands, kernels
+from specdecode import factory, kernels
 from specdecode.bench import skip_search
 from specdecode.exactness.enumeration import EngineLaw, engine_law, prefix_law, total_variation
 from specdecode.proposers.layer_skip import SkipSet, parse_layer_list, self_draft_model, skipping_model
@@ -164,7 +164,7 @@ def test_a_skip_set_round_trips_and_refuses_what_does_not_fit(tmp_path):
 @pytest.fixture
 def four_layer_target(monkeypatch):
     loaded = word_target(seed=5, num_layers=4)
-    monkeypatch.setattr(commands, "load", lambda name, *settings: loaded)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: loaded)
     return loaded
 
 

@@ -254,10 +254,10 @@ def test_bench_runs_medusa_chains_and_trees_with_plain_output(large_target, head
 
 def test_cli_trains_resumes_and_generates_with_medusa(tmp_path, monkeypatch, corpus):
     import specdecode.cli as cli
-    from specdecode import commands
+    from specdecode import factory
 
     target = word_target()
-    monkeypatch.setattr(commands, "load", lambda name, *settings: target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: target)
     runner = CliRunner()
     out = tmp_path / "h"
     train = ["train-medusa", "--data", str(corpus), "--out", str(out), "--held-out", "2", "--limit", "8"]

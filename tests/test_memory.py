@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands, kernels
+from specdecode import factory, kernels
 from specdecode.bench import synthetic
 from specdecode.disk_cache import cache_root
 from specdecode.errors import ModelNotAvailable
@@ -133,7 +133,7 @@ def _one_line(result) -> str:
 
 
 def test_generate_past_max_context_is_one_line(monkeypatch):
-    monkeypatch.setattr(commands, "load", lambda name, *settings: _tiny(max_context=settings[-1]))
+    monkeypatch.setattr(factory, "load", lambda name, *settings: _tiny(max_context=settings[-1]))
     args = ["generate", "w1 w2 w3", "--raw", "--max-new-tokens", "40"]
     assert runner.invoke(cli.app, [*args, "--max-context", "64"]).exit_code == 0
     line = _one_line(runner.invoke(cli.app, [*args, "--max-context", "32"]))

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 import specdecode
+from specdecode import factory
 from specdecode.commands.plan import plan
 from specdecode.models import memory
 from specdecode.planner import (
@@ -401,9 +402,9 @@ def test_cli_bad_values(invoke, args):
 
 
 def serve_models(monkeypatch, models) -> None:
-    """Make ``specdecode.load_model(name, ...)`` load ``models[name]`` (an in-process model)."""
-    real = specdecode.load_model
-    monkeypatch.setattr(specdecode, "load_model", lambda name, **options: real(models[name], **options))
+    """Make ``factory.load(name, ...)`` (every model the CLI loads) load ``models[name]`` (an in-process model)."""
+    real = factory.load
+    monkeypatch.setattr(factory, "load", lambda name, *settings: real(models[name], *settings))
 
 
 def test_cli_memory(invoke, monkeypatch):

@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 import specdecode as sd
+from specdecode import factory
 from specdecode.bench.quality import (
     PROMPTS,
     compare_positions,
@@ -118,10 +119,14 @@ def test_reference_name_is_reserved(model, text_ids):
 
 @pytest.fixture
 def invoke(model, monkeypatch):
-    """Run `quality` with ``specdecode.load_model`` loading the tiny model with a word tokenizer."""
+    """Run `quality` with every model name loading the tiny model with a word tokenizer (``factory.load``)."""
     tokenizer = word_tokenizer([f"w{i}" for i in range(VOCAB)])
-    real = sd.load_model
-    monkeypatch.setattr(sd, "load_model", lambda name, **options: real(model, tokenizer=tokenizer, **options))
+
+    def load(name, dtype, quantization="auto", group_size=32, max_context=None):
+        quantization = factory.parse_quantization(quantization)
+        return sd.load_model(model, tokenizer=tokenizer, quantization=quantization, group_size=group_size)
+
+    monkeypatch.setattr(factory, "load", load)
     app = typer.Typer()
     app.command()(quality)
     runner = CliRunner()

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands
+from specdecode import factory
 from specdecode.training.answers import ANSWERS_FILE, AnswerSettings, make_answers
 from specdecode.training.data import normalise
 from specdecode.training.questions import QUESTIONS_FILE, QuestionSettings, pre_query_ids, write_questions
@@ -117,7 +117,7 @@ def test_a_target_that_never_finishes_a_question_stops_with_an_error(target, tmp
 
 
 def test_make_data_writes_then_answers_the_targets_questions(target, tmp_path, monkeypatch):
-    monkeypatch.setattr(commands, "load", lambda name, *settings: target)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: target)
     out = tmp_path / "d"
     args = ["make-data", "--prompts", "self", "--out", str(out), "--limit", "4", "--max-new-tokens", "6"]
     result = CliRunner().invoke(cli.app, args)

@@ -556,9 +556,8 @@ def test_engine_thread_batches_requests_of_mixed_prompt_lengths_in_one_pass(targ
 @pytest.fixture
 def cli_target(monkeypatch, target):
     """Every model name the CLI (or the server it builds) loads is the tiny target."""
-    from specdecode import commands, factory
+    from specdecode import factory
 
-    monkeypatch.setattr(commands, "load", lambda name, *settings: target)
     monkeypatch.setattr(factory, "load", lambda name, *settings: target)
     return target
 

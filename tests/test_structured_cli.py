@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import specdecode as sd
 import specdecode.cli as cli
-from specdecode import commands
+from specdecode import factory
 
 runner = CliRunner()
 PROMPT = "{ [ a"
@@ -23,7 +23,7 @@ PROMPT = "{ [ a"
 def json_target(monkeypatch) -> sd.LoadedModel:
     """Every model name loads the tiny model over JSON pieces (tests/test_structured.py)."""
     loaded = with_eos(sd.load_model(tiny_llama(len(PIECES), seed=0), tokenizer=json_tokenizer()), 0)
-    monkeypatch.setattr(commands, "load", lambda name, *settings: loaded)
+    monkeypatch.setattr(factory, "load", lambda name, *settings: loaded)
     return loaded
 
 

@@ -389,7 +389,7 @@ def test_negative_control_a_biased_tree_rule_is_caught(small_target, monkeypatch
 
 
 def test_check_exact_cli_takes_the_suffix_proposer():
-    from specdecode.commands import build_proposer
+    from specdecode.factory import build_proposer
 
     assert isinstance(build_proposer("suffix", None, None), SuffixProposer)
     with pytest.raises(ValueError, match="--suffix-cache applies to the suffix proposer"):

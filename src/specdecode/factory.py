@@ -6,7 +6,6 @@ config's fields through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,7 +54,6 @@ def build_proposer(
     heads: str | None = None,
     tree_width: int = 1,
     suffix_cache: str | None = None,
-    loader: Callable[[str, str, str, int], LoadedModel] | None = None,
     suffix_remember: bool = True,
 ) -> Proposer:
     """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
@@ -64,9 +62,8 @@ def build_proposer(
     or ``skip:SKIP.json`` / ``skip:LIST`` (the target without those layers); ``tree_width`` > 1: lookup offers
     that many distinct matches as a token tree; ``MODEL+suffix`` / ``MODEL+lookup`` (``eagle+lookup``): a
     ``HybridProposer`` copying where the text repeats (suffix decoding; prompt lookup's 2- and 3-gram matches),
-    else drafting with MODEL. A draft model loads with ``loader`` (default
-    ``load``); ``suffix_remember`` False: a hybrid's copier keeps no request's text once it ends (the server's
-    request scope)."""
+    else drafting with MODEL. A draft model loads with ``load``; ``suffix_remember`` False: a hybrid's copier
+    keeps no request's text once it ends (the server's request scope)."""
     from .proposers import DraftModelProposer, EagleProposer, MedusaProposer, PromptLookupProposer
     from .proposers.hybrid import HybridProposer
     from .proposers.layer_skip import self_draft_model
@@ -86,9 +83,7 @@ def build_proposer(
                 f"unknown proposer {kind!r}: a hybrid is MODEL+suffix or MODEL+lookup, MODEL one of "
                 f"{', '.join(HYBRID_MODELS)}"
             )
-        model = build_proposer(
-            model_kind, target, draft, dtype, quantization, group_size, head, tree_nodes, heads, loader=loader
-        )
+        model = build_proposer(model_kind, target, draft, dtype, quantization, group_size, head, tree_nodes, heads)
         if copier == "lookup":
             return lookup_hybrid(model)
         return HybridProposer(model, suffix_proposer(suffix_cache, remember=suffix_remember))
@@ -110,7 +105,7 @@ def build_proposer(
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
     own = self_draft_model(target, draft)
-    return DraftModelProposer(own if own is not None else (loader or load)(draft, dtype, quantization, group_size))
+    return DraftModelProposer(own if own is not None else load(draft, dtype, quantization, group_size))
 
 
 def lookup_hybrid(model: Proposer) -> HybridProposer:

