@@ -20,6 +20,7 @@ from .proposers import (
 from .sampling import verify
 from .sampling.params import SamplingParams
 from .structured import Grammar
+from .version import __version__
 
 __all__ = [
     "DecodeStats",
@@ -41,6 +42,7 @@ __all__ = [
     "SuffixHistory",
     "SuffixProposer",
     "VocabularyMismatch",
+    "__version__",
     "autoregressive_generate",
     "load_model",
     "sampling",

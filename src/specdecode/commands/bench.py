@@ -160,6 +160,7 @@ def bench(
     With --synthetic, measure loading and stepping models of real sizes instead (random weights)."""
     settings = BenchSettings(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
     from specdecode.bench import session
+
     console = Console(stderr=True)
     if synthetic is not None:
         from specdecode.commands.bench_synthetic import bench_synthetic, synthetic_shapes

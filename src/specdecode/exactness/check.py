@@ -22,14 +22,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from scipy.optimize import brentq
-from scipy.stats import chi2, ncx2
 
 from ..engine.decoder import SpeculativeDecoder
+from ..errors import optional_import
 from ..models.loaded import LoadedModel
 from ..proposers.base import Proposer
 from ..sampling.params import SamplingParams
 from ..sampling.probs import greedy_tokens, warp
+
+brentq = optional_import("scipy.optimize", "bench", "check-exact's statistics").brentq
+_stats = optional_import("scipy.stats", "bench", "check-exact's statistics")
+chi2, ncx2 = _stats.chi2, _stats.ncx2
 
 MIN_EXPECTED = 5.0
 NULL_REPLICATES = 200

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..models.loaded import LoadedModel
+from ..version import __version__
 from .model import text_config
 from .saved import SHIPPED, check_target, target_identity
 
@@ -89,6 +90,7 @@ def save_heads(
     config = {
         "format": FORMAT,
         "version": VERSION,
+        "specdecode": __version__,
         "target": target_identity(target),
         "hidden_size": heads.hidden_size,
         "num_heads": heads.num_heads,

@@ -189,7 +189,7 @@ def make_answers(
         with open(path, "a", encoding="utf-8") as file:
             _answer_padded(target, todo, settings, stats, file, on_answer)
         return stats
-    from ..serving.batching.policy import SpeculationPolicy  # the serving package needs the [serve] extra's FastAPI
+    from ..serving.batching.policy import SpeculationPolicy  # here: importing serving loads FastAPI
     from ..serving.batching.scheduler import PLAIN, Event, Job, Scheduler, Speculation
 
     decoder = SpeculativeDecoder(target, None, gamma="auto", mode="reproducible")

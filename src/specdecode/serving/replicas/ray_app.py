@@ -33,6 +33,7 @@ from typing import Any
 
 import uvicorn
 
+from ...errors import optional_import
 from ..app import create_app
 from ..config import ServerConfig
 from ..hosts import HostCheck
@@ -138,7 +139,7 @@ def init_ray(**options: Any) -> None:
     address = os.environ.get("RAY_ADDRESS")
     if not address:
         os.environ.update(ONE_MACHINE)
-    import ray
+    ray = optional_import("ray", "ray", "serve --ray")
 
     if address:
         ray.init(address=address, **options)
