@@ -6,8 +6,8 @@ Ray has two replicas running again.
 
 ``--front process``: the front served from this process, as `specdecode serve --ray` does; ``proxy``: the front as a
 deployment behind Ray's HTTP proxy (``ray_app.application``). Needs `pip install 'specdecode[ray]'`; starts its own
-local Ray (num_cpus 2: one per replica). tests/test_serving_slow.py runs it on the bundled model and checks what it
-reports.
+local Ray (num_cpus 2: one per replica). tests/serving/test_serving_slow.py runs it on the bundled model and checks what
+it reports.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ deterministic trees) or that sample few tokens from a small vocabulary.
 
 ``through_kernels=True`` enumerates the compiled code a float32 CPU run samples with (``KernelEnumerator``): the
 chain rule's decisions are ``exact_chain``'s own, and every draw ``inverse_cdf``'s (the kernels' ``inverse_cdf_rows``),
-each law read off the op by bisection on its float64 uniforms (as tests/test_kernel_laws.py does) — so a fault
+each law read off the op by bisection on its float64 uniforms (as tests/kernels/test_kernel_laws.py does) — so a fault
 compiled into the kernels (``kernels.MUTANTS``) moves the enumerated law.
 """
 

@@ -1,6 +1,6 @@
 """The random decisions of exact speculative decoding, behind one small interface.
 
-Every random step of the exact rules (``verify``) and of the proposers that sample (``sampling.sample``, EAGLE's
+Every random step of the exact rules (``verify``) and of the proposers that sample (``probs.sample``, EAGLE's
 draws without replacement) is one of: accept a run of guesses (each with probability min(1, ratio)), accept one
 guess, draw a token from a distribution, draw distinct tokens in order. ``GeneratorChoices`` makes them with a
 ``torch.Generator`` — a uniform u, accepted iff u < ratio; a token by inverting the cumulative distribution at
