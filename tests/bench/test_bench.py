@@ -253,6 +253,7 @@ def test_bench_end_to_end_on_a_tiny_model(tiny_target, tmp_path):
     assert data["aggregates"][OVERALL]["ours:lookup:g2"]["non_identical"] == 0
     report = (tmp_path / "report.md").read_text()
     assert "ours:lookup:g2" in report and "mt_bench" in report
+    assert data["machine"]["specdecode"] == sd.__version__ and f"specdecode {sd.__version__}" in report
 
 
 def test_transformers_generate_counts_only_new_tokens(tiny_target):

@@ -69,6 +69,17 @@ def machine_info(argv: Sequence[str] | None = None) -> dict:
     }
 
 
+def machine_line(machine: dict) -> str:
+    """``machine_info`` in one line: CPU, cores, threads and vector extensions, then the versions and the date."""
+    gpu = f", GPU {machine['cuda']}" if machine.get("cuda") else ""
+    vectors = ", ".join(machine.get("vector_extensions") or ["no vector extensions read"])
+    return (
+        f"{machine.get('cpu')} ({machine.get('cpu_count')} CPUs, torch threads {machine.get('torch_threads')}{gpu}; "
+        f"{vectors}); specdecode {machine.get('specdecode')}, torch {machine.get('torch')}, "
+        f"transformers {machine.get('transformers')}; {machine.get('date')}"
+    )
+
+
 def _clean(value):
     """JSON-safe: NaN/inf become null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -247,9 +258,7 @@ def _setup_lines(result: BenchResult, machine: dict, setup: dict) -> list[str]:
         f"- workload: {setup.get('prompts')}, {n_questions} questions, {len(result.records)} timed generations "
         f"in subtasks {', '.join(_subtasks(result))}",
         f"- {sampling}, max_new_tokens {cfg.max_new_tokens}, warm-up {cfg.warmup} question(s)",
-        f"- machine: {machine['cpu']} ({machine['cpu_count']} CPUs, torch threads {machine['torch_threads']}"
-        + (f", GPU {machine['cuda']}" if machine.get("cuda") else "")
-        + f"); torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
+        f"- machine: {machine_line(machine)}",
         "",
         "Methods run in one process (one loaded target per --quantization setting), interleaved per question",
         "in a rotating order. weights = how the target's weights are stored (dense = unquantized floats).",

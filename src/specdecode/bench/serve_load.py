@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import optional_import
+from .report import machine_line
 
 httpx = optional_import("httpx", "bench", "the load clients")
 
@@ -253,7 +254,7 @@ def markdown(rows: list[dict[str, Any]], setup: dict[str, Any], machine: dict[st
         f"{setup['max_tokens']} tokens per request, temperature {setup['temperature']}, prompts: {setup['prompts']}; "
         f"{setup['duration']:.0f} s per run × {setup['repeats']} repeat(s) (policy order rotated each repeat).",
         "",
-        f"Machine: {machine.get('cpu')}, {machine.get('torch_threads')} torch threads; {machine.get('date')}.",
+        f"Machine: {machine_line(machine)}.",
         "",
         "| clients | policy | tokens/s | ± | finished | errors | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
         "| speculating steps | acceptance |",
