@@ -1,4 +1,4 @@
-"""The public API DESIGN.md promises, name by name, stays where it is: outside checks call exactly these."""
+"""The public API the README and the guides promise, name by name, stays where it is (outside checks call these)."""
 
 from __future__ import annotations
 

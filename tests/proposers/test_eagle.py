@@ -122,7 +122,7 @@ def test_needs_the_target_features_and_a_head(large_target, head_dir):
 
 
 def test_the_keyword_knobs_and_the_settings_dataclass_build_the_same_proposer(large_target, head_dir):
-    """``EagleProposer(target, head, tree_nodes=4, ...)`` (DESIGN.md's keyword constructor) is
+    """``EagleProposer(target, head, tree_nodes=4, ...)`` (the documented keyword constructor) is
     ``EagleProposer(target, head, settings=EagleSettings(tree_nodes=4, ...))``; the settings are frozen and checked."""
     knobs = {"tree_nodes": 4, "branching": 2, "dtype": torch.float32, "int8": False}
     by_keywords = EagleProposer(large_target, head=head_dir, **knobs)

@@ -1,5 +1,5 @@
 """The ``Proposer`` base class: shipped proposers subclass it, the engine and the server call its hooks directly,
-and a user's object with only ``propose`` (duck-typed, DESIGN.md) is adapted where it enters and still runs."""
+and a user's object with only ``propose`` (duck-typed, as documented) is adapted where it enters and still runs."""
 
 from __future__ import annotations
 

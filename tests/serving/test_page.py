@@ -120,7 +120,7 @@ def test_the_page_streams_the_greedy_answer_token_by_token_and_races(browser, sm
         assert page.text_content("#race-plain") == page.text_content("#race-spec") == expected
         assert "identical" in page.text_content("#race-summary")
         page.wait_for_selector("#server-load:has-text('running 0')")  # the poll of /v1/speculation saw it end
-        if os.environ.get("SPECDECODE_SCREENSHOT") == "1":  # the README's picture; a test run leaves the tree as it is
+        if os.environ.get("SPECDECODE_SCREENSHOT") == "1":  # the picture in docs/SERVING.md; a test run keeps the tree
             page.screenshot(path=str(SCREENSHOT), full_page=True)
         assert not page.script_errors
 

@@ -390,7 +390,7 @@ class Scheduler:
         trees (their own positions and mask) one by one.
 
         A pass that raises fails the requests it computes, and only those: the engine thread goes on with the
-        others (any exception, as the README promises a request that fails inside the engine fails alone). The
+        others (any exception, as docs/SERVING.md promises a request that fails inside the engine fails alone). The
         batched pass is one computation for all its rows, so its failure is every chain's (a batching bug shows
         in each of their answers, never hidden behind a retry)."""
         out: list[torch.Tensor | None] = [None] * len(rounds)
