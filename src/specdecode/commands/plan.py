@@ -51,7 +51,7 @@ MemoryOption = Annotated[
         "tables per token, the scratch per row and at --context, and how many sequences fit --budget.",
     ),
 ]
-DraftOption = Annotated[str | None, typer.Option(help="--memory: the draft model, if any.")]
+DraftOption = Annotated[str | None, typer.Option(help="The draft model: --memory counts it, --measure drafts with it.")]
 ContextOption = Annotated[int | None, typer.Option(help="--memory: tokens per sequence (prompt and output).")]
 BudgetOption = Annotated[
     float | None, typer.Option(help="--memory: memory budget in GiB (default: what is available now).")
@@ -73,7 +73,7 @@ MeasureOption = Annotated[
         "then predict every gamma and recommend one.",
     ),
 ]
-ProposerOption = Annotated[str, typer.Option(help="--measure: lookup or draft.")]
+ProposerOption = Annotated[str, typer.Option(help="--measure: lookup or draft (with --draft PATH or self:N).")]
 GammasOption = Annotated[str, typer.Option(help="--measure: gammas to run and compare with predictions.")]
 OutOption = Annotated[Path, typer.Option(help="--measure: folder for plan.json and plan.png.")]
 
