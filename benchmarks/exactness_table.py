@@ -3,8 +3,8 @@ engine-level tests' power (``--power``) and the engine's enumerated laws (``--la
 
 Each row of the first names its tests as ``module::function``; the script imports the test modules, fails if a named
 test is gone, and reads the bounds and false-alarm rates from the modules' own constants, so the table cannot drift
-from the code silently (tests/test_exactness_table.py checks that the doc holds this output). Run from the repository
-root:
+from the code silently (tests/exactness/test_exactness_table.py checks that the doc holds this output). Run from the
+repository root:
 
     PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py            # print the table
     PYTHONPATH=src .venv/bin/python benchmarks/exactness_table.py --write    # replace it in docs/EXACTNESS.md
@@ -34,8 +34,12 @@ END = "<!-- exactness_table.py: end -->"
 
 
 def _module(name: str):
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
+    """A test module by its name, imported as pytest imports it (its folder on ``sys.path``; names are unique), or a
+    module under tests/ (``helpers.models``)."""
+    folders = [ROOT / "tests"] + [path.parent for path in (ROOT / "tests").rglob(f"{name}.py")]
+    for folder in map(str, folders):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     return importlib.import_module(name)
 
 
@@ -120,9 +124,9 @@ def _compiled_rows() -> list[Row]:
 def _engine_rows() -> list[Row]:
     """The engine's laws: enumerated on the torch path, sampled at CI size and at release strength."""
     bound = constant("test_enumeration", "BOUND")
-    engine_alpha = constant("test_engine", "ALPHA")
-    strong_tv, strong_alpha = constant("test_exactness_strong", "TV"), constant("test_exactness_strong", "ALPHA")
-    engine_family = 2 * len(constant("test_engine", "WARPS")) * 2 * 2 * engine_alpha  # kinds × warps × tests × backends
+    engine_alpha = constant("test_decoder", "ALPHA")
+    strong_tv, strong_alpha = constant("test_check_strong", "TV"), constant("test_check_strong", "ALPHA")
+    engine_family = 2 * len(constant("test_decoder", "WARPS")) * 2 * 2 * engine_alpha  # kinds×warps×tests×backends
     return [
         (
             "chain rule, torch path (float64 rows, any `Choices`)",
@@ -163,19 +167,19 @@ def _engine_rows() -> list[Row]:
         (
             "engine, draft model's sampled chain and sampled trees (CI sizes, both runners, compiled chain path)",
             "law of the first two tokens",
-            f"{test('test_engine::test_first_two_tokens_follow_the_target_exactly')}, "
+            f"{test('test_decoder::test_first_two_tokens_follow_the_target_exactly')}, "
             f"{test('test_enumeration::test_sampled_drafts_give_the_targets_law')} (slow)",
             f"χ² at {engine_alpha:g} a test (family {engine_family:.1%}, the `backend` fixture doubling), detects "
             "TV ≥ 0.11–0.14 at 90%; slow: exact, TV < 1e-6",
-            f"{test('test_engine::test_negative_control_a_wrong_verifier_is_caught')} (resample from p: gross); slow: "
+            f"{test('test_decoder::test_negative_control_a_wrong_verifier_is_caught')} (resample from p: gross); slow: "
             "q misstated 3% (TV 0.017)",
         ),
         (
             "engine, every sampled law at release strength (opt-in `SPECDECODE_STRONG=1`)",
             "first token and joint of two",
-            test("test_exactness_strong::test_every_law_at_the_size_that_catches_tv_002"),
+            test("test_check_strong::test_every_law_at_the_size_that_catches_tv_002"),
             f"detects TV ≥ {strong_tv:g} at 90%, family false alarm {strong_alpha:.0%}",
-            f"{test('test_exactness_strong::test_a_minimally_biased_residual_is_caught')}: residual mixed 15% — "
+            f"{test('test_check_strong::test_a_minimally_biased_residual_is_caught')}: residual mixed 15% — "
             "draft-model and lookup chains through the compiled chain op, a point-mass tree through `_residual`, each "
             "asserted reached (issue 53)",
         ),
@@ -235,12 +239,12 @@ def _serving_and_identity_rows() -> list[Row]:
         (
             "penalties, logit_bias and min_p (each verified row warped with its own context's counts)",
             "law of the first two tokens = plain sampling's with the same warps; greedy and reproducible identity",
-            f"{test('test_penalties::test_warped_laws_are_plain_samplings_exactly')}, "
-            f"{test('test_penalties::test_greedy_speculation_equals_plain_decoding_with_each_warp')}, "
-            f"{test('test_penalties::test_reproducible_mode_equals_plain_sampling_with_each_warp')}",
+            f"{test('test_warps::test_warped_laws_are_plain_samplings_exactly')}, "
+            f"{test('test_warps::test_greedy_speculation_equals_plain_decoding_with_each_warp')}, "
+            f"{test('test_warps::test_reproducible_mode_equals_plain_sampling_with_each_warp')}",
             "exact, TV < 1e-06; token for token",
             "counts one row late; context warps on row 0 only; min_p before temperature (each > 100× the bound); "
-            f"{test('test_penalties::test_greedy_identity_fails_with_the_counts_one_row_late')}",
+            f"{test('test_warps::test_greedy_identity_fails_with_the_counts_one_row_late')}",
         ),
         (
             "a grammar (structured output): each verified row masked in its own grammar state",
@@ -253,17 +257,17 @@ def _serving_and_identity_rows() -> list[Row]:
         (
             "a reused prefix (the library's next turn, the server's prefix cache: rows copied between runners)",
             "logits and text = a full prefill's",
-            f"{test('test_prefix_cache_runner::test_rows_copied_into_another_runner_continue_bitwise_even_when_the_hit_ends_mid_block')}, "  # noqa: E501
-            f"{test('test_prefix_cache_engine::test_each_turn_reuses_the_history_and_equals_a_fresh_decoder')}, "
+            f"{test('test_kv_rows::test_rows_copied_into_another_runner_continue_bitwise_even_when_the_hit_ends_mid_block')}, "  # noqa: E501
+            f"{test('test_prefix_reuse::test_each_turn_reuses_the_history_and_equals_a_fresh_decoder')}, "
             f"{test('test_prefix_cache_server::test_a_hit_after_a_finished_request_is_bitwise_plain_decoding')}",
             "bitwise; token for token",
-            f"{test('test_prefix_cache_runner::test_control_one_scaled_row_or_other_tokens_rows_change_the_logits')}, "
+            f"{test('test_kv_rows::test_control_one_scaled_row_or_other_tokens_rows_change_the_logits')}, "
             f"{test('test_prefix_cache_server::test_control_corrupted_cached_rows_change_the_logprobs')}",
         ),
         (
             "greedy speculation (chains, trees, every weight format)",
             "identity with plain greedy decoding",
-            f"{test('test_engine::test_greedy_output_is_identical_to_plain_decoding')}, "
+            f"{test('test_decoder::test_greedy_output_is_identical_to_plain_decoding')}, "
             f"{test('test_tree::test_greedy_tree_output_is_plain_decoding')}",
             "token for token",
             "none direct; rests on row invariance (its control above)",
@@ -291,7 +295,7 @@ def table() -> str:
 
 
 def _power_row(name: str, law, samples: int, threshold: float) -> str:
-    from specdecode.exactness import detectable_tv, pooled_shape, samples_for_tv
+    from specdecode.exactness.check import detectable_tv, pooled_shape, samples_for_tv
 
     dof, hidden = pooled_shape(law, samples)
     tv = detectable_tv(samples, dof, threshold, hidden=hidden)
@@ -307,9 +311,9 @@ def power_table() -> str:
     import torch
 
     import specdecode as sd
-    from specdecode.exactness import first_token_law, pair_law
+    from specdecode.exactness.check import first_token_law, pair_law
 
-    models, engine = _module("helpers.models"), _module("test_engine")
+    models, engine = _module("helpers.models"), _module("test_decoder")
     small = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
     large = sd.load_model(models.tiny_llama(models.LARGE_VOCAB, seed=10))
     t1 = sd.SamplingParams(temperature=1.0)
@@ -317,15 +321,15 @@ def power_table() -> str:
         "| test (law) | samples | threshold per test | df | hidden TV | detects TV ≥ (90%) | N for 0.05 | N for 0.02 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for warp, params in engine.WARPS.items():  # test_engine: chains (draft model, prompt lookup), 2-token joint
+    for warp, params in engine.WARPS.items():  # test_decoder: chains (draft model, prompt lookup), 2-token joint
         joint = engine.exact_two_token_law(small, engine.LOOKUP_PROMPT, params).ravel()
         law = torch.from_numpy(np.ascontiguousarray(joint))
-        rows.append(_power_row(f"test_engine chain, {warp}, joint of 2 tokens", law, 800, 1e-3))
+        rows.append(_power_row(f"test_decoder chain, {warp}, joint of 2 tokens", law, 800, 1e-3))
     pairs = pair_law(small, [1, 2, 3], t1, 64).probs
     first = first_token_law(small, [1, 2, 3], t1)
     for name, samples, threshold in (
         ("test_tree (5 trees x 2 runners)", 800, 0.01 / 10 / 2),
-        ("test_exactness (check-exact)", 800, 0.01 / 2),
+        ("test_check (check-exact)", 800, 0.01 / 2),
     ):
         rows.append(_power_row(f"{name}, first token", first, samples, threshold))
         rows.append(_power_row(f"{name}, joint of 2 tokens", pairs, samples, threshold))
@@ -341,7 +345,7 @@ def power_table() -> str:
 
 
 def _law_row(label: str, decoder, prompt: list[int], params, tokens: int = 2) -> str:
-    from specdecode.enumeration import engine_law, prefix_law, total_variation
+    from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
 
     started = time.perf_counter()
     result = engine_law(decoder, prompt, params, tokens=tokens)
@@ -351,10 +355,10 @@ def _law_row(label: str, decoder, prompt: list[int], params, tokens: int = 2) ->
 
 
 def print_laws() -> None:
-    """tests/test_enumeration.py's point-mass laws under each warp, then three with every residual mixed
+    """tests/exactness/test_enumeration.py's point-mass laws under each warp, then three with every residual mixed
     ``MIXED`` with the target's law (the controls, through ``verify._residual``)."""
     import specdecode as sd
-    import specdecode.verify
+    import specdecode.sampling.verify
 
     models, enumeration = _module("helpers.models"), _module("test_enumeration")
     target = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
@@ -364,20 +368,20 @@ def print_laws() -> None:
         for warp, params in enumeration.WARPED.items():
             decoder, prompt = enumeration.case(name, target)
             print(_law_row(f"{name} | {warp}", decoder, prompt, params), flush=True)
-    correct, mix = specdecode.verify._residual, enumeration.MIXED
+    correct, mix = specdecode.sampling.verify._residual, enumeration.MIXED
 
     def mixed(target_probs, draft, token):
         residual = correct(target_probs, draft, token)
         return (1 - mix) * residual / residual.sum() + mix * target_probs / target_probs.sum()
 
-    specdecode.verify._residual = mixed
+    specdecode.sampling.verify._residual = mixed
     try:
         for name in ("chain/lookup", "tree/lookup-3-branches", "tree/deep-wide-3-2"):
             decoder, prompt = enumeration.case(name, target)
             label = f"{name}, residual mixed {mix:.0%} (control) | T1"
             print(_law_row(label, decoder, prompt, enumeration.T1), flush=True)
     finally:
-        specdecode.verify._residual = correct
+        specdecode.sampling.verify._residual = correct
 
 
 def main() -> None:

@@ -24,10 +24,10 @@ import time
 import torch
 
 import specdecode as sd
-from specdecode.engine import Request
-from specdecode.serving.policy import SpeculationPolicy
-from specdecode.serving.prefix_cache import GIB, PrefixCache
-from specdecode.serving.scheduler import Job, Scheduler, Speculation
+from specdecode.engine.request import Request
+from specdecode.serving.batching.policy import SpeculationPolicy
+from specdecode.serving.batching.prefix_cache import GIB, PrefixCache
+from specdecode.serving.batching.scheduler import Job, Scheduler, Speculation
 
 
 def _ids(target: sd.LoadedModel, n: int, generator: torch.Generator) -> list[int]:

@@ -63,9 +63,9 @@ def weight_bytes(loaded: sd.LoadedModel) -> int:
             elif hasattr(value, "__dataclass_fields__"):
                 visit(value)
 
-    for layer in runner._layers:
+    for layer in runner.decoder.layers:
         visit(layer)
-    visit(runner._lm_head)
+    visit(runner.decoder.lm_head)
     return sum(seen.values())
 
 
@@ -74,7 +74,7 @@ KERNEL_PHASES = ("RMSNorm", "matrices", "RoPE and cache writes", "attention", "S
 
 def split_kernels(runner, tokens: torch.Tensor, context: int, reps: int = 20) -> dict[str, float]:
     """The compiled decoder's own phase timers over ``reps`` forwards (matrices include activation quantization)."""
-    kernels = runner._lm_head.handle.kernels
+    kernels = runner.decoder.lm_head.handle.kernels
     for _ in range(3):
         runner.forward(tokens)
         runner.rollback_to(context)
@@ -131,7 +131,7 @@ def context_sweep(loaded: sd.LoadedModel, contexts: list[int], rows_list: list[i
     for context in contexts:
         runner = loaded.new_runner()
         runner.prefill(torch.randint(0, loaded.vocab_size, (context,), generator=generator))
-        kernels = runner._lm_head.handle.kernels
+        kernels = runner.decoder.lm_head.handle.kernels
         for _ in range(5):
             runner.forward(torch.tensor([42]))
             runner.rollback_to(context)
@@ -160,7 +160,7 @@ def prefill_sweep(loaded: sd.LoadedModel, target: str, lengths: list[int], reps:
     result: dict[str, object] = {"target": target, "module": sd.__file__, "seconds": {}, "split": {}}
     for length in lengths:
         tokens = torch.randint(0, loaded.vocab_size, (length,), generator=generator)
-        kernels = runner._lm_head.handle.kernels if phases else None
+        kernels = runner.decoder.lm_head.handle.kernels if phases else None
         if kernels is not None:
             kernels.profile(True)
         times = []
@@ -227,8 +227,9 @@ def k_table(loaded: sd.LoadedModel, args: argparse.Namespace) -> None:
 
 def split_report(loaded: sd.LoadedModel, runner, context: torch.Tensor, args: argparse.Namespace) -> None:
     """Each ``--split-ks`` forward's profiled parts, and the bytes a step reads over the measured read bandwidth."""
-    kv_bytes = 2 * len(runner._layers) * runner._kv_heads * args.context * runner._head_dim
-    kv_bytes *= runner._keys.element_size()
+    decoder = runner.decoder
+    kv_bytes = 2 * len(decoder.layers) * decoder.kv_heads * args.context * decoder.head_dim
+    kv_bytes *= runner.cache.keys.element_size()
     weights = weight_bytes(loaded)
     read = weights + kv_bytes
     for k in (int(k) for k in args.split_ks.split(",")):

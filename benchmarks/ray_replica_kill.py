@@ -6,8 +6,8 @@ Ray has two replicas running again.
 
 ``--front process``: the front served from this process, as `specdecode serve --ray` does; ``proxy``: the front as a
 deployment behind Ray's HTTP proxy (``ray_app.application``). Needs `pip install 'specdecode[ray]'`; starts its own
-local Ray (num_cpus 2: one per replica). tests/test_serving_slow.py runs it on the bundled model and checks what it
-reports.
+local Ray (num_cpus 2: one per replica). tests/serving/test_serving_slow.py runs it on the bundled model and checks what
+it reports.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def deployed(target: str, front: str, app_name: str = "kill") -> Iterator[str]:
     from specdecode.bench.serve_load import free_port
     from specdecode.serving import ServerConfig
     from specdecode.serving.local import LocalServer
-    from specdecode.serving.ray_app import application, model_replicas
-    from specdecode.serving.ray_app import front as front_app
+    from specdecode.serving.replicas.ray_app import application, model_replicas
+    from specdecode.serving.replicas.ray_app import front as front_app
 
     config = ServerConfig(target=target)
     try:
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("ray_kill.json"))
     args = parser.parse_args()
 
-    from specdecode.serving.ray_app import init_ray
+    from specdecode.serving.replicas.ray_app import init_ray
 
     init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     with deployed(args.target, args.front) as url:

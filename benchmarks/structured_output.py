@@ -40,7 +40,7 @@ import time
 import torch
 
 import specdecode as sd
-from specdecode.models.loader import load_tokenizer
+from specdecode.models.loading.sources import load_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -21,7 +21,9 @@ import specdecode as sd
 from specdecode.heads.model import TargetParts, lm_head_rows
 from specdecode.heads.saved import load_head, shipped_head
 from specdecode.training.calibrate import FACTORS, calibration_record, temperature_overlaps
-from specdecode.training.train import FeatureCache, TrainSettings, batch_tensors, read_samples
+from specdecode.training.features import FeatureCache, batch_tensors
+from specdecode.training.samples import read_samples
+from specdecode.training.train import TrainSettings
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ Two kinds of traffic, answered one after another in one process (``specdecode be
 - ``faq``: the same questions about stdlib modules asked again by other users (the same words, and the same
   words after a greeting), as support bots, retries and agent loops send them.
 
-    python recipes/make_repetitive_workload.py docs/bench/issue18/repetitive.jsonl
+    python recipes/make_repetitive_workload.py docs/bench/suffix_decoding/repetitive.jsonl
 """
 
 from __future__ import annotations

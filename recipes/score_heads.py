@@ -20,7 +20,9 @@ import specdecode as sd
 from specdecode.heads.model import TargetParts, lm_head_rows
 from specdecode.heads.saved import load_head, shipped_head
 from specdecode.training.answer_rows import answer_markers
-from specdecode.training.train import FeatureCache, TrainSettings, held_out_accuracy, read_samples
+from specdecode.training.features import FeatureCache
+from specdecode.training.samples import read_samples
+from specdecode.training.train import TrainSettings, held_out_accuracy
 
 
 def scores(target: sd.LoadedModel, head_dir: Path, held_out: dict[str, list[list[int]]], cache_root: Path) -> dict:
@@ -32,7 +34,7 @@ def scores(target: sd.LoadedModel, head_dir: Path, held_out: dict[str, list[list
     result = {}
     for name, sequences in held_out.items():
         cache = FeatureCache(cache_root / name, target, torch.bfloat16)
-        markers = answer_markers(target.tokenizer)
+        markers = answer_markers(target)
         figures = held_out_accuracy(head, parts, rows, cache, sequences, [draft_vocab.numel()], markers)
         cache.flush()
         result[name] = figures[draft_vocab.numel()]["top1_by_depth"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.kernels import kernels_or_skip
 from helpers.models import LARGE_VOCAB, SMALL_VOCAB, perturbed, tiny_llama
 
 import specdecode as sd
@@ -23,11 +24,17 @@ os.environ.pop("LINES", None)
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject's default): one worker per core this process may use (each test runs on one torch
-    thread), and at most one per 4 GiB of memory (a worker peaked at 2.6 GiB: BENCHMARKS.md, "CI's suite in two
-    workers")."""
+    thread), and at most one per 4 GiB of memory (a worker's peak, measured: 2.6 GiB)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(1, min(cores, memory // (4 << 30)))
+
+
+def pytest_runtest_setup(item) -> None:
+    """A test marked ``needs_kernels`` skips where the compiled kernels do not build, or fails where they must
+    (``SPECDECODE_REQUIRE_KERNELS=1``: helpers/kernels.py)."""
+    if item.get_closest_marker("needs_kernels") is not None:
+        kernels_or_skip()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from specdecode import openmp
-from specdecode.serving import scheduler as scheduler_module
+from specdecode.serving.batching import scheduler as scheduler_module
 
 
 def test_the_pool_is_released_where_torch_runs_on_gnu_openmp():

@@ -7,29 +7,27 @@ import json
 import pytest
 import torch
 import typer
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 import specdecode
+from specdecode import factory
 from specdecode.commands.plan import plan
-from specdecode.models.hf import cache_keyword
+from specdecode.models import memory
 from specdecode.planner import (
     MemoryPlan,
     ModelMemory,
     VerifyCost,
     best_gamma,
     break_even_alpha,
+    dtype_bytes,
     expected_tokens,
     expected_tokens_per_position,
     gamma_row,
-    kv_bytes_per_token,
-    llama_parameter_count,
-    model_memory,
     plan_speedup,
     round_cost,
     speedup,
     speedup_table,
-    stored_weight_bytes,
 )
 
 # --- the worked example: c = 0.1 -------------------------------------------------------------------------
@@ -203,58 +201,6 @@ def tiny_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**(settings | overrides))
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {},
-        {"tie_word_embeddings": True},
-        {"attention_bias": True, "mlp_bias": True},
-        {"head_dim": 16},
-        {"num_key_value_heads": 4},
-    ],
-)
-def test_parameter_count_matches_model(overrides):
-    config = tiny_config(**overrides)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    assert llama_parameter_count(config) == sum(p.numel() for p in model.parameters())
-
-
-def test_parameter_count_smollm2_135m():
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-    )
-    assert llama_parameter_count(config) == 134_515_008
-
-
-def test_kv_bytes_per_token_formula():
-    config = tiny_config()
-    assert kv_bytes_per_token(config, "float32") == 2 * 3 * 2 * 8 * 4
-    assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 3 * 2 * 8 * 2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_memory_estimate_matches_measured_allocation(dtype):
-    torch.manual_seed(0)
-    config = tiny_config(tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    n = 40
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        model(torch.randint(0, config.vocab_size, (1, n)), use_cache=True, **{cache_keyword(model): cache})
-    weights = sum(p.nbytes for p in model.parameters())
-    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    estimate = model_memory(config, dtype)
-    assert estimate.weight_bytes == pytest.approx(weights, rel=0.10)
-    assert n * estimate.kv_bytes_per_token == pytest.approx(kv, rel=0.10)
-
-
 def quantizable_config(**overrides) -> LlamaConfig:
     """Layer sizes the int4/int8 kernels take: outputs in multiples of 64, inputs in multiples of the group."""
     sizes = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
@@ -286,19 +232,20 @@ def load_and_run(source, quantization, **options):
     """Load ``source`` and build its runner: the model as it serves, with its weights counted before the runner
     fused any of them and after."""
     loaded = specdecode.load_model(source, quantization=quantization, **options)
-    before_runner = stored_weight_bytes(loaded.model)
+    before_runner = memory.held_weight_bytes(loaded.model)[1]
     return loaded, loaded.new_runner(), before_runner
 
 
 def check_plan_equals_allocation(build) -> int:
     """The plan's weight bytes and KV bytes are what loading and a runner allocate (RoPE tables aside)."""
     (loaded, runner, before_runner), allocated = allocated_by(build)
-    weights = stored_weight_bytes(loaded.model)
+    weights = memory.held_weight_bytes(loaded.model)[1]
     assert weights == before_runner  # fusing q/k/v and gate/up makes views, not copies
-    tables = [*runner._cos, *runner._signed_sin, runner._slots]
-    cache = runner._keys.nbytes + runner._values.nbytes
+    tables = [*runner.cache.cos, *runner.cache.signed_sin, runner.cache.slots]
+    cache = runner.cache.keys.nbytes + runner.cache.values.nbytes
     assert weights == allocated - cache - sum(t.untyped_storage().nbytes() for t in tables)
-    assert kv_bytes_per_token(loaded.model.config, loaded.kv_dtype) * runner._capacity == cache
+    per_token = memory.kv_bytes_per_token(memory.shape_of(loaded.model), loaded.kv_dtype.itemsize)
+    assert per_token * runner.cache.capacity == cache
     assert loaded.kv_dtype == (torch.float16 if runner.uses_kernels else torch.float32)
     return weights
 
@@ -312,7 +259,7 @@ def test_memory_plan_equals_allocation(quantization, group, tied):
     weights = check_plan_equals_allocation(
         lambda: load_and_run(LlamaForCausalLM(config), quantization, group_size=group)
     )
-    dense = llama_parameter_count(config) * 4
+    dense = sum(p.numel() for p in LlamaForCausalLM(config).parameters()) * 4
     if quantization is None:
         buffers = sum(b.nbytes for b in LlamaForCausalLM(config).buffers())
         assert weights == dense + buffers  # a tied embedding and LM head share one storage
@@ -326,7 +273,7 @@ def test_memory_plan_equals_allocation(quantization, group, tied):
 def test_memory_plan_equals_allocation_bundled(quantization):
     """`plan --memory` against the bundled model's allocations, in every way its weights can be stored."""
     weights = check_plan_equals_allocation(lambda: load_and_run("smollm2", quantization))
-    parameters = llama_parameter_count(specdecode.load_model("smollm2", quantization=None).model.config)
+    parameters = sum(p.numel() for p in specdecode.load_model("smollm2", quantization=None).model.parameters())
     if quantization is None:
         assert weights == pytest.approx(parameters * 4, rel=1e-6)
     else:
@@ -353,7 +300,7 @@ def test_memory_plan_rejects_bad_values(context, budget):
 
 def test_unknown_dtype():
     with pytest.raises(ValueError, match="unknown dtype"):
-        kv_bytes_per_token(tiny_config(), "float12")
+        dtype_bytes("float12")
 
 
 # --- the `plan` command ------------------------------------------------------------------------------------
@@ -455,9 +402,9 @@ def test_cli_bad_values(invoke, args):
 
 
 def serve_models(monkeypatch, models) -> None:
-    """Make ``specdecode.load_model(name, ...)`` load ``models[name]`` (an in-process model)."""
-    real = specdecode.load_model
-    monkeypatch.setattr(specdecode, "load_model", lambda name, **options: real(models[name], **options))
+    """Make ``factory.load(name, ...)`` (every model the CLI loads) load ``models[name]`` (an in-process model)."""
+    real = factory.load
+    monkeypatch.setattr(factory, "load", lambda name, *settings: real(models[name], *settings))
 
 
 def test_cli_memory(invoke, monkeypatch):
@@ -506,7 +453,7 @@ def test_cli_memory_quantized(invoke, monkeypatch, quantization, stored):
         "draft": LlamaForCausalLM(quantizable_config(num_hidden_layers=1)),
     }
     expected = [
-        stored_weight_bytes(specdecode.load_model(m, quantization=quantization, group_size=64).model)
+        memory.held_weight_bytes(specdecode.load_model(m, quantization=quantization, group_size=64).model)[1]
         for m in models.values()
     ]
     serve_models(monkeypatch, models)
@@ -518,7 +465,7 @@ def test_cli_memory_quantized(invoke, monkeypatch, quantization, stored):
     dense = json.loads(invoke(*args[:-5], "--json").stdout)
     assert data["target_weight_bytes"] < dense["target_weight_bytes"] / 2
     # 2 (K and V) · 2 layers · 2 kv heads · head_dim 32 · bytes: float16 on the compiled kernels, else float32
-    from specdecode.models.loader import load_model  # specdecode.load_model is patched to take names
+    from specdecode.models.loading.loader import load_model  # specdecode.load_model is patched to take names
 
     kernels = load_model(models["target"], quantization=quantization).kv_dtype == torch.float16
     assert data["target_kv_bytes_per_token"] == 2 * 2 * 2 * 32 * (2 if kernels else 4)

@@ -1,10 +1,10 @@
 """specdecode: speculative decoding that makes generation faster without changing its output."""
 
-from . import sampling, verify
+from . import sampling
 from .engine import GenerationOutput, SpeculativeDecoder, autoregressive_generate
+from .engine.stats import DecodeStats
 from .errors import ModelNotAvailable, SpecDecodeError, VocabularyMismatch
 from .models import LoadedModel, load_model
-from .params import SamplingParams
 from .proposers import (
     Draft,
     DraftModelProposer,
@@ -17,8 +17,10 @@ from .proposers import (
     SuffixHistory,
     SuffixProposer,
 )
-from .stats import DecodeStats
+from .sampling import verify
+from .sampling.params import SamplingParams
 from .structured import Grammar
+from .version import __version__
 
 __all__ = [
     "DecodeStats",
@@ -40,6 +42,7 @@ __all__ = [
     "SuffixHistory",
     "SuffixProposer",
     "VocabularyMismatch",
+    "__version__",
     "autoregressive_generate",
     "load_model",
     "sampling",

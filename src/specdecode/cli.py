@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from typing import Annotated
 
 import typer
 
@@ -22,6 +23,7 @@ from .commands.serve import serve
 from .commands.train_head import train_head
 from .commands.train_medusa import train_medusa
 from .commands.tune_skip import tune_skip
+from .version import __version__
 
 app = typer.Typer(
     help="Speculative decoding that makes generation faster without changing its output.",
@@ -47,6 +49,21 @@ for _name, _command in (
 ):
     app.command(_name)(friendly(_command))
 app.add_typer(cache_app, name="cache")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"specdecode {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Speculative decoding that makes generation faster without changing its output."""
 
 
 def main() -> None:

@@ -6,12 +6,11 @@ config's fields through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .models.loader import LoadedModel
+    from .models.loaded import LoadedModel
     from .proposers import Proposer, SuffixProposer
     from .proposers.hybrid import HybridProposer
 
@@ -23,7 +22,7 @@ LOOKUP_MIN_ORDER = 2  # a hybrid copies after prompt lookup's 2- and 3-gram matc
 
 def parse_quantization(text: str) -> str | None:
     """``--quantization`` words: ``none`` = dense, else auto / gguf / int8 / int4."""
-    from .models.quantize import QUANTIZATIONS
+    from .models.loading.quantize import QUANTIZATIONS
 
     if text == "none":
         return None
@@ -36,7 +35,7 @@ def load(
     name: str, dtype: str, quantization: str = "auto", group_size: int = 32, max_context: int | None = None
 ) -> LoadedModel:
     """A model from CLI words (``--quantization`` as the CLI spells it; ``--max-context``)."""
-    from .models.loader import load_model
+    from .models.loading.loader import load_model
 
     return load_model(
         name, dtype=dtype, quantization=parse_quantization(quantization), group_size=group_size, max_context=max_context
@@ -55,7 +54,6 @@ def build_proposer(
     heads: str | None = None,
     tree_width: int = 1,
     suffix_cache: str | None = None,
-    loader: Callable[[str, str, str, int], LoadedModel] | None = None,
     suffix_remember: bool = True,
 ) -> Proposer:
     """A proposer from CLI words: ``lookup``, ``eagle`` (with a head folder or the shipped head; ``tree_nodes``
@@ -64,9 +62,8 @@ def build_proposer(
     or ``skip:SKIP.json`` / ``skip:LIST`` (the target without those layers); ``tree_width`` > 1: lookup offers
     that many distinct matches as a token tree; ``MODEL+suffix`` / ``MODEL+lookup`` (``eagle+lookup``): a
     ``HybridProposer`` copying where the text repeats (suffix decoding; prompt lookup's 2- and 3-gram matches),
-    else drafting with MODEL. A draft model loads with ``loader`` (default
-    ``load``); ``suffix_remember`` False: a hybrid's copier keeps no request's text once it ends (the server's
-    request scope)."""
+    else drafting with MODEL. A draft model loads with ``load``; ``suffix_remember`` False: a hybrid's copier
+    keeps no request's text once it ends (the server's request scope)."""
     from .proposers import DraftModelProposer, EagleProposer, MedusaProposer, PromptLookupProposer
     from .proposers.hybrid import HybridProposer
     from .proposers.layer_skip import self_draft_model
@@ -86,9 +83,7 @@ def build_proposer(
                 f"unknown proposer {kind!r}: a hybrid is MODEL+suffix or MODEL+lookup, MODEL one of "
                 f"{', '.join(HYBRID_MODELS)}"
             )
-        model = build_proposer(
-            model_kind, target, draft, dtype, quantization, group_size, head, tree_nodes, heads, loader=loader
-        )
+        model = build_proposer(model_kind, target, draft, dtype, quantization, group_size, head, tree_nodes, heads)
         if copier == "lookup":
             return lookup_hybrid(model)
         return HybridProposer(model, suffix_proposer(suffix_cache, remember=suffix_remember))
@@ -110,7 +105,7 @@ def build_proposer(
     if draft is None:
         raise ValueError("the draft proposer needs --draft PATH or --draft self:N")
     own = self_draft_model(target, draft)
-    return DraftModelProposer(own if own is not None else (loader or load)(draft, dtype, quantization, group_size))
+    return DraftModelProposer(own if own is not None else load(draft, dtype, quantization, group_size))
 
 
 def lookup_hybrid(model: Proposer) -> HybridProposer:

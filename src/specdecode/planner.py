@@ -190,7 +190,9 @@ def best_gamma(
 
 def break_even_alpha(gamma: int, cost: float, verify_cost: VerifyCost | None = None) -> float | None:
     """The α in [0, 1) where E(α, γ) = round cost (speedup 1); None if even α → 1 does not pay."""
-    from scipy.optimize import brentq  # here: scipy costs ~0.3 s at `import specdecode`, and only this needs it
+    from .errors import optional_import  # here: scipy costs ~0.3 s at `import specdecode`, and only this needs it
+
+    brentq = optional_import("scipy.optimize", "bench", "the break-even α").brentq
 
     target = round_cost(gamma, cost, verify_cost)
     if target <= 1.0:
@@ -247,54 +249,6 @@ def dtype_bytes(dtype: Any) -> int:
     return DTYPE_BYTES[name]
 
 
-def _text_config(config: Any) -> Any:
-    """The decoder's config (multimodal configs nest it)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _kv_heads(config: Any) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def llama_parameter_count(config: Any) -> int:
-    """Parameters of a Llama-family decoder: embeddings (+ untied lm_head), per layer q/k/v/o, gate/up/down
-    and two RMSNorms, and the final norm."""
-    config = _text_config(config)
-    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
-    q_dim = config.num_attention_heads * _head_dim(config)
-    kv_dim = _kv_heads(config) * _head_dim(config)
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    mlp_bias = bool(getattr(config, "mlp_bias", False))
-    attention = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
-    attention += (q_dim + 2 * kv_dim + hidden) if attention_bias else 0
-    mlp = 3 * hidden * inter + ((2 * inter + hidden) if mlp_bias else 0)
-    per_layer = attention + mlp + 2 * hidden
-    embeddings = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    return embeddings + config.num_hidden_layers * per_layer + hidden
-
-
-def stored_weight_bytes(model: Any) -> int:
-    """Bytes of every tensor a loaded model keeps for its weights, each storage counted once.
-
-    Parameters, buffers and the quantized formats of ``QuantizedLinear`` / ``QuantizedEmbedding`` modules, plus
-    the fused formats the quantizer registered for the native runner. Views share their base's storage (fused
-    q/k/v and their modules' kernels, a tied embedding and LM head), so bytes are summed per storage.
-    """
-    from .models.memory import held_weight_bytes
-
-    return held_weight_bytes(model)[1]
-
-
-def kv_bytes_per_token(config: Any, dtype: Any) -> int:
-    """KV cache bytes per token = 2 (K and V) · layers · kv_heads · head_dim · bytes per element."""
-    config = _text_config(config)
-    return 2 * config.num_hidden_layers * _kv_heads(config) * _head_dim(config) * dtype_bytes(dtype)
-
-
 @dataclass(frozen=True)
 class ModelMemory:
     """One model's memory: weight bytes, KV-cache bytes per token (and the runner's position tables per token),
@@ -312,12 +266,6 @@ class ModelMemory:
             raise ValueError("scratch and table bytes must be >= 0")
         if self.kv_bytes_per_token < 1:
             raise ValueError(f"KV-cache bytes per token must be >= 1, got {self.kv_bytes_per_token}")
-
-
-def model_memory(config: Any, dtype: Any, parameter_count: int | None = None) -> ModelMemory:
-    """Weights = parameters · dtype bytes (counted from a Llama-family config unless given), and KV/token."""
-    parameters = llama_parameter_count(config) if parameter_count is None else parameter_count
-    return ModelMemory(parameters * dtype_bytes(dtype), kv_bytes_per_token(config, dtype))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def biased_tree_sample(
 ):
     """A WRONG tree rule (negative controls): recursive rejection over siblings with one step left out —
     the residual not updated after a rejected sibling, or tried siblings not removed from q."""
-    from specdecode.tree import children
+    from specdecode.sampling.tree import children
 
     kids = children(parents)
     accepted, row = [], 0
@@ -64,3 +64,24 @@ def biased_tree_sample(
                 q = q / q.sum() if q.sum() > 0 else q
         else:
             return accepted, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def plain_law(target, prompt: list[int], tokens: int, step_law) -> dict[tuple[int, ...], float]:
+    """Plain sampling's exact law of the first ``tokens`` tokens after ``prompt``: every prefix of nonzero mass
+    enumerated, ``step_law(logits, prefix)`` giving the next token's distribution after it (the target's logits of
+    one forward over prompt + prefix). The reference the enumerated engine laws are compared with."""
+    runner = target.new_runner()
+    law: dict[tuple[int, ...], float] = {}
+
+    def extend(prefix: tuple[int, ...], mass: float) -> None:
+        if len(prefix) == tokens:
+            law[prefix] = mass
+            return
+        runner.reset()
+        logits = runner.forward(torch.tensor([*prompt, *prefix], dtype=torch.int64))[-1]
+        probs = step_law(logits, prefix)
+        for token in torch.nonzero(probs > 0).flatten().tolist():
+            extend((*prefix, token), mass * float(probs[token]))
+
+    extend((), 1.0)
+    return law

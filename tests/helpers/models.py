@@ -1,6 +1,7 @@
 """Tiny random models built in-process (no downloads).
 
-The models are 2-layer Llamas with peaked next-token distributions (the LM head is scaled up), so that
+One builder makes every family's tiny model (``tiny_model``: Llama, Mistral, Qwen 2, Qwen 3, Gemma 3); the engine's
+tests use 2-layer Llamas with peaked next-token distributions (the LM head is scaled up), so that
 distribution tests have power. ``eos_token_id`` is None by default: a random model would otherwise stop
 at whichever id was chosen and the exact-distribution tests would have to model EOS too; tests that need
 an EOS set one on a copy of the ``LoadedModel`` (``with_eos``).
@@ -15,7 +16,19 @@ import copy
 import dataclasses
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import specdecode as sd
 from helpers.tokenizers import WORDS, word_tokenizer
@@ -24,25 +37,45 @@ SMALL_VOCAB = 16
 LARGE_VOCAB = 64
 
 
+# Every family the runners run, each a config and model class; ``tiny_model`` builds any of them.
+FAMILY_MODELS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+}
+TINY = dict(  # a tiny decoder, with no EOS (a random model would stop at whichever id one names)
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_model(
+    family: str, vocab_size: int, seed: int, logit_scale: float = 1.0, weight_std: float = 0.2, **config
+) -> PreTrainedModel:
+    """A random model of ``family`` (``FAMILY_MODELS``) in ``TINY``'s sizes, ``config`` overriding them: weights
+    N(0, weight_std²) and norms U(0.5, 1.5) drawn from ``seed``, the LM head scaled by ``logit_scale`` (a peaked
+    law, so that distribution tests have power). The one builder of every test's random model."""
+    config_cls, model_cls = FAMILY_MODELS[family]
+    model = randomized(model_cls(config_cls(**(TINY | {"vocab_size": vocab_size} | config))).eval(), seed, weight_std)
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
 def tiny_llama(vocab_size: int, seed: int, logit_scale: float = 3.0, num_layers: int = 2) -> LlamaForCausalLM:
     """A random 2-layer Llama (hidden 32) whose logits are scaled by ``logit_scale`` (entropy ≈ 1.3 nats)."""
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    model = randomized(LlamaForCausalLM(config).eval(), seed, weight_std=0.2)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(logit_scale)
-    return model
+    return tiny_model("llama", vocab_size, seed, logit_scale, num_hidden_layers=num_layers)
 
 
 def word_target(
@@ -61,7 +94,7 @@ def word_target(
     return sd.load_model(tiny_llama(len(words), seed, num_layers=num_layers), tokenizer=tokenizer, **load)
 
 
-def randomized(model: LlamaForCausalLM, seed: int, weight_std: float) -> LlamaForCausalLM:
+def randomized(model: PreTrainedModel, seed: int, weight_std: float) -> PreTrainedModel:
     """``model`` with weights N(0, weight_std²) and norm scales U(0.5, 1.5), drawn from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -129,3 +162,12 @@ def train_word_head(target: sd.LoadedModel, words: list[str], tmp_path_factory, 
     folder = tmp_path_factory.mktemp(name) / "head"
     train_head(target, settings, folder)
     return folder
+
+
+def weakened(model: torch.nn.Module, layers: set[int], scale: float) -> torch.nn.Module:
+    """``model`` with the residual writes (o_proj, down_proj) of ``layers`` scaled: skipping them changes less."""
+    with torch.no_grad():
+        for i in layers:
+            model.model.layers[i].self_attn.o_proj.weight.mul_(scale)
+            model.model.layers[i].mlp.down_proj.weight.mul_(scale)
+    return model

@@ -6,7 +6,9 @@ import numpy as np
 import torch
 
 import specdecode as sd
-from specdecode.choices import as_choices
+from helpers.models import SMALL_VOCAB
+from specdecode.exactness.check import first_token_law
+from specdecode.sampling.choices import as_choices
 
 
 def random_tables(depth: int, vocab_size: int, seed: int, concentration: float = 0.5) -> torch.Tensor:
@@ -63,3 +65,19 @@ class TreeProposer:
 
     def propose(self, context, k, params, generator):
         return draw_tree(self.widths[:k], self.table, context[-1], generator, self.sampled)
+
+
+def informed_table(target: sd.LoadedModel, widths: tuple[int, ...], seed: int = 1) -> torch.Tensor:
+    """Draft tables half the target's law after EXACT_PROMPT (depth 0) or EXACT_PROMPT + [t] (depth 1, parent
+    t), half random: close enough for many acceptances, far enough for many rejections."""
+    table = random_tables(len(widths), SMALL_VOCAB, seed)
+    table[0, EXACT_PROMPT[-1]] = (table[0, EXACT_PROMPT[-1]] + first_token_law(target, EXACT_PROMPT, T1)) / 2
+    for parent in range(SMALL_VOCAB if len(widths) > 1 else 0):
+        law = first_token_law(target, [*EXACT_PROMPT, parent], T1)
+        table[1, parent] = (table[1, parent] + law) / 2
+    return table
+
+
+EXACT_PROMPT = [1, 2, 3]
+
+T1 = sd.SamplingParams(temperature=1.0)

@@ -11,8 +11,8 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from ..models.bundled import BUNDLED
-from ..params import SamplingParams
+from ..models.loading.bundled import BUNDLED
+from ..sampling.params import SamplingParams
 from .methods import Generation, Method, MethodSpec
 
 INSTALL_HINT = "llama-cpp-python is not installed: pip install llama-cpp-python (builds llama.cpp from source, ~7 min)"

@@ -100,7 +100,7 @@ def compare_load(
     interpreter with llama-cpp-python), alternating which engine goes first; ``on_result(name, row)`` after each.
     Returns the rows by name ("specdecode, first load", "specdecode, later load", "llama.cpp")."""
     from .. import kernels
-    from ..cache import cache_root
+    from ..disk_cache import cache_root
 
     kernels.build("native")  # compiled once into the current cache; linked into each fresh one
     built = cache_root() / "kernels"

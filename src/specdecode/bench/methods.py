@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import SpeculativeDecoder, autoregressive_generate
+from ..engine.decoder import SpeculativeDecoder, autoregressive_generate
+from ..engine.stats import DecodeStats
 from ..factory import lookup_hybrid
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
+from ..models.loaded import LoadedModel
 from ..proposers import (
     DraftModelProposer,
     EagleProposer,
@@ -26,7 +26,7 @@ from ..proposers import (
     SuffixProposer,
 )
 from ..proposers.layer_skip import for_transformers, self_draft_model
-from ..stats import DecodeStats
+from ..sampling.params import SamplingParams
 
 PLAIN = "ours:plain"
 HF_PLAIN = "hf:plain"
@@ -212,7 +212,7 @@ def draft_proposer_factory(
         own = self_draft_model(target, draft)
         if own is not None:
             return (lambda: DraftModelProposer(own)), own
-    from ..models.loader import load_model
+    from ..models.loading.loader import load_model
 
     loaded = draft if isinstance(draft, LoadedModel) else load_model(draft, dtype=dtype)
     return (lambda: DraftModelProposer(loaded)), loaded

@@ -6,8 +6,8 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..engine.stats import DecodeStats
 from ..planner import VerifyCost, speedup
-from ..stats import DecodeStats
 
 OVERALL = "overall"
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from ..errors import optional_import
+from ..planner import VerifyCost, speedup
+from .metrics import OVERALL, merged_stats
+from .runner import BenchResult
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from ..planner import VerifyCost, speedup  # noqa: E402
-from .metrics import OVERALL, merged_stats  # noqa: E402
-from .runner import BenchResult  # noqa: E402
+optional_import("matplotlib", "bench", "the benchmark's plots").use("Agg")
+plt = optional_import("matplotlib.pyplot", "bench", "the benchmark's plots")
+MaxNLocator = optional_import("matplotlib.ticker", "bench", "the benchmark's plots").MaxNLocator
 
 
 def _save(fig, path: Path) -> Path:

@@ -17,10 +17,10 @@ from importlib import resources
 import torch
 import torch.nn.functional as F
 
-from ..engine import autoregressive_generate
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
-from ..planner import stored_weight_bytes
+from ..engine.decoder import autoregressive_generate
+from ..models.loaded import LoadedModel
+from ..models.memory import held_weight_bytes
+from ..sampling.params import SamplingParams
 
 REFERENCE = "float32"
 CHUNK = 512
@@ -32,6 +32,24 @@ PROMPTS = (
     "Write a four-line poem about a cat watching the rain from a window.",
     "What is the difference between weather and climate? Answer in two or three sentences.",
 )
+
+
+def load_settings(target: str, settings: Sequence[str], group_size: int) -> tuple[LoadedModel, dict[str, LoadedModel]]:
+    """``target`` dense (the float32 reference where the file holds float32 or quantized weights) and in each of the
+    weight ``settings`` (the CLI's words), each refused in one line naming the setting."""
+    from .. import factory
+    from ..errors import SpecDecodeError
+
+    models = {}
+    for setting in ("none", *settings):
+        try:
+            models[setting] = factory.load(target, "auto", setting, group_size)
+        except (OSError, SpecDecodeError) as e:
+            raise ValueError(f"cannot load model {target!r}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"--quantization {setting}: {e}" if setting != "none" else str(e)) from None
+    reference = models.pop("none") if "none" not in settings else models["none"]
+    return reference, {s: models[s] for s in settings}
 
 
 def held_out_text() -> str:
@@ -144,7 +162,7 @@ def measure_quality(
     results = [
         SettingQuality(
             name=name,
-            weight_bytes=stored_weight_bytes(model.model),
+            weight_bytes=held_weight_bytes(model.model)[1],
             positions=text[name].positions,
             agreement=text[name].agreed / text[name].positions,
             perplexity=math.exp(text[name].nll / text[name].positions),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from ..version import __version__
 from .methods import HF_PLAIN, MethodSpec
 from .metrics import OVERALL
 from .runner import BenchResult
@@ -28,6 +29,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile",
+                "amx_int8", "amx_bf16", "asimd", "sve")  # fmt: skip
+
+
+def vector_extensions() -> list[str]:
+    """The CPU's vector extensions that matter to the kernels and to torch (from /proc/cpuinfo's flags; empty
+    elsewhere): a table's figures hold for a CPU with the same ones."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                return [flag for flag in VECTOR_FLAGS if flag in flags]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info(argv: Sequence[str] | None = None) -> dict:
     """Where and how the bench ran: CPU, threads, library versions, command line, time."""
     import os
@@ -36,7 +54,9 @@ def machine_info(argv: Sequence[str] | None = None) -> dict:
     import transformers
 
     return {
+        "specdecode": __version__,
         "cpu": cpu_model(),
+        "vector_extensions": vector_extensions(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -47,6 +67,17 @@ def machine_info(argv: Sequence[str] | None = None) -> dict:
         "command": " ".join(sys.argv if argv is None else argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def machine_line(machine: dict) -> str:
+    """``machine_info`` in one line: CPU, cores, threads and vector extensions, then the versions and the date."""
+    gpu = f", GPU {machine['cuda']}" if machine.get("cuda") else ""
+    vectors = ", ".join(machine.get("vector_extensions") or ["no vector extensions read"])
+    return (
+        f"{machine.get('cpu')} ({machine.get('cpu_count')} CPUs, torch threads {machine.get('torch_threads')}{gpu}; "
+        f"{vectors}); specdecode {machine.get('specdecode')}, torch {machine.get('torch')}, "
+        f"transformers {machine.get('transformers')}; {machine.get('date')}"
+    )
 
 
 def _clean(value):
@@ -227,9 +258,7 @@ def _setup_lines(result: BenchResult, machine: dict, setup: dict) -> list[str]:
         f"- workload: {setup.get('prompts')}, {n_questions} questions, {len(result.records)} timed generations "
         f"in subtasks {', '.join(_subtasks(result))}",
         f"- {sampling}, max_new_tokens {cfg.max_new_tokens}, warm-up {cfg.warmup} question(s)",
-        f"- machine: {machine['cpu']} ({machine['cpu_count']} CPUs, torch threads {machine['torch_threads']}"
-        + (f", GPU {machine['cuda']}" if machine.get("cuda") else "")
-        + f"); torch {machine['torch']}, transformers {machine['transformers']}; {machine['date']}",
+        f"- machine: {machine_line(machine)}",
         "",
         "Methods run in one process (one loaded target per --quantization setting), interleaved per question",
         "in a rotating order. weights = how the target's weights are stored (dense = unquantized floats).",

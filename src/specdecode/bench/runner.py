@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
+from ..models.loaded import LoadedModel
 from ..planner import VerifyCost
+from ..sampling.params import SamplingParams
 from .methods import HF_PLAIN, Method, MethodSpec
 from .metrics import TurnRecord, aggregate, mark_identity
 from .workloads import WorkItem, build_prompt

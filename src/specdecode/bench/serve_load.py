@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
+
+from ..errors import optional_import
+from .report import machine_line
+
+httpx = optional_import("httpx", "bench", "the load clients")
 
 POLICY_ORDER = ("always", "never", "auto")
 
@@ -250,7 +254,7 @@ def markdown(rows: list[dict[str, Any]], setup: dict[str, Any], machine: dict[st
         f"{setup['max_tokens']} tokens per request, temperature {setup['temperature']}, prompts: {setup['prompts']}; "
         f"{setup['duration']:.0f} s per run × {setup['repeats']} repeat(s) (policy order rotated each repeat).",
         "",
-        f"Machine: {machine.get('cpu')}, {machine.get('torch_threads')} torch threads; {machine.get('date')}.",
+        f"Machine: {machine_line(machine)}.",
         "",
         "| clients | policy | tokens/s | ± | finished | errors | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
         "| speculating steps | acceptance |",
@@ -294,7 +298,7 @@ def markdown(rows: list[dict[str, Any]], setup: dict[str, Any], machine: dict[st
 
 def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """tokens/s, TTFT and ITL (p50 solid, p99 dashed) against the number of clients, one line per policy."""
-    import matplotlib
+    matplotlib = optional_import("matplotlib", "bench", "the load plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..cache import cache_root
+from ..disk_cache import cache_root
 
 Q = gguf.GGMLQuantizationType
 FORMAT = 1  # bump when the files written change: older cached files are then not reused
@@ -188,7 +188,7 @@ def write_synthetic_gguf(
     """Write ``path``: a Llama GGUF of ``shape`` with random blocks (``seed``) and the tokenizer of ``source`` (the
     bundled SmolLM2 by default). Written beside ``path`` and renamed into place, so a file there is whole."""
     if source is None:
-        from ..models.bundled import BUNDLED
+        from ..models.loading.bundled import BUNDLED
 
         source = BUNDLED["smollm2"].gguf_path()
     reader = gguf.GGUFReader(source)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 
 
 def relative_curve(medians: dict[int, float]) -> dict[int, float]:

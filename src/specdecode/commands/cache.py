@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -81,7 +82,7 @@ def cache(context: typer.Context) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from specdecode.cache import cache_root, entries
+    from specdecode.disk_cache import cache_root, entries
 
     root = cache_root()
     found = entries(root)
@@ -109,19 +110,27 @@ def cache(context: typer.Context) -> None:
     )
 
 
+OlderThanOption = Annotated[
+    float | None, typer.Option(min=0, help="Remove the entries last used more than this many days ago.")
+]
+StaleOption = Annotated[
+    bool,
+    typer.Option(
+        "--stale", help="Remove the entries of no use here: stale (another torch, compiler, source) or damaged."
+    ),
+]
+DryRunOption = Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")]
+
+
 @cache_app.command("clean")
 def clean(
-    older_than: float | None = typer.Option(
-        None, min=0, help="Remove the entries last used more than this many days ago."
-    ),
-    stale: bool = typer.Option(
-        False, "--stale", help="Remove the entries of no use here: stale (another torch, compiler, source) or damaged."
-    ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be removed; remove nothing."),
+    older_than: OlderThanOption = None,
+    stale: StaleOption = False,
+    dry_run: DryRunOption = False,
 ) -> None:
     """Remove cache entries: all of them, or (with --older-than and/or --stale) those that match either option.
     Each is rebuilt when next needed; a process using one keeps reading its files."""
-    from specdecode.cache import cache_root, entries, remove
+    from specdecode.disk_cache import cache_root, entries, remove
 
     now = time.time()
     current = _current_builds() if stale else {}

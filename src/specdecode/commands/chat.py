@@ -9,48 +9,55 @@ script it); ``/reset`` starts over, ``/exit`` (or end of input) leaves.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from specdecode.commands import (
-    TARGET_HELP,
+from specdecode import factory
+from specdecode.commands import err, quiet_transformers
+from specdecode.commands.generate import default_proposer, stats_line
+from specdecode.commands.options import (
+    DraftOption,
     DtypeOption,
+    GammaOption,
     GroupSizeOption,
     HeadOption,
     HeadsOption,
     MaxContextOption,
+    MaxNewTokensOption,
+    ModeOption,
     ProposerChoice,
+    ProposerOption,
     QuantizationOption,
+    SeedOption,
+    ShowOption,
+    TargetOption,
+    TemperatureOption,
+    TopKOption,
+    TopPOption,
     TreeNodesOption,
-    err,
     parse_gamma,
-    parse_quantization,
-    quiet_transformers,
 )
-from specdecode.commands.generate import default_proposer, stats_line
 
 if TYPE_CHECKING:
     from specdecode import GenerationOutput, LoadedModel
 
+SystemOption = Annotated[str | None, typer.Option(help="A system message that opens the conversation.")]
+
 
 def chat(
-    target: str = typer.Option("smollm2", help=TARGET_HELP),
-    draft: str | None = typer.Option(None, help="Draft model (as generate's --draft)."),
-    proposer: ProposerChoice | None = typer.Option(
-        None, help="Where guesses come from (as generate's --proposer; none = plain decoding)."
-    ),
-    gamma: str = typer.Option("auto", help="Tokens guessed per round, or auto."),
-    mode: str = typer.Option("exact", help="exact or reproducible (as generate's --mode)."),
-    temperature: float = typer.Option(0.0, help="0 = greedy (identical to plain decoding)."),
-    top_k: int = typer.Option(0, help="Keep the k most probable tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
-    seed: int | None = typer.Option(None, help="Random seed of every turn (default: fresh, printed per turn)."),
-    max_new_tokens: int = typer.Option(256, help="Most tokens per answer."),
-    system: str | None = typer.Option(None, help="A system message that opens the conversation."),
-    show: bool = typer.Option(
-        False, "--show", help="Print each answer coloured by how each token was made (as generate's --show)."
-    ),
+    target: TargetOption = "smollm2",
+    draft: DraftOption = None,
+    proposer: ProposerOption = None,
+    gamma: GammaOption = "auto",
+    mode: ModeOption = "exact",
+    temperature: TemperatureOption = 0.0,
+    top_k: TopKOption = 0,
+    top_p: TopPOption = 1.0,
+    seed: SeedOption = None,
+    max_new_tokens: MaxNewTokensOption = 256,
+    system: SystemOption = None,
+    show: ShowOption = False,
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
@@ -61,19 +68,18 @@ def chat(
 ) -> None:
     """Chat with TARGET in the terminal: one line a turn, answers streamed, a stats line after each."""
     from specdecode import SamplingParams, SpeculativeDecoder
-    from specdecode.commands import build_proposer, load
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
-    parse_quantization(quantization)
+    factory.parse_quantization(quantization)
     choice = proposer or default_proposer(draft, head, heads)
     if choice is ProposerChoice.draft and not draft:
         raise ValueError("--proposer draft needs --draft PATH, self:N or skip:SKIP.json")
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        model = load(target, dtype, quantization, group_size, max_context)
+        model = factory.load(target, dtype, quantization, group_size, max_context)
         chosen = None
         if choice is not ProposerChoice.none:
-            chosen = build_proposer(
+            chosen = factory.build_proposer(
                 choice.value, model, draft, dtype, quantization, group_size, head=head, tree_nodes=tree_nodes,
                 heads=heads,
             )  # fmt: skip
@@ -107,11 +113,7 @@ class Conversation:
 
     def prompt(self, text: str) -> list[int]:
         self.messages.append({"role": "user", "content": text})
-        tokenizer = self.model.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            return self.model.encode("\n".join(m["content"] for m in self.messages))
-        ids = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
-        return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+        return self.model.chat_ids(self.messages)
 
     def answer(self, text: str) -> None:
         self.messages.append({"role": "assistant", "content": text})
@@ -121,7 +123,7 @@ class _Nothing:
     """A proposer that never guesses: every round a plain step."""
 
     def propose(self, context, k, params, generator):
-        from specdecode.proposers.base import EMPTY_DRAFT
+        from specdecode.sampling.draft import EMPTY_DRAFT
 
         return EMPTY_DRAFT
 
@@ -148,7 +150,7 @@ def _print_shown(model: LoadedModel, out: GenerationOutput) -> None:
     from rich.console import Console
 
     from specdecode.commands.show import coloured, legend
-    from specdecode.provenance import token_pieces
+    from specdecode.engine.provenance import token_pieces
 
     console = Console(highlight=False, soft_wrap=True)
     console.print(coloured(token_pieces(model.decode, out.token_ids, out.text), out.sources))

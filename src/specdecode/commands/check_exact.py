@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-from enum import Enum
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,13 +10,25 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from specdecode.commands import (
+from specdecode import factory
+from specdecode.commands import quiet_transformers
+from specdecode.commands.generate import default_proposer
+from specdecode.commands.options import (
+    BaseSeedOption,
     DraftOption,
     DtypeOption,
     GroupSizeOption,
     HeadOption,
     HeadsOption,
+    ModeOption,
+    PromptsOption,
+    ProposerOption,
     QuantizationOption,
+    RawOption,
+    TargetOption,
+    TemperatureOption,
+    TopKOption,
+    TopPOption,
     TreeNodesOption,
 )
 
@@ -28,67 +38,53 @@ DEFAULT_PROMPTS = (
     "What is the capital of France?",
 )
 
-
-class Mode(str, Enum):
-    exact = "exact"
-    reproducible = "reproducible"
-
-
-ProposerOption = Annotated[
-    str | None,
-    typer.Option(
-        help="draft (needs --draft), lookup, eagle, medusa, suffix, eagle+suffix or eagle+lookup; default: draft "
-        "if --draft is given."
-    ),
-]
+GammaOption = Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")]
 TreeWidthOption = Annotated[
     int, typer.Option(min=1, help="lookup: offer up to this many distinct matches as a token tree (1 = chain).")
 ]
-PromptsOption = Annotated[
-    Path | None,
-    typer.Option(help="FastChat JSONL (question_id, category, turns); turns[0] is used. Default: built-in."),
-]
-ModeOption = Annotated[Mode, typer.Option(help="exact (min(1, p/q) rule) or reproducible (seed-identical).")]
+SamplesOption = Annotated[int, typer.Option(min=1, help="Speculative samples per prompt (turns[0] of --prompts).")]
+AlphaOption = Annotated[float, typer.Option(help="Family false-alarm rate (Bonferroni over prompts × K).")]
+CapOption = Annotated[int, typer.Option(min=1, help="K=2: first tokens enumerated exactly; the rest pooled.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
 def check_exact(
-    target: Annotated[str, typer.Option(help="Target model: a bundled name, HF folder or .gguf.")] = "smollm2",
+    target: TargetOption = "smollm2",
     draft: DraftOption = None,
     proposer: ProposerOption = None,
-    gamma: Annotated[int, typer.Option(min=1, help="Tokens guessed per round (a token tree's depth).")] = 4,
+    gamma: GammaOption = 4,
     tree_width: TreeWidthOption = 1,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Keep the k most probable tokens (0 = off).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Nucleus mass in (0, 1] (1 = off).")] = 1.0,
+    temperature: TemperatureOption = 1.0,
+    top_k: TopKOption = 0,
+    top_p: TopPOption = 1.0,
     prompts: PromptsOption = None,
-    samples: Annotated[int, typer.Option(min=1, help="Speculative samples per prompt.")] = 1000,
-    mode: ModeOption = Mode.exact,
-    alpha: Annotated[float, typer.Option(help="Family false-alarm rate (Bonferroni over prompts × K).")] = 0.01,
-    cap: Annotated[int, typer.Option(min=1, help="K=2: first tokens enumerated exactly; the rest pooled.")] = 64,
-    seed: Annotated[int, typer.Option(min=0, help="Sample i uses seed + i.")] = 0,
-    raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
+    samples: SamplesOption = 1000,
+    mode: ModeOption = "exact",
+    alpha: AlphaOption = 0.01,
+    cap: CapOption = 64,
+    seed: BaseSeedOption = 0,
+    raw: RawOption = False,
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
     head: HeadOption = None,
     tree_nodes: TreeNodesOption = None,
     heads: HeadsOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Test that speculative decoding samples the first 1 and 2 tokens exactly as the target does."""
     from specdecode.bench.workloads import load_items
-    from specdecode.commands import build_proposer, load, quiet_transformers
-    from specdecode.exactness import check_exactness
-    from specdecode.params import SamplingParams
+    from specdecode.exactness.check import check_exactness
+    from specdecode.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    kind = proposer or ("draft" if draft else "lookup")
+    kind = (proposer or default_proposer(draft, head, heads)).value
     texts = list(DEFAULT_PROMPTS) if prompts is None else [item.turns[0] for item in load_items(prompts)]
     err = Console(stderr=True)
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        target_model = load(target, dtype, quantization, group_size)
-        chosen = build_proposer(
+        target_model = factory.load(target, dtype, quantization, group_size)
+        chosen = factory.build_proposer(
             kind,
             target_model,
             draft,
@@ -114,14 +110,14 @@ def check_exact(
             params,
             samples=samples,
             gamma=gamma,
-            mode=mode.value,
+            mode=mode,
             alpha=alpha,
             cap=cap,
             seed=seed,
             on_sample=lambda: progress.advance(task),
         )
     if as_json:
-        settings = {"target": target, "proposer": draft or kind, "tree_width": tree_width, "mode": mode.value}
+        settings = {"target": target, "proposer": draft or kind, "tree_width": tree_width, "mode": mode}
         print(json.dumps({**settings, **report.to_dict()}))
     else:
         _print_report(report, texts, Console())

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import statistics
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from specdecode.commands import (
+from specdecode import factory
+from specdecode.commands import quiet_transformers
+from specdecode.commands.options import (
     DtypeOption,
+    GammaOption,
     GroupSizeOption,
     HeadOption,
     HeadsOption,
+    MaxNewTokensOption,
     QuantizationOption,
+    TargetOption,
     TreeNodesOption,
     parse_gamma,
-    quiet_transformers,
 )
 
 PASSAGE = (
@@ -35,17 +40,20 @@ ROUNDS = 2
 NAMES = {"lookup": "prompt lookup", "eagle": "EAGLE head", "medusa": "Medusa heads", "suffix": "suffix decoding"}
 
 
-def demo(
-    target: str = typer.Option("smollm2", help="Target model (bundled name, HF folder or .gguf)."),
-    gamma: str = typer.Option(
-        "auto", help="Tokens guessed per round (a tree's depth), or auto (adapts to the measured verify cost)."
-    ),
-    proposer: str = typer.Option(
-        "lookup",
+ProposerOption = Annotated[
+    str,
+    typer.Option(
         help="lookup (prompt lookup), eagle (a trained draft head), medusa (trained Medusa heads) or suffix (suffix "
-        "decoding; here it does not remember earlier runs, which repeat the same prompt).",
+        "decoding; here it does not remember earlier runs, which repeat the same prompt)."
     ),
-    max_new_tokens: int = typer.Option(160, help="Tokens to generate in each run."),
+]
+
+
+def demo(
+    target: TargetOption = "smollm2",
+    gamma: GammaOption = "auto",
+    proposer: ProposerOption = "lookup",
+    max_new_tokens: MaxNewTokensOption = 160,
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
     group_size: GroupSizeOption = 32,
@@ -55,7 +63,6 @@ def demo(
 ) -> None:
     """Edit a pasted passage plainly and speculatively; show the outputs match and the measured speedup."""
     from specdecode import SamplingParams, SpeculativeDecoder, autoregressive_generate
-    from specdecode.commands import build_proposer, load, suffix_proposer
 
     quiet_transformers()
     parsed_gamma = parse_gamma(gamma)  # validate before the slow load
@@ -63,11 +70,11 @@ def demo(
         raise ValueError(f"--proposer must be lookup, eagle, medusa or suffix, got {proposer!r}")
     console = Console()
     with console.status(f"loading {target} (the first load dequantizes and caches it)…"):
-        model = load(target, dtype, quantization, group_size)
+        model = factory.load(target, dtype, quantization, group_size)
         if proposer == "suffix":  # each run alone: remembering the last run's answer would copy it whole
-            chosen = suffix_proposer(None, tree_nodes, remember=False)
+            chosen = factory.suffix_proposer(None, tree_nodes, remember=False)
         else:
-            chosen = build_proposer(proposer, model, None, head=head, tree_nodes=tree_nodes, heads=heads)
+            chosen = factory.build_proposer(proposer, model, None, head=head, tree_nodes=tree_nodes, heads=heads)
     ids = model.chat_prompt(PROMPT)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     decoder = SpeculativeDecoder(model, chosen, gamma=parsed_gamma)

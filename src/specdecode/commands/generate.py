@@ -10,54 +10,44 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from specdecode.commands import (
-    TARGET_HELP,
+from specdecode import factory
+from specdecode.commands import err, quiet_transformers
+from specdecode.commands.options import (
     DraftOption,
     DtypeOption,
+    GammaOption,
     GroupSizeOption,
     HeadOption,
     HeadsOption,
+    JsonSchemaOption,
     MaxContextOption,
+    MaxNewTokensOption,
+    ModeOption,
     ProposerChoice,
+    ProposerOption,
     QuantizationOption,
+    RawOption,
+    RegexOption,
+    SeedOption,
+    ShowOption,
     SuffixCacheOption,
+    TargetOption,
+    TemperatureOption,
+    TopKOption,
+    TopPOption,
     TreeNodesOption,
-    err,
+    grammar_option,
     parse_gamma,
-    parse_quantization,
-    quiet_transformers,
 )
-from specdecode.commands.grammar_options import JsonSchemaOption, RegexOption, grammar_option
 
 if TYPE_CHECKING:
     from specdecode import GenerationOutput, SamplingParams
 
 
 PromptArgument = Annotated[str, typer.Argument(help="The prompt text ('-' reads it from standard input).")]
-ProposerOption = Annotated[
-    ProposerChoice | None,
-    typer.Option(
-        help="Where guesses come from: draft (needs --draft), "
-        "lookup (prompt lookup), eagle (a trained draft head), medusa (trained Medusa heads), suffix (earlier "
-        "answers too, with --suffix-cache), eagle+lookup / eagle+suffix (copy where the text repeats, else the head "
-        "guesses) or none (plain decoding). Default: draft with --draft, eagle with --head, medusa with --heads, "
-        "else lookup (the fastest here over repeated runs; eagle+lookup is level greedy and behind sampled).",
-    ),
-]
-GammaOption = Annotated[
-    str, typer.Option(help="Tokens guessed per round, or auto (adapts each round to the measured costs, 0 = plain).")
-]
-ModeOption = Annotated[
-    str, typer.Option(help="exact (min(1, p/q) rule) or reproducible (the same text as --proposer none, same seed).")
-]
-ShowOption = Annotated[
-    bool,
-    typer.Option(
-        "--show",
-        help="Print the answer coloured by how each token was made: a guess the target accepted (green, by depth "
-        "in its round) or the target's own token (after a rejection, a bonus, or a plain step), with a legend.",
-    ),
-]
+StopOption = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable); it is cut from the output.")]
+StreamOption = Annotated[bool, typer.Option("--stream", help="Print text as tokens are accepted.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, seed, stats).")]
 VerboseOption = Annotated[
     bool,
     typer.Option("--verbose", help="Say which runner and weight formats the model got (and why, on a fallback)."),
@@ -66,23 +56,21 @@ VerboseOption = Annotated[
 
 def generate(
     prompt: PromptArgument,
-    target: Annotated[str, typer.Option(help=TARGET_HELP)] = "smollm2",
+    target: TargetOption = "smollm2",
     draft: DraftOption = None,
     proposer: ProposerOption = None,
     gamma: GammaOption = "auto",
     mode: ModeOption = "exact",
-    temperature: Annotated[float, typer.Option(help="0 = greedy (identical to plain decoding).")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Keep the k most probable tokens (0 = off).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1] (1 = off).")] = 1.0,
-    seed: Annotated[
-        int | None, typer.Option(help="Random seed (default: fresh, printed so the run can be replayed).")
-    ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
-    stop: list[str] = typer.Option([], help="Stop string (repeatable); it is cut from the output."),
-    stream: Annotated[bool, typer.Option("--stream", help="Print text as tokens are accepted.")] = False,
+    temperature: TemperatureOption = 0.0,
+    top_k: TopKOption = 0,
+    top_p: TopPOption = 1.0,
+    seed: SeedOption = None,
+    max_new_tokens: MaxNewTokensOption = 128,
+    stop: StopOption = None,
+    stream: StreamOption = False,
     show: ShowOption = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, seed, stats).")] = False,
-    raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
+    as_json: JsonOption = False,
+    raw: RawOption = False,
     verbose: VerboseOption = False,
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = "auto",
@@ -98,13 +86,12 @@ def generate(
     """Generate text from PROMPT with speculative decoding and print it with a stats line."""
     options = GenerateOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
     from specdecode import SpeculativeDecoder, autoregressive_generate
-    from specdecode.commands import load
 
     checked = _checked(options)
     params, choice = checked.params, checked.choice
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        target_model = load(target, dtype, quantization, group_size, max_context)
+        target_model = factory.load(target, dtype, quantization, group_size, max_context)
         chosen = None if choice is ProposerChoice.none else _proposer(options, choice, target_model)
     if verbose:
         err.print(f"[dim]{target_model.describe()}[/dim]", highlight=False, soft_wrap=True)
@@ -141,7 +128,7 @@ class GenerateOptions:
     top_p: float
     seed: int | None
     max_new_tokens: int
-    stop: list[str]
+    stop: list[str] | None
     stream: bool
     show: bool
     as_json: bool
@@ -173,7 +160,7 @@ def _checked(options: GenerateOptions) -> _Checked:
     """The prompt, the sampling settings, the --suffix-cache file and the proposer chosen, each option checked (in
     one line on a mistake) before the slow load."""
     from specdecode import SamplingParams
-    from specdecode.models.loader import resolve_dtype
+    from specdecode.models.loaded import resolve_dtype
 
     if options.show and (options.stream or options.as_json):
         raise ValueError("--show prints the coloured answer once it is complete: drop --stream and --json")
@@ -187,12 +174,12 @@ def _checked(options: GenerateOptions) -> _Checked:
         top_p=options.top_p,
         max_new_tokens=options.max_new_tokens,
         seed=options.seed,
-        stop=tuple(options.stop),
+        stop=tuple(options.stop or ()),
         grammar=grammar_option(options.json_schema, options.regex),
     )
     if options.dtype != "auto":
         resolve_dtype(options.dtype)
-    parse_quantization(options.quantization)  # validate before the slow load
+    factory.parse_quantization(options.quantization)  # validate before the slow load
     choice = options.proposer or default_proposer(options.draft, options.head, options.heads)
     if choice is ProposerChoice.draft and not options.draft:
         raise ValueError("--proposer draft needs --draft PATH, self:N or skip:SKIP.json")
@@ -201,9 +188,7 @@ def _checked(options: GenerateOptions) -> _Checked:
 
 def _proposer(options: GenerateOptions, choice: ProposerChoice, target_model: Any) -> Any:
     """The proposer ``choice`` names, built over ``target_model`` with the options that concern it."""
-    from specdecode.commands import build_proposer
-
-    return build_proposer(
+    return factory.build_proposer(
         choice.value,
         target_model,
         options.draft,
@@ -237,7 +222,7 @@ def _printed(options: GenerateOptions, out: GenerationOutput, choice: ProposerCh
         from rich.console import Console
 
         from specdecode.commands.show import coloured, legend
-        from specdecode.provenance import token_pieces
+        from specdecode.engine.provenance import token_pieces
 
         console = Console(highlight=False, soft_wrap=True)
         console.print(coloured(token_pieces(target_model.decode, out.token_ids, out.text), out.sources))

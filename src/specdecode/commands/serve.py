@@ -8,41 +8,35 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from specdecode.commands import (
+from specdecode import factory
+from specdecode.commands import err, quiet_transformers
+from specdecode.commands.generate import default_proposer
+from specdecode.commands.options import (
     DraftOption,
     DtypeOption,
+    GammaOption,
     GroupSizeOption,
     HeadsOption,
+    ModeOption,
     ProposerChoice,
+    ProposerOption,
     QuantizationOption,
-    err,
+    SuffixCacheOption,
+    TargetOption,
+    ThreadsOption,
     parse_gamma,
-    parse_quantization,
-    quiet_transformers,
 )
 
 if TYPE_CHECKING:
-    from specdecode.serving.app import ServerConfig
+    from specdecode.serving.config import ServerConfig
 
-TargetOption = Annotated[str, typer.Option(help="Target model: a bundled name, an HF folder or a .gguf file.")]
-ProposerOption = Annotated[
-    ProposerChoice | None,
-    typer.Option(
-        help="Default proposer (as generate's; draft needs --draft). Default: draft with --draft, else lookup."
-    ),
-]
-GammaOption = Annotated[str, typer.Option(help="Most tokens drafted per round, or auto (the policy picks, up to 8).")]
 PolicyOption = Annotated[
     str,
     typer.Option(help="auto (speculate while the measured costs say it pays at this batch size), always or never."),
 ]
-ModeOption = Annotated[
-    str,
-    typer.Option(help="reproducible (a seed gives the same text under any load) or exact (min(1, p/q) rule)."),
-]
 HostOption = Annotated[str, typer.Option(help="Address to bind (loopback by default; 0.0.0.0 for all).")]
 MaxBatchOption = Annotated[int, typer.Option(help="Most requests decoded at once (each holds a KV cache); more wait.")]
-MaxContextOption = Annotated[
+RequestContextOption = Annotated[
     int | None,
     typer.Option(
         min=1,
@@ -61,16 +55,7 @@ RayOption = Annotated[bool, typer.Option("--ray", help="Run replicas on Ray Serv
 ReplicasOption = Annotated[
     int, typer.Option(help="With --ray: model replicas (each loads the model); this process serves HTTP in front.")
 ]
-ThreadsOption = Annotated[
-    int | None, typer.Option(help="Torch threads per server or replica (default: torch's choice).")
-]
-SuffixCacheOption = Annotated[
-    str | None,
-    typer.Option(
-        help="--proposer suffix or eagle+suffix: a history file (from `specdecode index` or an earlier run) loaded "
-        "at start; with --suffix-scope global the server writes its history back to it at shutdown.",
-    ),
-]
+PortOption = Annotated[int, typer.Option(help="Port to listen on.")]
 SuffixScopeOption = Annotated[
     str,
     typer.Option(
@@ -111,9 +96,9 @@ def serve(
     policy: PolicyOption = "auto",
     mode: ModeOption = "reproducible",
     host: HostOption = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    port: PortOption = 8000,
     max_batch: MaxBatchOption = 16,
-    max_context: MaxContextOption = None,
+    max_context: RequestContextOption = None,
     api_key: ApiKeyOption = None,
     max_body_bytes: MaxBodyOption = 1_000_000,
     served_model_name: ServedNameOption = None,
@@ -136,7 +121,7 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         err.print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can reach it may use it")
     if ray:
-        from specdecode.serving.ray_app import run
+        from specdecode.serving.replicas.ray_app import run
 
         run(config, replicas=replicas, host=host, port=port, grace=shutdown_grace)
         return
@@ -179,10 +164,10 @@ class ServeOptions:
 def _config(options: ServeOptions) -> ServerConfig:
     """The server's settings from the options (the proposer defaulted, the gamma and quantization checked, the
     allowed hosts split at commas)."""
-    from specdecode.serving.app import ServerConfig
+    from specdecode.serving.config import ServerConfig
 
-    parse_quantization(options.quantization)
-    choice = options.proposer or (ProposerChoice.draft if options.draft else ProposerChoice.lookup)
+    factory.parse_quantization(options.quantization)
+    choice = options.proposer or default_proposer(options.draft, None, options.heads)
     names = options.allowed_hosts or ()
     return ServerConfig(
         target=options.target,
@@ -210,7 +195,7 @@ def _config(options: ServeOptions) -> ServerConfig:
 
 
 def _serve_here(config, host: str, port: int, grace: float) -> None:
-    from specdecode.serving.app import Server
+    from specdecode.serving.server import Server
     from specdecode.serving.shutdown import serve_until_signalled
 
     quiet_transformers()

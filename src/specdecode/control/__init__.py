@@ -1,5 +1,5 @@
 """Online control of speculation: ONE acceptance estimator (``acceptance``) and ONE pass-cost model (``costs``),
-and the decisions over them: ``gamma="auto"`` per request (``gamma``) and, in ``serving.policy``, the server's
+and the decisions over them: ``gamma="auto"`` per request (``gamma``) and, in ``serving.batching.policy``, the server's
 per-step plan. Pure Python, no torch: they learn from the counts and times the engine and the scheduler report."""
 
 from .acceptance import (

@@ -14,9 +14,9 @@ the trees measured, v(rows) + draft seconds / T(1).
 A proposer that drafts two ways (``HybridProposer``: a copied run, or a model's guesses) gets ``HybridGamma``: one
 controller per side, each with its own acceptance and drafting price (``drafter`` "copy" / "model"), the target's
 times shared; the side that would draft (the proposer's ``preview``) chooses the round's length.
-The server's policy (``serving.policy``) decides over the same estimator and costs: for a batch of one request it
-chooses the same length (tests/test_control.py). Exactness does not depend on any of this: γ only changes between
-rounds.
+The server's policy (``serving.batching.policy``) decides over the same estimator and costs: for a batch of one request
+it chooses the same length (tests/control/test_control.py). Exactness does not depend on any of this: γ only changes
+between rounds.
 """
 
 from __future__ import annotations

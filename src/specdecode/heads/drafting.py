@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.native_llama import KERNEL_CACHE_DTYPE
-from ..models.weights import IntBlocks, KernelLinear
+from ..models.formats.blocks import IntBlocks
+from ..models.formats.kernel_linear import KernelLinear
+from ..models.native.layers import KERNEL_CACHE_DTYPE
 from .model import EagleHead, TargetParts
 
 WEIGHT_BITS = (8, 4)

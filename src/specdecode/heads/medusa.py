@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
+from ..version import __version__
 from .model import text_config
 from .saved import SHIPPED, check_target, target_identity
 
@@ -63,7 +64,7 @@ class MedusaHeads(nn.Module):
         """Run the K blocks as one int8 weight-only matrix product on bfloat16 activations (a quarter of float32's
         bytes: drafting reads them after a target pass has evicted them from the caches); in place, drafting
         only."""
-        from ..models.weights import Int8Linear
+        from ..models.formats.weights import Int8Linear
 
         self._int8 = Int8Linear.quantize(self.weight.reshape(-1, self.hidden_size), self.bias.reshape(-1))
         return self
@@ -89,6 +90,7 @@ def save_heads(
     config = {
         "format": FORMAT,
         "version": VERSION,
+        "specdecode": __version__,
         "target": target_identity(target),
         "hidden_size": heads.hidden_size,
         "num_heads": heads.num_heads,

@@ -217,7 +217,7 @@ class EagleHead(nn.Module):
         For drafting only: a guess's numerics never change the output, only how often it is accepted, and the
         int8 matrix-vector product reads a quarter of float32's bytes (measured 2-3x faster than bfloat16 here).
         """
-        from ..models.weights import Int8Linear, QuantizedLinear
+        from ..models.formats.weights import Int8Linear, QuantizedLinear
 
         for parent in [self, self.layer]:
             for name, child in list(parent.named_children()):
@@ -254,7 +254,7 @@ class TargetParts:
         if self.draft_vocab.numel() and int(self.draft_vocab.max()) >= vocab_size:
             raise ValueError(f"the head's drafting vocabulary names ids past the target's {vocab_size} tokens")
         self.dtype = dtype  # of the embeddings, RoPE tables and LM head rows handed to the head
-        from ..models.weights import Int8Linear
+        from ..models.formats.weights import Int8Linear
 
         if int8 and dtype != torch.bfloat16:
             raise ValueError(f"the int8 read-out runs on bfloat16 activations, not {dtype}")
@@ -296,7 +296,7 @@ class TargetParts:
 @torch.no_grad()
 def lm_head_rows(model: nn.Module) -> torch.Tensor:
     """The LM head's weight rows [V, H] in float32, dequantized if the head is stored quantized."""
-    from ..models.weights import QuantizedLinear
+    from ..models.formats.weights import QuantizedLinear
 
     head = model.get_output_embeddings()
     if isinstance(head, QuantizedLinear):

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
+from ..version import __version__
 from .model import EagleHead, HeadShape, config_fingerprint, vocab_fingerprint
 
 FORMAT = "specdecode-eagle-head"
@@ -48,6 +49,7 @@ def save_head(
     config = {
         "format": FORMAT,
         "version": VERSION,
+        "specdecode": __version__,
         "target": target_identity(target),
         "shape": asdict(head.shape),
         "draft_vocab_size": int(draft_vocab.numel()),

@@ -5,10 +5,10 @@ the sources, one translation unit (``csrc/ops.cpp``, which includes the other pa
 g++ for its own CPU (``-march=native``: AVX-512 with VNNI, AVX2, or plain C, the same numerics in each), with one
 line on stderr while it does, and caches the library under ``cache_root()/kernels/<variant>-<key>`` where the key
 names every file of ``csrc/``, the compiler, torch and the CPU's flags, so each CPU/compiler builds once: an entry
-of ``cache.py``, written whole, checked before it is loaded and rebuilt if damaged (a library cut short would die
+of ``disk_cache``, written whole, checked before it is loaded and rebuilt if damaged (a library cut short would die
 with a bus error when loaded). It links torch's own OpenMP runtime, so the kernels run on torch's thread pool.
-``SPECDECODE_KERNELS=0`` turns them off (the pure-torch formats of ``weights.py`` run instead, as they do when
-the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs another instruction set's build
+``SPECDECODE_KERNELS=0`` turns them off (the pure-torch formats of ``models.formats.weights`` run instead, as they
+do when the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs another instruction set's build
 (portable: the tests' plain-C reference, built at -O1, not for speed).
 """
 
@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..cache import cache_root, ensure_entry
+from ..disk_cache import cache_root, ensure_entry
 
 SOURCES = Path(__file__).with_name("csrc")  # every file here is part of the build (and of its cache key)
 SOURCE = SOURCES / "ops.cpp"  # the one translation unit: it includes the other parts

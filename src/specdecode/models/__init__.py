@@ -1,7 +1,11 @@
-"""Model backends: the runner contract, the transformers runner, and loading."""
+"""Models: the runner contract (``runner``), the two runners (``native/``: our own, ``transformers_runner``: any
+causal LM), a loaded model and its memory (``loaded``, ``memory``), the weight formats (``formats/``), GGUF files
+(``gguf/``) and ``load_model`` (``loading/``)."""
 
-from .base import ModelRunner
-from .hf import HFRunner
-from .loader import LoadedModel, load_model
+from .loaded import LoadedModel
+from .loading.loader import load_model
+from .native.runner import NativeRunner
+from .runner import ModelRunner
+from .transformers_runner import TransformersRunner
 
-__all__ = ["HFRunner", "LoadedModel", "ModelRunner", "load_model"]
+__all__ = ["LoadedModel", "ModelRunner", "NativeRunner", "TransformersRunner", "load_model"]

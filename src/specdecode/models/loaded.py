@@ -3,19 +3,24 @@ the dtypes ``load_model`` accepts."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .architecture import architecture_of, unsupported_reason
-from .base import ModelRunner
-from .hf import HFRunner
+from .formats.weights import FloatRows
 from .memory import INITIAL_SLOTS, loaded_footprint
 from .memory import describe as describe_memory
-from .native_llama import KERNEL_CACHE_DTYPE, NativeLlamaRunner
-from .native_llama import uses_kernels as native_uses_kernels
-from .weights import FloatRows
+from .native.architecture import architecture_of, unsupported_reason
+from .native.layers import KERNEL_CACHE_DTYPE
+from .native.layers import uses_kernels as native_uses_kernels
+from .native.runner import NativeRunner
+from .runner import ModelRunner
+from .transformers_runner import TransformersRunner
 
 if TYPE_CHECKING:  # transformers.modeling_utils costs ~2 s at `import specdecode`; loading a model imports it
     from transformers import PreTrainedModel
@@ -83,14 +88,24 @@ class LoadedModel:
         quantized = self.quantization is not None
         return torch.float32 if quantized else next(self.model.parameters()).dtype
 
+    @cached_property
+    def vocabulary_fingerprint(self) -> str:
+        """A sha256 of the id -> token table (its size alone without a tokenizer), computed once: token ids stored
+        for one model (a suffix history) are only meaningful for models with the same fingerprint."""
+        if self.tokenizer is None:
+            table: object = {"vocab_size": self.vocab_size}
+        else:
+            table = self.tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return hashlib.sha256(json.dumps(table).encode()).hexdigest()
+
     def new_runner(self) -> ModelRunner:
         """A fresh runner with its own empty KV cache over this model's weights (native or transformers); a native
         one's cache grows on demand up to ``context_window`` slots."""
         if self.backend == "native":
             cap = self.context_window
             first = INITIAL_SLOTS if cap is None else min(INITIAL_SLOTS, cap)
-            return NativeLlamaRunner(self.model, self.vocab_size, max_length=first, max_capacity=cap)
-        return HFRunner(self.model, self.vocab_size)
+            return NativeRunner(self.model, self.vocab_size, max_length=first, max_capacity=cap)
+        return TransformersRunner(self.model, self.vocab_size)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt: a string is tokenized as the tokenizer does; a list is checked and kept."""
@@ -113,17 +128,40 @@ class LoadedModel:
             return " ".join(map(str, ids))
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer brings a chat template (else ``chat_ids`` joins the messages as plain text)."""
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of ``messages`` (``{"role", "content", ...}`` dicts) in the model's chat template, ``tools``
+        rendered by it and, with ``generation_prompt``, the assistant's header appended: the one way a chat becomes
+        a prompt (the CLI, the server, the benchmarks, training). Without a template: the messages' contents
+        joined by newlines, as plain text (no tools). A template that refuses the messages raises ValueError."""
+        if self.tokenizer is None:
+            raise ValueError(f"model '{self.name}' has no tokenizer: pass the prompt as a list of token ids")
+        if not self.has_chat_template:
+            if tools:
+                raise ValueError(f"model '{self.name}' has no chat template to render tools with")
+            return self.encode("\n".join(str(m["content"]) for m in messages))
+        from jinja2 import TemplateError  # what a template's raise_exception raises (transformers renders with jinja2)
+
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                list(messages), tools=tools, add_generation_prompt=generation_prompt, tokenize=True
+            )
+        except (TemplateError, TypeError, KeyError, IndexError) as exc:  # raise_exception, or fields it cannot read
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
+        return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+
     def chat_prompt(self, text: str) -> list[int]:
-        """Token ids of ``text`` as one user turn in the model's chat template (plain text if it has none)."""
-        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
-        if not template:
-            return self.encode(text)
-        ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """Token ids of ``text`` as one user turn in the model's chat template (``chat_ids``)."""
+        return self.chat_ids([{"role": "user", "content": text}])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -150,7 +150,7 @@ def kernel_matrix_bytes(rows: int, cols: int, layout: Layout, bias: bool = False
     and a plane of their fifth bits (5/8 of a byte), 6- to 8-bit ones as bytes, one scale (and offset, if
     asymmetric) per group of ≤ 32 per output (two-level: an int8 per group and a float16 per super-block), a float32
     bias."""
-    from .kernel_linear import packed_row_bytes, packing_of
+    from .formats.kernel_linear import packed_row_bytes, packing_of
 
     group = layout.group // max(layout.group // 32, 1)
     padded = math.ceil(rows / 16) * 16
@@ -205,13 +205,13 @@ def weight_bytes(tensors: Sequence[FileTensor]) -> tuple[int, int]:
 
 
 def _int8_layout(cols: int) -> Layout:
-    """``IntBlocks.from_int8``'s layout: a row's bfloat16 scale (a float16 value) over blocks of 32 (else 16)."""
+    """``Int8Linear.blocks``' layout: a row's bfloat16 scale (a float16 value) over blocks of 32 (else 16)."""
     return Layout(32 if cols % 32 == 0 else 16, 8, 128, "f16")
 
 
 def shape_of(model: Any) -> Shape:
     """The decoder sizes of a (skeleton or loaded) transformers model."""
-    from .architecture import architecture_of
+    from .native.architecture import architecture_of
 
     config = model.config.get_text_config()
     return Shape(
@@ -230,8 +230,8 @@ def file_tensors(path: str | Path) -> list[FileTensor]:
     """The tensors of a GGUF file from its index, each block type's layout read from one row of it."""
     import gguf
 
-    from .gguf_blocks import BLOCK_TYPES, FileBlocks
-    from .gguf_index import gguf_index
+    from .gguf.file_blocks import BLOCK_TYPES, FileBlocks
+    from .gguf.index import gguf_index
 
     layouts: dict[str, Layout] = {}
     found = []
@@ -262,7 +262,7 @@ def file_footprint(path: str | Path, skeleton: Any) -> Footprint:
 def dense_footprint(skeleton: Any, element_bytes: float, kv_element: int, table_element: int) -> Footprint:
     """The footprint of a model whose weights take ``element_bytes`` per parameter (dense; a tied head shares the
     embedding's, though a skeleton's may not yet), and its computed buffers (RoPE's inverse frequencies)."""
-    from .quantize import tied_head
+    from .native.architecture import tied_head
 
     parameters = sum(p.numel() for p in skeleton.parameters())
     if skeleton.lm_head.weight is not skeleton.model.embed_tokens.weight and tied_head(skeleton):
@@ -280,8 +280,7 @@ def rounded_footprint(skeleton: Any, kind: str, group_size: int, kernels: bool, 
     scales) or, without ``kernels``, PyTorch's packed formats; the LM head as int8 rows (its tiles and its exact int8
     table, one float32 scale a row); the input embedding as the tied head's rows, else ``embed_element`` bytes a
     weight; norms, biases and buffers in float32; a float16 KV cache on the kernels (else float32)."""
-    from .architecture import FAMILIES
-    from .quantize import tied_head
+    from .native.architecture import FAMILIES, tied_head
 
     fused = getattr(skeleton.config, "model_type", None) in FAMILIES
     repacked = sum(b.nbytes for b in skeleton.buffers() if not b.is_meta)
@@ -318,8 +317,8 @@ def held_weight_bytes(model: Any) -> tuple[int, int]:
     """(mapped, repacked) bytes of the weights a loaded model holds: every tensor of its modules (parameters,
     buffers, weight formats and the fused ones the quantizer registered), each storage counted once; an
     embedding that reads the GGUF file's blocks when used counts as mapped."""
-    from .gguf_blocks import FileBlocks
-    from .weights import QuantizedEmbedding, fused_of
+    from .formats.weights import QuantizedEmbedding, fused_of
+    from .gguf.file_blocks import FileBlocks
 
     storages: dict[int, int] = {}
     mapped = 0

@@ -1,6 +1,7 @@
 """Proposers: where draft tokens come from."""
 
-from .base import Draft, Proposer
+from ..sampling.draft import Draft
+from .base import Proposer
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer, EagleSettings
 from .hybrid import HybridProposer

@@ -1,7 +1,7 @@
-"""The proposer contract: guess up to k next tokens for a context (a ``Draft``, from ``specdecode.draft`` and
-re-exported here), plus optional hooks whose defaults do nothing, so the engine and the server call them directly.
+"""The proposer contract: guess up to k next tokens for a context (a ``sampling.draft.Draft``), plus optional hooks
+whose defaults do nothing, so the engine and the server call them directly.
 
-A user's object that only has ``propose`` (duck-typed, as DESIGN.md allows) is adapted once where it enters
+A user's object that only has ``propose`` (duck-typed, as the public API allows) is adapted once where it enters
 (``as_proposer``: ``SpeculativeDecoder``, the server's slots, ``HybridProposer``'s model side).
 """
 
@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..draft import EMPTY_DRAFT as EMPTY_DRAFT
-from ..draft import Draft as Draft
-from ..keyed_noise import KeyedNoise
-from ..params import SamplingParams
+from ..sampling.draft import Draft
+from ..sampling.keyed_noise import KeyedNoise
+from ..sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..models.loader import LoadedModel
+    from ..models.loaded import LoadedModel
 
 
 class Proposer:
@@ -28,10 +27,6 @@ class Proposer:
 
     needs_target_hidden: bool = False  # the engine captures the target's features and hands them to observe_target
     couples_with_keyed_noise: bool = False  # propose_coupled draws with the request's keyed noise (reproducible)
-    chooses_length: bool = False  # drafts two ways, previewing the side and length a round gets (HybridProposer)
-    sizes_its_drafts: bool = False  # a draft runs as deep as the proposer finds it pays (suffix decoding)
-    copier_sizes_its_drafts: bool = False  # (chooses_length) the copy side sizes its drafts: taken as offered
-    last_side: str | None = None  # (chooses_length) the side that drafted the last round: "copy" or "model"
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """At most ``k`` guessed tokens following ``context`` (prompt + generated so far)."""
@@ -55,10 +50,6 @@ class Proposer:
     def end_request(self, context: list[int]) -> None:
         """A request ended with ``context`` (prompt + output): a proposer that remembers requests keeps it."""
 
-    def preview(self, context: list[int], k: int) -> tuple[str, int]:
-        """(``chooses_length`` only) the side that would draft a round of at most ``k`` and how many tokens."""
-        raise NotImplementedError(f"{type(self).__name__} does not choose its length (chooses_length is False)")
-
 
 class DuckTypedProposer(Proposer):
     """A user's object with ``propose`` seen as a ``Proposer``: the hooks it defines (``needs_target_hidden`` with
@@ -79,7 +70,7 @@ class DuckTypedProposer(Proposer):
         return self.wrapped.propose(context, k, params, generator)  # type: ignore[attr-defined]
 
     def vocabulary_model(self) -> LoadedModel | None:
-        from ..models.loader import LoadedModel
+        from ..models.loaded import LoadedModel
 
         return self._model if isinstance(self._model, LoadedModel) else None
 

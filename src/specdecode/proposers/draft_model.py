@@ -6,11 +6,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..keyed_noise import KeyedNoise
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
-from ..sampling import probs_from_logits, sample
-from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
+from ..models.loaded import LoadedModel
+from ..sampling.draft import EMPTY_DRAFT, Draft
+from ..sampling.keyed_noise import KeyedNoise
+from ..sampling.params import SamplingParams
+from ..sampling.probs import greedy_tokens, probs_from_logits, sample
+from .base import Proposer, common_prefix_length
 
 # After a round the draft is behind by one token (a rejection: the target's correction) or two (all accepted:
 # its own last guess and the bonus). Feeding them in one forward costs about one step, as feeding one does
@@ -42,7 +43,7 @@ class DraftModelProposer(Proposer):
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         def pick(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:
             if params.greedy:
-                return int(logits.argmax()), None
+                return int(greedy_tokens(logits.unsqueeze(0))[0]), None
             probs = probs_from_logits(logits, params)
             return int(sample(probs, generator)), probs
 

@@ -15,16 +15,18 @@ from pathlib import Path
 import torch
 
 from .. import kernels as compiled
-from ..choices import as_choices
 from ..heads.calibrate import TemperatureCalibration
 from ..heads.drafting import WEIGHT_BITS, KernelHead, TorchHead, TreeRows, supports_kernel_head
 from ..heads.model import TargetParts, lm_head_rows
 from ..heads.saved import load_head, shipped_head
-from ..keyed_noise import KeyedNoise
-from ..models.loader import LoadedModel, load_model
-from ..params import SamplingParams
-from ..sampling import probs_from_logits
-from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
+from ..models.loaded import LoadedModel
+from ..models.loading.loader import load_model
+from ..sampling.choices import as_choices
+from ..sampling.draft import EMPTY_DRAFT, Draft
+from ..sampling.keyed_noise import KeyedNoise
+from ..sampling.params import SamplingParams
+from ..sampling.probs import probs_from_logits
+from .base import Proposer, common_prefix_length
 
 # A node's children, given the head's logits over the drafting vocabulary [V_draft] and the children's depth:
 # (their indices in the drafting vocabulary, in sibling order [m]; the law they were drawn from over the whole

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..keyed_noise import KeyedNoise
-from ..params import SamplingParams
-from .base import Draft, Proposer, as_proposer
+from ..sampling.draft import Draft
+from ..sampling.keyed_noise import KeyedNoise
+from ..sampling.params import SamplingParams
+from .base import Proposer, as_proposer
 from .prompt_lookup import PromptLookupProposer
 from .suffix import SuffixProposer
 
@@ -39,12 +40,11 @@ class HybridProposer(Proposer):
     a draft model).
 
     A fixed ``gamma`` caps a copied run; the model drafts at most ``model_gamma`` guesses a round. Under
-    ``gamma="auto"`` (``chooses_length``) each side has its own controller (``control.HybridGamma`` in the decoder,
+    ``gamma="auto"`` each side has its own controller (``control.HybridGamma`` in the decoder,
     per-side books in the server): ``preview`` says which side would draft and how far, and that side's acceptance
     and drafting price choose the round's length, 0 (a plain round) included.
     """
 
-    chooses_length = True
     couples_with_keyed_noise = True  # copies are fixed; the model side must couple (else a TypeError)
 
     def __init__(
@@ -74,11 +74,11 @@ class HybridProposer(Proposer):
         self._previewed: tuple[list[int], int, int, Draft | None] | None = None  # context, its length, k, the copy
 
     @property
-    def copier_sizes_its_drafts(self) -> bool:  # type: ignore[override]
+    def copier_sizes_its_drafts(self) -> bool:
         """Whether a copied run is as long as the copier finds it pays (suffix decoding: its match's depth and the
         measured v(k)) rather than as long as asked (prompt lookup copies k tokens): γ auto then takes a copy as
         offered and prices only whether the model drafts."""
-        return self.copier.sizes_its_drafts
+        return isinstance(self.copier, SuffixProposer)
 
     def fork(self) -> HybridProposer:
         """A proposer for another request stream: the copier's request state its own (the history shared), the
@@ -119,8 +119,8 @@ class HybridProposer(Proposer):
     def preview(self, context: list[int], k: int) -> tuple[str, int]:
         """Which side would draft a round of at most ``k`` after ``context``, and how many tokens: ("copy", the
         copied run's length) or ("model", its guesses). A function of (context, k) alone; the server plans each
-        round's length with the chosen side's acceptance (``serving.scheduler``). The next ``propose`` on the same
-        context with k' ≤ k drafts with the previewed side (``_copy``), so the side priced is the side that drafts
+        round's length with the chosen side's acceptance (``serving.batching.scheduler``). The next ``propose`` on the
+        same context with k' ≤ k drafts with the previewed side (``_copy``), so the side priced is the side that drafts
         (searched afresh, a round whose plan cut k below ``min_copied`` could copy instead), and takes a chained
         copy's first k' tokens instead of searching again (~0.06 ms of a ~5 ms round)."""
         self._previewed = None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 from .draft_model import DraftModelProposer
 
 SKIP_SET_FORMAT = "specdecode-skip-set/1"

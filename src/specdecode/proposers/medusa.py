@@ -16,10 +16,12 @@ import torch
 
 from ..heads.medusa import load_heads, shipped_heads
 from ..heads.model import TargetParts
-from ..keyed_noise import KeyedNoise
-from ..models.loader import LoadedModel, load_model
-from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft, Proposer
+from ..models.loaded import LoadedModel
+from ..models.loading.loader import load_model
+from ..sampling.draft import EMPTY_DRAFT, Draft
+from ..sampling.keyed_noise import KeyedNoise
+from ..sampling.params import SamplingParams
+from .base import Proposer
 
 Choice = tuple[int, ...]  # a tree node: its choice rank at each depth, (0,) = head 0's top token
 # Each head's candidates in choice order, given its logits over the drafting vocabulary [depth, V_draft] and how

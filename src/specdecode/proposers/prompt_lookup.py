@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft, Proposer, common_prefix_length
+from ..sampling.draft import EMPTY_DRAFT, Draft
+from ..sampling.params import SamplingParams
+from .base import Proposer, common_prefix_length
 
 SCANNED_OCCURRENCES = 64  # per n-gram and round, when gathering several continuations for a tree
 

@@ -32,10 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import write_file
+from ..disk_cache import write_file
 from ..errors import SpecDecodeError
-from ..params import SamplingParams
-from .base import EMPTY_DRAFT, Draft, Proposer
+from ..sampling.draft import EMPTY_DRAFT, Draft
+from ..sampling.params import SamplingParams
+from .base import Proposer
 from .suffix_index import ORDERS, SEPARATOR, SuffixIndex, suffix_hashes
 
 MAGIC = b"specdecode-suffix-cache\n"
@@ -53,7 +54,8 @@ class SuffixHistory:
 
     At most ``max_tokens`` token ids are kept; past that, whole documents are evicted oldest first, down to
     three quarters of the bound (so the re-index that eviction costs is amortised over many requests).
-    ``vocabulary`` identifies the tokenizer the ids belong to (``vocabulary_fingerprint``), None until known.
+    ``vocabulary`` identifies the tokenizer the ids belong to (``LoadedModel.vocabulary_fingerprint``), None until
+    known.
     """
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, vocabulary: str | None = None) -> None:
@@ -154,8 +156,6 @@ class SuffixProposer(Proposer):
     server's global scope). ``remember=False`` only reads the history (a corpus cache, the server's request
     scope). ``tree_nodes=0`` drafts a chain (the most frequent continuation); see the module docstring.
     """
-
-    sizes_its_drafts = True  # a draft runs as deep as its match earns and its nodes pay at the measured v(k)
 
     def __init__(
         self,

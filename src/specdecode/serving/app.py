@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .config import ServerConfig
 from .hosts import HostCheck
 from .middleware import Guard, error_response
-from .protocol import (
+from .openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

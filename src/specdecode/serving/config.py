@@ -7,9 +7,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 from ..proposers import DraftModelProposer, HybridProposer, PromptLookupProposer, Proposer, SuffixProposer
-from .policy import POLICIES
+from .batching.policy import POLICIES
 
 SUFFIX_SCOPES = ("global", "request")
 RESERVE_FIX = "lower --max-batch or --max-context"
@@ -99,7 +99,7 @@ def reserve_memory(config: ServerConfig) -> int | None:
     target's weights (and a draft model's), each request's KV cache and the largest pass's scratch, from the GGUF
     files' metadata before any weight is read. Return the context (None: not a GGUF file, the model's window)."""
     from ..factory import parse_quantization
-    from ..models.loader import planned_footprint
+    from ..models.loading.plan import planned_footprint
     from ..models.memory import check_fits
 
     quantization = parse_quantization(config.quantization)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from starlette.responses import JSONResponse
 
-from .protocol import error_body
+from .openai.protocol import error_body
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("0.0.0.0", "::", "")

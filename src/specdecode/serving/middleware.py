@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from .protocol import error_body
+from .openai.protocol import error_body
 
 OPEN_PATHS = ("/health", "/", "/favicon.ico")  # and /static/...: the page holds no data; its API calls need the key
 # A refused request's body (401, 413) is read and dropped up to this much, within this time, before the answer:

@@ -17,21 +17,22 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import GenerationOutput, Request, SpeculativeDecoder, fresh_seed
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
+from ..engine.decoder import SpeculativeDecoder
+from ..engine.request import GenerationOutput, Request, fresh_seed
+from ..models.loaded import LoadedModel
 from ..proposers import HybridProposer, PromptLookupProposer, Proposer, SuffixProposer
+from ..sampling.params import SamplingParams
+from .batching.policy import SpeculationPolicy
+from .batching.prefix_cache import build_prefix_cache
+from .batching.scheduler import PLAIN, Event, Job, Scheduler, Speculation
 from .config import ServerConfig, capped_to_context, replicate, reserve_memory
 from .metrics import ServerMetrics
 from .middleware import error_response
-from .policy import SpeculationPolicy
-from .prefix_cache import build_prefix_cache
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
-from .responses import DONE, Shape, choice_seed, sse, usage
-from .scheduler import PLAIN, Event, Job, Scheduler, Speculation
-from .structured import response_grammar
-from .tokens import TokenRecord, TokenTrack
-from .tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, renders_tools, tool_plan
+from .openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculativeOptions, error_body
+from .openai.response_format import response_grammar
+from .openai.responses import DONE, Shape, choice_seed, sse, usage
+from .openai.tokens import TokenRecord, TokenTrack
+from .openai.tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, tool_plan
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
@@ -192,21 +193,17 @@ class Server:
             raise APIError(400, str(exc), exc.param) from None
 
     def _chat_ids(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's ids through the chat template (``tools``: rendered by it; a 400 if it ignores them)."""
-        tokenizer = self.target.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        """The prompt's ids through the chat template (``LoadedModel.chat_ids``; ``tools``: rendered by it, a 400 if
+        the template renders them no differently)."""
+        if not self.target.has_chat_template:
             raise APIError(400, f"model '{self.model_name}' has no chat template: use /v1/completions", "messages")
         messages = [m.template_dict() for m in body.messages]
         try:
-            if tools is not None and not renders_tools(tokenizer, messages, tools):
+            ids = self.target.chat_ids(messages, tools)
+            if tools is not None and ids == self.target.chat_ids(messages):
                 raise APIError(400, NO_TOOL_SUPPORT, "tools")
-            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-        except APIError:
-            raise
-        except Exception as exc:  # the template's own checks (e.g. roles it refuses)
-            raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
+        except ValueError as exc:  # the template's own checks (e.g. roles it refuses)
+            raise APIError(400, str(exc), "messages") from None
         if not ids:
             raise APIError(400, "messages produced an empty prompt", "messages")
         return [int(t) for t in ids]

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 
 import torch
 
-from ..draft import Draft
 from .grammar import Grammar, llguidance_module
 
 _BIT = torch.arange(32, dtype=torch.int32)
@@ -198,31 +197,3 @@ class Constraint:
         """The output is complete: the grammar allows nothing more and the model has no end-of-sequence token
         (with one, the grammar's mask allows only it, and the model's EOS ends the output)."""
         return not self.can_end and self.matcher.is_stopped()
-
-
-def with_forced(forced: list[int], draft: Draft) -> Draft:
-    """``draft`` (a chain or a tree, guessed after the ``forced`` tokens) behind the forced chain: each forced token
-    a point mass (its only allowed token: the target's masked law is that point mass, so it is always accepted)."""
-    if not forced:
-        return draft
-    f = len(forced)
-    tokens = torch.cat([torch.tensor(forced, dtype=torch.int64), draft.tokens])
-    probs = None
-    if draft.probs is not None:
-        probs = torch.cat([torch.nn.functional.one_hot(tokens[:f], draft.probs.shape[-1]).to(draft.probs), draft.probs])
-    parents = None
-    if draft.parents is not None:
-        shifted = torch.where(draft.parents < 0, f - 1, draft.parents + f)
-        parents = torch.cat([torch.arange(-1, f - 1, dtype=torch.int64), shifted])
-    return Draft(tokens, probs, parents)
-
-
-def cut_at_forbidden(constraint: Constraint, draft: Draft) -> tuple[Draft, torch.Tensor, int]:
-    """(the chain ``draft`` cut after its first token the grammar forbids, the masks of its rows [len + 1, V], n):
-    the target scores the n allowed tokens only; the forbidden one stays drafted, to be rejected with the residual
-    of its own row (dropping it instead would bias the law whenever the draft has a distribution). The row past it,
-    never reached, allows every token."""
-    allowed, n = constraint.chain_masks(draft.tokens.tolist())
-    if n == len(draft):
-        return draft, allowed, n
-    return draft.truncated(n + 1), torch.cat([allowed, torch.ones_like(allowed[:1])]), n

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..models.loaded import LoadedModel
+
 _PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
 
 
@@ -29,24 +31,20 @@ class AnswerMarkers:
     chat_ids: frozenset[int] = frozenset()
 
 
-def _template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-    return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
-
-
-def answer_markers(tokenizer: Any) -> AnswerMarkers | None:
-    """The assistant header and turn-ending id of ``tokenizer``'s chat template, read off a probe chat: the header
+def answer_markers(target: LoadedModel) -> AnswerMarkers | None:
+    """The assistant header and turn-ending id of ``target``'s chat template, read off a probe chat: the header
     is what the generation prompt appends to the user turn, the end the first special id (not the unknown token's)
-    after it. None when the tokenizer has no template or the template does not render that way (then every row
+    after it. None when the model has no template or the template does not render that way (then every row
     counts)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if not target.has_chat_template:
         return None
     try:
-        user = _template_ids(tokenizer, _PROBE[:1], generation_prompt=False)
-        prompt = _template_ids(tokenizer, _PROBE[:1], generation_prompt=True)
-        full = _template_ids(tokenizer, _PROBE, generation_prompt=False)
-    except Exception:  # a template that cannot render the probe: no markers, every row counts
+        user = target.chat_ids(_PROBE[:1], generation_prompt=False)
+        prompt = target.chat_ids(_PROBE[:1])
+        full = target.chat_ids(_PROBE, generation_prompt=False)
+    except ValueError:  # a template that refuses the probe chat: no markers, every row counts
         return None
+    tokenizer = target.tokenizer
     header = prompt[len(user) :]
     if not header or prompt[: len(user)] != user or full[: len(prompt)] != prompt:
         return None

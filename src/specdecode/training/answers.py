@@ -4,8 +4,8 @@ regenerates ShareGPT's answers with the target for the same reason).
 Each prompt is a chat's first user turn (ShareGPT, a JSONL/JSON file of chats, or a folder; Spec-Bench questions
 are never used), or, with ``prompts="self"``, a question the target wrote itself (``training.questions``: written
 first to ``out/questions.jsonl``, ``limit + skip`` of them, then answered like a file of questions). Answers come
-from our own serving engine (``serving.scheduler``): up to ``batch`` requests decoded together, speculating with
-prompt lookup where it pays, in reproducible mode — answer i is what plain decoding gives with seed ``seed + i``
+from our own serving engine (``serving.batching.scheduler``): up to ``batch`` requests decoded together, speculating
+with prompt lookup where it pays, in reproducible mode — answer i is what plain decoding gives with seed ``seed + i``
 (greedy at temperature 0), whatever the batch. ``batching="padded"`` answers up to ``batch`` prompts in one
 left-padded tensor instead (``training.padded``: what keeps a GPU busy; greedy without a bitwise promise, sampled rows
 drawing from one generator per batch). Each finished answer is one JSON line, written as it ends:
@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..engine import Request, SpeculativeDecoder, check_context_window
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
+from ..engine.decoder import SpeculativeDecoder
+from ..engine.request import Request, check_context_window
+from ..models.loaded import LoadedModel
 from ..proposers import PromptLookupProposer
+from ..sampling.params import SamplingParams
 from .data import (
     HELD_OUT,
     DataStats,
@@ -188,8 +189,8 @@ def make_answers(
         with open(path, "a", encoding="utf-8") as file:
             _answer_padded(target, todo, settings, stats, file, on_answer)
         return stats
-    from ..serving.policy import SpeculationPolicy  # the serving package needs the [serve] extra's FastAPI
-    from ..serving.scheduler import PLAIN, Event, Job, Scheduler, Speculation
+    from ..serving.batching.policy import SpeculationPolicy  # here: importing serving loads FastAPI
+    from ..serving.batching.scheduler import PLAIN, Event, Job, Scheduler, Speculation
 
     decoder = SpeculativeDecoder(target, None, gamma="auto", mode="reproducible")
     proposers = {} if settings.proposer == "none" else {"lookup": PromptLookupProposer}

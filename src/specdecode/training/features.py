@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 
 EXTRACT_BATCH_TOKENS = 1 << 15  # padded tokens a feature forward takes off the CPU (one sequence a forward on it)
 

@@ -10,17 +10,27 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from ..models.loader import resolve_dtype
+from ..models.loaded import resolve_dtype
 from .data import DataStats
 from .features import FeatureCache, batch_tensors
 
-if TYPE_CHECKING:
-    from .medusa import MedusaSettings
-    from .train import TrainSettings
+
+class Schedule(Protocol):
+    """What the loop reads of a run's settings (a frozen dataclass: ``train.TrainSettings``,
+    ``medusa.MedusaSettings``), whose fields a checkpoint records."""
+
+    seed: int
+    epochs: int
+    batch_tokens: int
+    lr: float
+    warmup_steps: int
+    grad_clip: float
+    compute_dtype: str
+    checkpoint_every: int
 
 
 @dataclass
@@ -53,12 +63,12 @@ def pack(lengths: list[int], order: list[int], batch_tokens: int) -> list[list[i
     return batches
 
 
-def epoch_batches(lengths: list[int], settings: TrainSettings, epoch: int) -> list[list[int]]:
+def epoch_batches(lengths: list[int], settings: Schedule, epoch: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(settings.seed * 7919 + epoch)
     return pack(lengths, torch.randperm(len(lengths), generator=generator).tolist(), settings.batch_tokens)
 
 
-def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
+def learning_rate(settings: Schedule, step: int, total: int) -> float:
     """Linear warm-up, then cosine decay to a tenth."""
     if step < settings.warmup_steps:
         return settings.lr * (step + 1) / settings.warmup_steps
@@ -81,7 +91,7 @@ def training_device(name: str) -> torch.device:
 
 def open_checkpoint(
     path: Path,
-    settings: TrainSettings | MedusaSettings,
+    settings: Schedule,
     resume: bool,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any] | None:
@@ -132,7 +142,7 @@ class Trained:
 
 def training_loop(
     model: torch.nn.Module,
-    settings: TrainSettings | MedusaSettings,
+    settings: Schedule,
     cache: FeatureCache,
     sequences: list[list[int]],
     loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, float, torch.Tensor]],
@@ -259,7 +269,7 @@ def _save_checkpoint(
     run: _Run,
     next_epoch: int,
     next_batch: int,
-    settings: TrainSettings | MedusaSettings,
+    settings: Schedule,
 ) -> None:
     """Write ``saved`` (the weights and optimizer state) and where ``run`` stands to ``path`` (staged, then renamed:
     never half-written); ``next_epoch`` and ``next_batch`` say where a resumed run starts."""

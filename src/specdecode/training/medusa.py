@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..heads.medusa import FORMAT, MedusaHeads, save_heads
 from ..heads.model import TargetParts, lm_head_rows, text_config
 from ..heads.saved import target_identity
-from ..models.loader import LoadedModel, resolve_dtype
+from ..models.loaded import LoadedModel, resolve_dtype
 from .data import HELD_OUT, DataStats
 from .features import FeatureCache, batch_tensors
 from .loop import Progress, open_checkpoint, training_loop

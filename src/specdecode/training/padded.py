@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.hf import cache_keyword
-from ..params import SamplingParams
-from ..sampling import probs_from_logits
+from ..models.transformers_runner import cache_keyword
+from ..sampling.params import SamplingParams
+from ..sampling.probs import greedy_tokens, probs_from_logits
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def answer_padded(
         past = out.past_key_values
         logits = out.logits[:, -1, :vocab_size].float()
         if generator is None:
-            chosen = logits.argmax(-1)
+            chosen = greedy_tokens(logits)
         else:
             probs = probs_from_logits(logits, params)
             chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine import autoregressive_generate
-from ..models.loader import LoadedModel
-from ..params import SamplingParams
+from ..engine.decoder import autoregressive_generate
+from ..models.loaded import LoadedModel
+from ..sampling.params import SamplingParams
 from .data import drop_cut_last_line, iter_jsonl, normalise, spec_bench_questions
 
 QUESTIONS_FILE = "questions.jsonl"

@@ -4,21 +4,31 @@ sequences (``read_samples``), and the drafting vocabulary chosen from them."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..models.loader import LoadedModel
+from ..models.loaded import LoadedModel
 from . import windows
 from .data import DataStats, Sample, iter_samples, spec_bench_questions
 
 if TYPE_CHECKING:
     from .features import FeatureCache
-    from .medusa import MedusaSettings
-    from .train import TrainSettings
 
 
-def check_limits(settings: TrainSettings | MedusaSettings) -> None:
+class DataSettings(Protocol):
+    """What reading the samples takes of a run's settings (``train.TrainSettings``, ``medusa.MedusaSettings``)."""
+
+    data: str
+    limit: int | None
+    limit_tokens: int | None
+    held_out: int
+    skip: int
+    max_length: int
+    spec_bench: str | None
+
+
+def check_limits(settings: DataSettings) -> None:
     """``limit`` and ``limit_tokens`` are positive integers or None; ``skip`` an integer >= 0."""
     for name in ("limit", "limit_tokens"):
         value = getattr(settings, name)
@@ -37,12 +47,10 @@ def tokenize(target: LoadedModel, sample: Sample, max_length: int) -> list[int]:
 def token_windows(target: LoadedModel, sample: Sample, max_length: int) -> list[list[int]]:
     """A text's ids in consecutive windows of ``max_length`` tokens, a chat's in windows of whole exchanges
     (``windows.token_windows``): a long document or a long chat trains as many samples, not one cut short."""
-    return windows.token_windows(target.tokenizer, sample, max_length)
+    return windows.token_windows(target, sample, max_length)
 
 
-def read_samples(
-    target: LoadedModel, settings: TrainSettings | MedusaSettings
-) -> tuple[list[list[int]], list[list[int]], DataStats]:
+def read_samples(target: LoadedModel, settings: DataSettings) -> tuple[list[list[int]], list[list[int]], DataStats]:
     """(held-out sequences, training sequences, reader stats): the first ``held_out`` usable sequences are held
     out, the next ``skip`` are left out, the next ``limit`` train (a text gives one per ``max_length`` window),
     stopping at the first sequence that brings the training tokens to ``limit_tokens`` (so runs on different

@@ -27,26 +27,18 @@ import torch.nn.functional as F
 
 from ..heads.model import EagleHead, HeadShape, TargetParts, lm_head_rows, unrolled
 from ..heads.saved import save_head
-from ..models.loader import LoadedModel, resolve_dtype
+from ..models.loaded import LoadedModel, resolve_dtype
 from .answer_rows import AnswerMarkers, answer_markers, answer_rows
 from .calibrate import calibration_record, temperature_overlaps
 from .data import HELD_OUT, DataStats
-from .features import (  # noqa: F401 (re-exported: recipes and tests import them from here)
-    EXTRACT_BATCH_TOKENS,
-    FeatureCache,
-    batch_tensors,
-    extract_batch_tokens,
-    feature_scale,
-)
-from .loop import Progress, Trained, open_checkpoint, training_device, training_loop  # noqa: F401 (re-exported)
-from .samples import (  # noqa: F401 (re-exported: recipes and tests import them from here)
+from .features import FeatureCache, batch_tensors, extract_batch_tokens, feature_scale
+from .loop import Progress, Trained, open_checkpoint, training_device, training_loop
+from .samples import (
     check_limits,
     choose_draft_vocab,
     data_record,
     rank_by_target,
     read_samples,
-    token_windows,
-    tokenize,
 )
 
 EVAL_DEPTHS = 5
@@ -266,7 +258,7 @@ def train_head(
     torch.manual_seed(settings.seed)
     head, draft_vocab, scale = _starting_head(target, settings, cache, train, held_out)
     parts = TargetParts(target.model, target.vocab_size, draft_vocab)
-    markers = answer_markers(target.tokenizer)
+    markers = answer_markers(target)
     head.to(device)
     trained = training_loop(
         head,

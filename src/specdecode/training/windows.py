@@ -13,28 +13,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..models.loaded import LoadedModel
 from .data import Message, Sample
 
 
-def token_windows(tokenizer: Any, sample: Sample, max_length: int) -> list[list[int]]:
-    """``sample``'s token ids in windows of at most ``max_length`` tokens (see the module docstring); a chat with
-    no chat template is its turns' text joined by newlines, cut to ``max_length``."""
+def token_windows(target: LoadedModel, sample: Sample, max_length: int) -> list[list[int]]:
+    """``sample``'s token ids in windows of at most ``max_length`` tokens (see the module docstring); a chat is
+    rendered by ``target.chat_ids`` (without a chat template: its turns' text joined by newlines, cut to
+    ``max_length``)."""
     if isinstance(sample, str):
-        ids = [int(t) for t in tokenizer(sample, add_special_tokens=True, verbose=False)["input_ids"]]
+        ids = [int(t) for t in target.tokenizer(sample, add_special_tokens=True, verbose=False)["input_ids"]]
         return [ids[start : start + max_length] for start in range(0, len(ids), max_length)] or [[]]
-    if not getattr(tokenizer, "chat_template", None):
-        ids = tokenizer("\n".join(m["content"] for m in sample), add_special_tokens=True)["input_ids"]
-        return [[int(t) for t in ids[:max_length]]]
-    ids = chat_ids(tokenizer, sample)
+    ids = target.chat_ids(sample, generation_prompt=False)
+    if not target.has_chat_template:
+        return [ids[:max_length]]
     if len(ids) <= max_length:
         return [ids]
-    return chat_windows(tokenizer, sample, max_length)
-
-
-def chat_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
-    """The chat template's token ids for ``messages``."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True)
-    return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
+    return chat_windows(target, sample, max_length)
 
 
 def exchanges(messages: list[Message]) -> tuple[list[Message], list[list[Message]]]:
@@ -51,19 +46,21 @@ def exchanges(messages: list[Message]) -> tuple[list[Message], list[list[Message
     return system, groups
 
 
-def chat_windows(tokenizer: Any, messages: list[Message], max_length: int) -> list[list[int]]:
+def chat_windows(target: LoadedModel, messages: list[Message], max_length: int) -> list[list[int]]:
     """A chat longer than ``max_length`` as windows of whole exchanges (the module docstring)."""
     system, groups = exchanges(messages)
     windows: list[list[int]] = []
     start = 0
     while start < len(groups):
         end = start + 1
-        ids = chat_ids(tokenizer, system + groups[start])
+        ids = target.chat_ids(system + groups[start], generation_prompt=False)
         if len(ids) > max_length:
-            ids = chat_ids(tokenizer, system + _shortened(tokenizer, groups[start], max_length // 2))[:max_length]
+            shortened = _shortened(target.tokenizer, groups[start], max_length // 2)
+            ids = target.chat_ids(system + shortened, generation_prompt=False)[:max_length]
         else:
             while end < len(groups):
-                longer = chat_ids(tokenizer, system + [m for group in groups[start : end + 1] for m in group])
+                chat = system + [m for group in groups[start : end + 1] for m in group]
+                longer = target.chat_ids(chat, generation_prompt=False)
                 if len(longer) > max_length:
                     break
                 ids, end = longer, end + 1

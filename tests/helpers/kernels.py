@@ -1,0 +1,35 @@
+"""The compiled kernels in tests: a test that needs them skips where they do not build (a user's machine still runs
+everything else), and fails instead where ``SPECDECODE_REQUIRE_KERNELS=1`` (CI sets it in .ci/run): a broken build
+must not pass as a suite of skips."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+from specdecode import kernels
+
+REQUIRED = os.environ.get("SPECDECODE_REQUIRE_KERNELS") == "1"
+needs_kernels = pytest.mark.needs_kernels  # conftest.py calls kernels_or_skip() before each marked test
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip for ``reason`` (the kernels did not build here), or fail where they are required."""
+    if REQUIRED:
+        pytest.fail(f"{reason}; SPECDECODE_REQUIRE_KERNELS=1 requires them")
+    pytest.skip(reason)
+
+
+def kernels_or_skip(variant: str = "native"):
+    """The ``variant`` build's ops; a test without them skips (``unavailable``). A CPU without AVX2 skips the AVX2
+    build's tests on every machine: that is the CPU, not the build."""
+    if variant == "avx2" and (platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text()):
+        pytest.skip("this CPU has no AVX2")
+    ops = kernels.ops(variant)
+    if ops is None:
+        unavailable("the CPU kernels did not build here" if variant == "native" else f"the {variant} build failed here")
+    return ops

@@ -1,0 +1,240 @@
+"""``tools`` over HTTP (issue 55), on the tiny JSON-pieces model (tests/structured/test_structured.py) with a chat
+template that renders tools: a forced call (``tool_choice`` a named function or ``"required"``) is the library's output
+under the call's grammar (greedy: identical with and without speculation; sampled: the same seed, the same call),
+returned as OpenAI ``tool_calls`` whose arguments are valid under the function's schema; streamed, one ``tool_calls``
+delta at the end; ``"none"`` is plain text without tools; refusals name their field (``auto``, a template without tool
+support, an unknown function, a bad parameters schema); and the ``openai`` client's ``tools`` path."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers.models import tiny_llama, with_eos
+from helpers.serving import PATHS, events, serve
+from helpers.structured import PIECES, SCHEMAS, json_tokenizer
+from helpers.tokenizers import CHAT_TEMPLATE
+
+import specdecode as sd
+from specdecode.serving.openai.tools import FunctionSpec, call_schema
+
+# Renders each tool's name before the messages (as real templates render their schemas), and each earlier call's
+# name and whether its arguments came as a mapping (transformers' convention)
+TOOL_TEMPLATE = (
+    "{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}{% for m in messages %}"
+    "{% for c in m.tool_calls or [] %}{{ c['function']['name'] }} "
+    "{{ 'ab' if c['function']['arguments'] is mapping else 'x x x' }} {% endfor %}"
+    "{{ m['content'] }} {% endfor %}"
+)
+PROMPT = "{ [ a"
+MAX_TOKENS = 80
+MESSAGES = [{"role": "user", "content": PROMPT}]
+FUNCTIONS = {"ab": SCHEMAS[5], "ba": SCHEMAS[0]}  # {"name": enum, "age": enum} and {"ok": boolean}
+TOOLS = [
+    {"type": "function", "function": {"name": n, "description": "d", "parameters": s}} for n, s in FUNCTIONS.items()
+]
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def model(template: str) -> sd.LoadedModel:
+    tokenizer = json_tokenizer()
+    tokenizer.chat_template = template
+    return with_eos(sd.load_model(tiny_llama(len(PIECES), seed=0), tokenizer=tokenizer, backend="native"), 0)
+
+
+@pytest.fixture(scope="module")
+def target() -> sd.LoadedModel:
+    return model(TOOL_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    with serve(target) as running:
+        yield running
+
+
+def library(target, grammar, temperature: float, seed: int, tools=TOOLS) -> sd.GenerationOutput:
+    """The library's output for the tool prompt (the template given ``tools``) under ``grammar``."""
+    ids = target.tokenizer.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    params = sd.SamplingParams(temperature=temperature, max_new_tokens=MAX_TOKENS, seed=seed, grammar=grammar)
+    return sd.autoregressive_generate(target, [int(t) for t in ids], params)
+
+
+def call_grammar(name: str) -> sd.Grammar:
+    return sd.Grammar.json_schema(call_schema(FunctionSpec(name=name, parameters=FUNCTIONS[name])))
+
+
+def post(http, **extra) -> httpx.Response:
+    return http.post(PATHS["chat"], json={"messages": MESSAGES, "max_tokens": MAX_TOKENS, **extra})
+
+
+def the_call(choice: dict) -> dict:
+    """The one tool call of a choice, its shape checked (OpenAI's)."""
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls" and message["content"] is None, choice
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and set(call) == {"id", "type", "function"}
+    assert isinstance(call["function"]["arguments"], str)
+    return call["function"]
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_a_named_call_is_the_librarys_constrained_output_greedy_with_and_without_speculation(http, target, name):
+    expected = library(target, call_grammar(name), temperature=0.0, seed=0)
+    assert expected.finish_reason == "eos"
+    calls = []
+    for speculative in (True, False):
+        body = {"tool_choice": named(name), "tools": TOOLS, "temperature": 0, "parallel_tool_calls": speculative}
+        data = post(http, **body, speculative=speculative).json()
+        calls.append(the_call(data["choices"][0]))
+        assert (data["usage"]["drafted_tokens"] > 0) == speculative  # the speculative request did draft
+    assert calls[0] == calls[1]
+    assert calls[0]["name"] == name and json.loads(expected.text) == {
+        "name": name,
+        "arguments": json.loads(calls[0]["arguments"]),
+    }
+    jsonschema.validate(json.loads(calls[0]["arguments"]), FUNCTIONS[name])
+    free = post(http, temperature=0, speculative=False).json()["choices"][0]["message"]["content"]
+    assert free != expected.text  # the control: without the tool call's grammar the model writes something else
+
+
+def test_sampled_calls_replay_by_seed_and_required_picks_a_listed_function(http, target):
+    names = set()
+    for seed in range(6):
+        body = {"tool_choice": "required", "tools": TOOLS, "temperature": 1.0, "seed": seed}
+        whole = [the_call(post(http, **body, speculative=s).json()["choices"][0]) for s in (True, False)]
+        assert whole[0] == whole[1]
+        call = whole[0]
+        jsonschema.validate(json.loads(call["arguments"]), FUNCTIONS[call["name"]])
+        names.add(call["name"])
+    assert names == set(FUNCTIONS)  # both functions are called over the seeds
+    named_call = the_call(
+        post(http, tool_choice=named("ab"), tools=TOOLS, temperature=1.0, seed=3).json()["choices"][0]
+    )
+    expected = json.loads(library(target, call_grammar("ab"), temperature=1.0, seed=3).text)
+    assert {"name": named_call["name"], "arguments": json.loads(named_call["arguments"])} == expected
+
+
+def test_a_streamed_call_is_one_tool_calls_delta_at_the_end(http):
+    body = {"tool_choice": named("ab"), "tools": TOOLS, "temperature": 1.0, "seed": 5, "n": 2}
+    whole = post(http, **body).json()["choices"]
+    chunks = [json.loads(e) for e in events(post(http, **body, stream=True).text) if e != "[DONE]"]
+    for index in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": None}
+        deltas = [c["delta"] for c in mine if c["delta"].get("tool_calls")]
+        assert len(deltas) == 1 and all("content" not in c["delta"] for c in mine[1:])
+        (call,) = deltas[0]["tool_calls"]
+        assert call["index"] == 0 and call["function"] == the_call(whole[index])
+        assert mine[-1]["finish_reason"] == "tool_calls" and mine[-1]["delta"] == {}
+
+
+def test_none_is_plain_text_without_tools_and_a_cut_call_is_text(http):
+    free = post(http, temperature=1.0, seed=2).json()["choices"][0]
+    none = post(http, tools=TOOLS, tool_choice="none", temperature=1.0, seed=2).json()["choices"][0]
+    assert none == free and isinstance(none["message"]["content"], str)
+    cut = post(http, tools=TOOLS, tool_choice=named("ab"), temperature=0, max_tokens=2).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"].startswith("{")
+
+
+BAD = [
+    ({"tools": TOOLS}, "tool_choice", '"auto"'),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool-call format"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": named("cab")}, "tool_choice", "'cab', not among the tools (ab, ba)"),
+    ({"tools": [*TOOLS, TOOLS[0]], "tool_choice": "required"}, "tools", "unique"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+        "bad parameters schema",
+    ),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ["no"]}}]}, "tools", "parameters"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools"),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "one"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_tools_are_a_400_naming_the_field(http, extra, param, words):
+    response = post(http, **extra)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert "\n" not in error["message"]
+
+
+def test_a_template_without_tool_support_is_one_400_saying_so():
+    with serve(model(CHAT_TEMPLATE)) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        for choice in ("required", named("ab"), "auto", None):
+            response = post(client, tools=TOOLS, **({} if choice is None else {"tool_choice": choice}))
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == "tools", error
+            assert "chat template" in error["message"] and "tools are not supported" in error["message"]
+        assert post(client, tools=TOOLS, tool_choice="none").status_code == 200
+
+
+def test_the_openai_client_gets_tool_calls(server, target):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, tools=TOOLS, tool_choice=named("ba")
+    )
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    expected = json.loads(library(target, call_grammar("ba"), temperature=0.0, seed=0).text)
+    assert call.function.name == "ba" and json.loads(call.function.arguments) == expected["arguments"]
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice=named("ba"),
+        stream=True,
+    )
+    calls = [d.tool_calls[0] for c in stream if c.choices for d in [c.choices[0].delta] if d.tool_calls]
+    assert len(calls) == 1 and calls[0].function.arguments == call.function.arguments
+
+
+def test_a_call_and_its_result_go_back_through_the_template(http, target):
+    """The tool loop's next turn: the answer's assistant message (its tool_calls) and a tool message are rendered by
+    the template, the call's arguments as a mapping (transformers' convention)."""
+    answer = post(http, tools=TOOLS, tool_choice=named("ab"), temperature=0).json()["choices"][0]["message"]
+    result = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "ab"}
+    turn = [*MESSAGES, answer, result]
+    data = post(http, messages=turn, tools=TOOLS, tool_choice="required", temperature=0).json()
+    arguments = json.loads(answer["tool_calls"][0]["function"]["arguments"])
+    call = {"type": "function", "function": {"name": "ab", "arguments": arguments}}
+    rendered = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "ab"},
+    ]
+    ids = target.tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    base = post(http, tools=TOOLS, tool_choice="required").json()["usage"]["prompt_tokens"]
+    assert data["usage"]["prompt_tokens"] == len(ids) == base + 3  # the call's name, "ab" (a mapping), the result
+    the_call(data["choices"][0])
+    bad_arguments = {
+        **answer,
+        "tool_calls": [{**answer["tool_calls"][0], "function": {"name": "ab", "arguments": "[1]"}}],
+    }
+    for messages, words in (
+        ([*MESSAGES, bad_arguments], "arguments must be a JSON object"),
+        ([*MESSAGES, answer, {"role": "tool", "content": "ab"}], "tool_call_id"),
+        ([{**MESSAGES[0], "tool_calls": answer["tool_calls"]}], "assistant"),
+    ):
+        response = post(http, messages=messages)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "messages" and words in error["message"], error
