@@ -28,7 +28,7 @@ from pathlib import Path
 
 from specdecode.bench.serve_load import free_port
 from specdecode.bench.workloads import default_items, load_items
-from specdecode.models.sources import load_tokenizer
+from specdecode.models.loading.sources import load_tokenizer
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class _Tiles:
     ) -> _Tiles:
         """``packing``: (nibbles, high bits), as ``packing_of`` gives them. Every step streams these buffers whole:
         they go on huge pages where the OS allows (``kernels.streamed_zeros``)."""
-        from ..kernels import streamed_zeros
+        from ...kernels import streamed_zeros
 
         tiles = -(-n // 16)
         packed = streamed_zeros((tiles * 16 * packed_row_bytes(k, *packing),), torch.uint8)
