@@ -30,8 +30,8 @@ class DraftModelProposer(Proposer):
 
     ``vocabulary``: how many token ids the draft's head computes logits for (``DraftingHead``: the first N ids, plus
     the request's own tokens past them and the special tokens; −inf elsewhere, so no guess falls there). ``"auto"``
-    cuts a head of more than 1.5 × ``DRAFTING_VOCABULARY`` rows to that many where the draft runs on the compiled
-    kernels with a head of symmetric blocks; ``None`` keeps the whole head. Output is the target's either way: a
+    cuts a head of more than 1.5 × ``DRAFTING_VOCABULARY`` rows to that many where the draft's head runs on the
+    compiled kernels; ``None`` keeps the whole head. Output is the target's either way: a
     sampled guess comes with the distribution it was drawn from.
 
     Cache invariant: ``self._cached`` lists exactly the tokens in the draft's cache. Each ``propose`` rolls
@@ -44,9 +44,10 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model: LoadedModel, vocabulary: int | str | None = "auto") -> None:
         self.model = model
+        self.vocabulary = vocabulary
         self._runner = model.new_runner()
         self._cached: list[int] = []
-        self.head = _drafting_head(model, self._runner, vocabulary)
+        self.head = drafting_head(model, self._runner, vocabulary)
         if self.head is not None:
             self._runner.capture_hidden = True
 
@@ -105,7 +106,7 @@ class DraftModelProposer(Proposer):
         return Draft(tokens, None if rows[0] is None else torch.stack(rows))
 
 
-def _drafting_head(model: LoadedModel, runner, vocabulary: int | str | None) -> DraftingHead | None:
+def drafting_head(model: LoadedModel, runner, vocabulary: int | str | None = "auto") -> DraftingHead | None:
     """The head ``vocabulary`` asks for on ``runner`` (see ``DraftModelProposer``), or None for the model's own."""
     if vocabulary is None:
         return None
@@ -124,8 +125,8 @@ def _drafting_head(model: LoadedModel, runner, vocabulary: int | str | None) -> 
     if not supported:
         if auto:
             return None
-        raise ValueError("a cut drafting vocabulary needs a GGUF draft on the compiled kernels with a head of "
-                         "symmetric blocks (Q8_0, Q6_K, ...); use vocabulary=None")  # fmt: skip
+        raise ValueError("a cut drafting vocabulary needs a draft on the compiled kernels with a quantized head "
+                         "(a GGUF file, or quantization int8/int4); use vocabulary=None")  # fmt: skip
     special = set(model.eos_token_ids)
     if model.tokenizer is not None:
         special.update(model.tokenizer.all_special_ids)

@@ -199,4 +199,5 @@ class LayerSkipProposer(DraftModelProposer):
     ) -> None:
         if (num_layers is None) == (skip is None):
             raise ValueError("LayerSkipProposer takes num_layers (the first N layers) or skip (layers to drop)")
-        super().__init__(truncated_model(target, num_layers) if skip is None else skipping_model(target, skip))
+        model = truncated_model(target, num_layers) if skip is None else skipping_model(target, skip)
+        super().__init__(model, vocabulary=None)  # the target's own head: a cut copy would add to its memory

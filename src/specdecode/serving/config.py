@@ -133,7 +133,7 @@ def replicate(proposer: Proposer) -> Callable[[], Proposer]:
     An unknown kind is shared: proposers resync to the context they are given, so sharing is correct (only
     slower, as each switch between requests re-feeds the draft)."""
     if isinstance(proposer, DraftModelProposer):
-        return lambda: DraftModelProposer(proposer.model)
+        return lambda: DraftModelProposer(proposer.model, proposer.vocabulary)
     if isinstance(proposer, PromptLookupProposer):
         return lambda: PromptLookupProposer(proposer.max_ngram, proposer.min_ngram, proposer.branches)
     if isinstance(proposer, SuffixProposer | HybridProposer):

@@ -51,7 +51,7 @@ def test_kept_logits_are_the_full_heads_bitwise_extras_exact_the_rest_minus_infi
     head = DraftingHead(decoder, KEEP, always=[90])
     head.use(PROMPT)
     logits = head.logits(hidden)
-    full = decoder.exact_head_rows.matrix.handle  # the full head, unrefined: what a kept logit must equal bitwise
+    full = decoder.lm_head.handle  # the full head, unrefined: what a kept logit must equal bitwise
     unrefined = full.kernels.lm_head(hidden, decoder.norm, decoder.eps, [full.id], 96, None, None, 0, False)
     assert torch.equal(logits[:, :KEEP], unrefined[:, :KEEP])
     extras = [55, 71, 90]

@@ -9,9 +9,9 @@ cut buys is bytes: a one-token draft step reads every weight once, and a vocabul
 score), so the first ids are the common ones; the rest of a request's own tokens (an identifier in the code being
 edited) come back as extras.
 
-The kept rows are the head's own blocks read back from its tiles (``matrix_rows``), so their logits are the full
-head's before its exact refinement of the top few (a draft skips it); the extras are computed in float32 from the
-same exact rows.
+The kept logits are the head's own first ``keep`` rows, computed by the compiled head over its first tiles only (the
+tiles are stored in row order): no copy, and bitwise the full head's logits before its exact refinement of the top
+few (a draft skips it). The extras are computed in float32 from their exact rows.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from collections.abc import Iterable
 
 import torch
 
-from ..formats.blocks import IntBlocks
 from ..formats.kernel_linear import KernelLinear
-from ..formats.weights import KernelRows
 from .layers import Decoder
 
-MAX_EXTRAS = 8192  # a request's tokens past ``keep`` a head computes (their float32 rows: 28 MiB at hidden 896)
+MAX_EXTRAS = 4096  # a request's tokens past ``keep`` a head computes (their float32 rows: 14 MiB at hidden 896)
 
 
 class DraftingHead:
@@ -35,13 +33,12 @@ class DraftingHead:
 
     def __init__(self, decoder: Decoder, keep: int, always: Iterable[int] = ()) -> None:
         if not self.supports(decoder):
-            raise ValueError("a drafting head needs the compiled kernels and a head of symmetric blocks")
+            raise ValueError("a drafting head needs the compiled kernels and a quantized head with exact rows")
         if not 0 < keep < decoder.vocab_size:
             raise ValueError(f"keep must be in 1..{decoder.vocab_size - 1}, got {keep}")
         self._decoder = decoder
         self.keep = keep
         self.vocab_size = decoder.vocab_size
-        self.matrix = _kept_rows(decoder.exact_head_rows.matrix, keep)
         self._always = {int(t) for t in always if keep <= int(t) < decoder.vocab_size}
         self._rows: dict[int, torch.Tensor] = {}  # exact float32 rows fetched so far (bounded: see ``use``)
         self._extra_ids = torch.zeros(0, dtype=torch.int64)
@@ -50,8 +47,10 @@ class DraftingHead:
 
     @staticmethod
     def supports(decoder: Decoder) -> bool:
-        """Whether ``decoder``'s head can be cut: on the kernels, with exact rows read back from its own tiles."""
-        return decoder.uses_kernels and isinstance(decoder.exact_head_rows, KernelRows)
+        """Whether ``decoder``'s head can be cut: a compiled head, with exact rows for the extras."""
+        return (
+            decoder.uses_kernels and isinstance(decoder.lm_head, KernelLinear) and decoder.exact_head_rows is not None
+        )
 
     @property
     def extras(self) -> int:
@@ -66,7 +65,7 @@ class DraftingHead:
             return
         missing = [t for t in wanted if t not in self._rows]
         if missing:
-            if len(self._rows) + len(missing) > 4 * MAX_EXTRAS:
+            if len(self._rows) + len(missing) > 2 * MAX_EXTRAS:
                 self._rows.clear()  # a bound on the memo, not on one context
                 missing = wanted
             fetched = self._decoder.exact_head_rows(torch.tensor(missing, dtype=torch.int64))
@@ -78,8 +77,8 @@ class DraftingHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [k, hidden] (the last decoder layer's rows, before the final norm) → float32 logits [k, V]."""
         d = self._decoder
-        kernels = self.matrix.handle.kernels
-        kept = kernels.lm_head(hidden, d.norm, d.eps, [self.matrix.handle.id], self.keep, None, None, 0, False)
+        handle = d.lm_head.handle
+        kept = handle.kernels.lm_head(hidden, d.norm, d.eps, [handle.id], self.keep, None, None, 0, False)
         out = kept.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
         out[:, : self.keep] = kept
         if self.extras:
@@ -87,13 +86,3 @@ class DraftingHead:
             normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + d.eps) * d.norm.float()
             out[:, self._extra_ids] = normed @ self._extra_rows.T
         return out
-
-
-def _kept_rows(head: KernelLinear, keep: int) -> KernelLinear:
-    """The head's first ``keep`` rows as a matrix of their own: its blocks read back exactly (int8 values, per-group
-    scales), so each kept logit is bitwise the full head's."""
-    handle = head.handle
-    q, scale = handle.kernels.matrix_rows(handle.id, torch.arange(keep))
-    half = bool(torch.equal(scale.half().float(), scale))
-    blocks = IntBlocks(q.view(torch.uint8) ^ 0x80, scale, None, 128, head.in_features // scale.shape[1], 8, half)
-    return KernelLinear.from_blocks(blocks, activation_bits=head.activation_bits)
