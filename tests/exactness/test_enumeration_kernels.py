@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.enumeration import BOUND, LOOKUP_PROMPT, MIXED, T1, case, residual_mixed_with_p
-from helpers.kernels import unavailable
+from helpers.kernels import unavailable, use_build
 from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
 
 import specdecode as sd
@@ -37,13 +37,6 @@ def target() -> sd.LoadedModel:
 @pytest.fixture(scope="module")
 def draft(target) -> sd.LoadedModel:
     return sd.load_model(perturbed(target.model, seed=1, noise=0.15))
-
-
-def built(monkeypatch, variant: str) -> None:
-    """Run the kernels of ``variant`` (a mutant build: a control) from here on, as ``SPECDECODE_KERNELS`` selects."""
-    if variant != "native" and kernels.ops(variant) is None:
-        unavailable(f"the {variant} build failed here")
-    monkeypatch.setenv("SPECDECODE_KERNELS", variant)
 
 
 def kernel_law(decoder, prompt, params, tokens):
@@ -67,7 +60,7 @@ def test_a_draft_models_chain_through_the_compiled_ops_gives_the_targets_law(tar
     """Proves the compiled chain rule in the engine: a draft model's sampled chain (T 1, gamma 1, its guesses drawn
     by the compiled inverse CDF) gives the target's law of the first token to 1e-6, enumerated through exact_chain.
     Controls: the mutant builds (1% of p mixed into max(0, p − q); every draw one index off) miss by ≥ 100× it."""
-    built(monkeypatch, variant)
+    use_build(variant, monkeypatch)
     decoder = sd.SpeculativeDecoder(target, sd.DraftModelProposer(draft), gamma=1)
     result = kernel_law(decoder, LOOKUP_PROMPT, FIRST, tokens=1)
     tv = total_variation(result.law, prefix_law(target, LOOKUP_PROMPT, FIRST, tokens=1))
@@ -88,7 +81,7 @@ def test_point_mass_laws_through_the_compiled_ops(target, name, control, monkeyp
     each must miss by ≥ 100× the bound."""
     if control == "residual-mixed-1%" and name.startswith("tree"):
         pytest.skip("the tree rules' residual is torch code: test_enumeration's control; mutant_index is the kernel's")
-    built(monkeypatch, "mutant_index" if control == "mutant_index" else "native")
+    use_build("mutant_index" if control == "mutant_index" else "native", monkeypatch)
     if control == "residual-mixed-1%":
         chain_kernels = specdecode.sampling.verify._chain_kernels
         monkeypatch.setattr(

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.enumeration import residual_mixed_with_p
-from helpers.kernels import unavailable
+from helpers.kernels import mutant_build, unavailable
 
 from specdecode import kernels
 
@@ -358,13 +358,11 @@ def test_control_a_biased_inverse_cdf_kernel_is_caught(kernel_ops, name, vocab):
 
 
 @pytest.mark.parametrize("variant", list(kernels.MUTANTS))
-def test_control_a_mutant_build_of_the_kernels_is_caught(variant):
+def test_control_a_mutant_build_of_the_kernels_is_caught(variant, monkeypatch):
     """The same law checks on a mutant *build* (kernels.MUTANTS: the fault compiled into sampling.h, not a Python
     wrapper): a rejected chain's residual draw and, for the index fault, the inverse CDF miss by ≥ 1000× the
     tolerance."""
-    ops = kernels.ops(variant)
-    if ops is None:
-        unavailable(f"the {variant} build failed here")
+    ops = mutant_build(variant, monkeypatch)
     target, draft, guesses = chain_case(8, 3, True, seed=8)
     for premise in (True, False):
         deviation = chain_deviation(ops, target, draft, guesses, [0], 0, premise=premise)
