@@ -35,6 +35,16 @@ def kernels_or_skip(variant: str = "native"):
     return ops
 
 
+def runs_kernels() -> bool:
+    """Whether a model loaded now must run on the compiled kernels: False where ``SPECDECODE_KERNELS=0`` turns them
+    off (the fallback's own run of the runner and GGUF tests, .ci/run), else True once the native build is there
+    (``kernels_or_skip``: a test skips or fails without it)."""
+    if kernels.runner_variant() is None:
+        return False
+    kernels_or_skip()
+    return True
+
+
 def mutant_build(variant: str, monkeypatch):
     """The ops of the mutant build ``variant`` (``kernels.MUTANTS``: a control), allowed for this test only (the
     library refuses them elsewhere: ``kernels._mutants_allowed``). Where the native build fails the test skips
