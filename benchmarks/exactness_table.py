@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "EXACTNESS.md"
 BEGIN = "<!-- exactness_table.py: begin -->"
 END = "<!-- exactness_table.py: end -->"
+POWER_BEGIN = "<!-- exactness_table.py --power: begin -->"
+POWER_END = "<!-- exactness_table.py --power: end -->"
 
 
 def _module(name: str):
@@ -306,14 +308,19 @@ def _power_row(name: str, law, samples: int, threshold: float) -> str:
 
 
 def power_table() -> str:
-    """The power of the suite's engine-level exactness tests at their sizes and thresholds."""
+    """The power of the suite's engine-level exactness tests at their sizes and thresholds (the test modules' own
+    constants; check-exact's default family rate, halved over its two tests)."""
+    import inspect
+
     import numpy as np
     import torch
 
     import specdecode as sd
-    from specdecode.exactness.check import first_token_law, pair_law
+    from specdecode.exactness.check import check_exactness, first_token_law, pair_law
 
     models, engine = _module("helpers.models"), _module("test_decoder")
+    tree, check, suffix, eagle = (_module(name) for name in ("test_tree", "test_check", "test_suffix", "test_eagle"))
+    default_alpha = inspect.signature(check_exactness).parameters["alpha"].default
     small = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
     large = sd.load_model(models.tiny_llama(models.LARGE_VOCAB, seed=10))
     t1 = sd.SamplingParams(temperature=1.0)
@@ -324,24 +331,25 @@ def power_table() -> str:
     for warp, params in engine.WARPS.items():  # test_decoder: chains (draft model, prompt lookup), 2-token joint
         joint = engine.exact_two_token_law(small, engine.LOOKUP_PROMPT, params).ravel()
         law = torch.from_numpy(np.ascontiguousarray(joint))
-        rows.append(_power_row(f"test_decoder chain, {warp}, joint of 2 tokens", law, 800, 1e-3))
+        rows.append(_power_row(f"test_decoder chain, {warp}, joint of 2 tokens", law, engine.SAMPLES, engine.ALPHA))
     pairs = pair_law(small, [1, 2, 3], t1, 64).probs
     first = first_token_law(small, [1, 2, 3], t1)
     for name, samples, threshold in (
-        ("test_tree (5 trees x 2 runners)", 800, 0.01 / 10 / 2),
-        ("test_check (check-exact)", 800, 0.01 / 2),
+        (f"test_tree ({tree.CASES // 2} trees x 2 runners)", tree.SAMPLES, tree.ALPHA / tree.CASES / 2),
+        ("test_check (check-exact)", check.SAMPLES, default_alpha / 2),
     ):
         rows.append(_power_row(f"{name}, first token", first, samples, threshold))
         rows.append(_power_row(f"{name}, joint of 2 tokens", pairs, samples, threshold))
     suffix_first = first_token_law(small, [3, 9, 4], t1)
     suffix_pairs = pair_law(small, [3, 9, 4], t1, 64).probs
-    rows.append(_power_row("test_suffix (4 cases), first token", suffix_first, 1500, 0.01 / 4 / 2))
-    rows.append(_power_row("test_suffix (4 cases), joint of 2 tokens", suffix_pairs, 1500, 0.01 / 4 / 2))
+    for what, law in (("first token", suffix_first), ("joint of 2 tokens", suffix_pairs)):
+        threshold = suffix.ALPHA / suffix.CASES / 2
+        rows.append(_power_row(f"test_suffix ({suffix.CASES} cases), {what}", law, suffix.SAMPLES, threshold))
     eagle_first = first_token_law(large, [3, 17, 5, 9], t1)
     eagle_pairs = pair_law(large, [3, 17, 5, 9], t1, 64).probs
-    rows.append(_power_row("test_eagle (chain, tree), first token", eagle_first, 600, 1e-3 / 2))
-    rows.append(_power_row("test_eagle (chain, tree), joint of 2 tokens", eagle_pairs, 600, 1e-3 / 2))
-    return "\n".join(rows)
+    for what, law in (("first token", eagle_first), ("joint of 2 tokens", eagle_pairs)):
+        rows.append(_power_row(f"test_eagle (chain, tree), {what}", law, eagle.EXACT_SAMPLES, eagle.EXACT_ALPHA / 2))
+    return "\n".join([POWER_BEGIN, *rows, POWER_END])
 
 
 def _law_row(label: str, decoder, prompt: list[int], params, tokens: int = 2) -> str:
@@ -387,7 +395,7 @@ def print_laws() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="docs/EXACTNESS.md's tables (default: the paths × promises one)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace the paths × promises table in docs/EXACTNESS.md")
+    mode.add_argument("--write", action="store_true", help="replace the generated tables in docs/EXACTNESS.md")
     mode.add_argument("--power", action="store_true", help="print the engine-level tests' power table")
     mode.add_argument("--laws", action="store_true", help="print the enumerated engine laws' table")
     args = parser.parse_args()
@@ -397,8 +405,10 @@ def main() -> None:
         print_laws()
     elif args.write:
         doc = DOC.read_text()
-        start, end = doc.index(BEGIN), doc.index(END) + len(END)
-        DOC.write_text(doc[:start] + table() + doc[end:])
+        for begin, end, text in ((BEGIN, END, table()), (POWER_BEGIN, POWER_END, power_table())):
+            start, stop = doc.index(begin), doc.index(end) + len(end)
+            doc = doc[:start] + text + doc[stop:]
+        DOC.write_text(doc)
     else:
         print(table())
 

@@ -212,6 +212,9 @@ def test_drafts_for_the_target_as_loaded_quantized(head_dir):
         assert out.token_ids == sd.autoregressive_generate(target, prompt, GREEDY).token_ids
 
 
+EXACT_SAMPLES, EXACT_ALPHA = 600, 1e-3  # benchmarks/exactness_table.py --power reads them
+
+
 @pytest.mark.parametrize("tree_nodes", [None, 4])
 def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nodes):
     """Chain (siblings sampled with their law) and tree (top-k point masses): the first two tokens' law is the
@@ -220,7 +223,13 @@ def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nod
 
     proposer = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, branching=2)
     report = check_exactness(
-        large_target, proposer, [PROMPTS[0]], sd.SamplingParams(temperature=1.0), samples=600, gamma=2, alpha=1e-3
+        large_target,
+        proposer,
+        [PROMPTS[0]],
+        sd.SamplingParams(temperature=1.0),
+        samples=EXACT_SAMPLES,
+        gamma=2,
+        alpha=EXACT_ALPHA,
     )
     assert report.passed, report.verdict
     assert report.accepted > 0
