@@ -53,6 +53,10 @@ VARIANTS = {
 MUTANTS = {
     "mutant_residual": ["-march=native", "-DSD_MUTANT_RESIDUAL"],  # 1% of p mixed into max(0, p - q)
     "mutant_index": ["-march=native", "-DSD_MUTANT_INDEX"],  # every inverse-CDF draw one index off
+    "mutant_accept": ["-march=native", "-DSD_MUTANT_ACCEPT"],  # accept iff u <= p/q (not <)
+    "mutant_point_mass": ["-march=native", "-DSD_MUTANT_POINT_MASS"],  # a point mass's residual keeps the guess
+    "mutant_eps": ["-march=native", "-DSD_MUTANT_EPS"],  # residuals of mass <= 1e-3 (not 1e-12) fall back to p
+    "mutant_block": ["-march=native", "-DSD_MUTANT_BLOCK"],  # draws never reach a last block of < 64 entries
 }
 VARIANTS |= MUTANTS
 LIBRARY_BYTES = 1 << 20  # a built library's size, about (0.65 MB with g++ 13): what a full disk's message asks for
