@@ -168,22 +168,30 @@ def top_p_before_top_k(logits, params):
     return torch.softmax(sd.sampling.warp_logits(scaled, 1.0, params.top_k, 1.0), dim=-1)
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("control", ["none", "residual-mixed-1%", "top-p-before-top-k"])
 @pytest.mark.parametrize("warp", list(WARPS))
 @pytest.mark.parametrize("name", ["chain/lookup", "tree/deep-wide-3-2"])
-def test_warped_laws_are_the_targets_exactly(target, name, warp, control, monkeypatch):
+def test_warped_laws_are_the_targets_exactly(target, name, warp, control, path, monkeypatch):
     """Proves top-k with top-p (applied in that order) and T > 1 keep the engine's law of the first two tokens the
-    target's to 1e-6, chain and tree. Controls: a residual mixed 1% with p; the warps applied in the wrong order in
-    the engine (top-p first) — each must miss by ≥ 100× the bound."""
+    target's to 1e-6, chain and tree, on the torch verification path and through the compiled ops a float32 CPU
+    request runs (``through_kernels``). Controls: a residual mixed 1% with p (through the kernels the chain's
+    residual is compiled code: there the build whose point-mass residual keeps the guess, kernels.MUTANTS; the
+    tree's residual is torch code on both paths); the warps applied in the wrong order in the engine (top-p first)
+    — each must miss by ≥ 100× the bound."""
     params = WARPS[warp]
     if control == "top-p-before-top-k" and not params.top_k:
         pytest.skip("one warp: no order to get wrong")
-    if control == "residual-mixed-1%":
+    through_kernels = path == "kernels"
+    compiled_residual = through_kernels and name.startswith("chain") and control == "residual-mixed-1%"
+    if through_kernels:
+        use_build("mutant_point_mass" if compiled_residual else "native", monkeypatch)
+    if control == "residual-mixed-1%" and not compiled_residual:
         residual_mixed(monkeypatch)
     if control == "top-p-before-top-k":
         monkeypatch.setattr(specdecode.engine.decoder, "probs_from_logits", top_p_before_top_k)
     decoder, prompt = warp_case(name, target)
-    result = engine_law(decoder, prompt, params, tokens=2)
+    result = engine_law(decoder, prompt, params, tokens=2, through_kernels=through_kernels)
     tv = total_variation(result.law, prefix_law(target, prompt, params, tokens=2))
     assert result.runs > 1 and result.accepted_mass > 0.05, result
     if control == "none":
