@@ -224,20 +224,24 @@ ENDS = {  # after LOOKUP_PROMPT "7 4 1 7 4 1 7 4" prompt lookup guesses "1 7 4":
 }
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("control", [False, True], ids=["exact", "round-kept-whole-control"])
 @pytest.mark.parametrize("end", list(ENDS))
-def test_an_eos_or_stop_string_inside_an_accepted_run_ends_the_output_exactly(target, end, control, monkeypatch):
+def test_an_eos_or_stop_string_inside_an_accepted_run_ends_the_output_exactly(target, end, control, path, monkeypatch):
     """Proves the engine's output (token ids and text of whole 4-token requests, T 1.5, top-k 4, prompt lookup at
     gamma 3) has plain decoding's law to 1e-6 when an EOS token or a stop string spanning two tokens falls inside an
     accepted run (mass ≥ 5% does): the run is cut there, the bonus dropped, the text ends before the stop string.
-    Control: a sink that keeps a round's tokens whole and checks the end after them must miss by ≥ 100× the bound."""
+    Control: a sink that keeps a round's tokens whole and checks the end after them must miss by ≥ 100× the bound.
+    On the torch verification path and through the compiled ops (the sink is after either)."""
+    if path == "kernels":
+        use_build("native", monkeypatch)
     eos, stop = ENDS[end]
     loaded = with_eos(target, *eos)
     params = sd.SamplingParams(temperature=1.5, top_k=4, max_new_tokens=4, stop=stop)
     if control:
         monkeypatch.setattr(specdecode.engine.output.OutputSink, "push", keeps_the_round)
     decoder = sd.SpeculativeDecoder(loaded, sd.PromptLookupProposer(), gamma=3)
-    law, runs, _ = output_law(decoder, LOOKUP_PROMPT, params)
+    law, runs, _ = output_law(decoder, LOOKUP_PROMPT, params, through_kernels=path == "kernels")
     reference = plain_output_law(loaded, LOOKUP_PROMPT, params)
     ended_inside = sum(m for (tokens, _), m in reference.items() if tokens[:2] == (1, 7))  # "1 7": guesses 1 and 2
     assert ended_inside > 0.05, ended_inside
