@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "EXACTNESS.md"
 BEGIN = "<!-- exactness_table.py: begin -->"
 END = "<!-- exactness_table.py: end -->"
+POWER_BEGIN = "<!-- exactness_table.py --power: begin -->"
+POWER_END = "<!-- exactness_table.py --power: end -->"
 
 
 def _module(name: str):
@@ -73,36 +75,45 @@ def _compiled_rows() -> list[Row]:
             "compiled chain rule (`exact_chain`, float32 CPU rows: every sampled chain round)",
             "accept min(1, p/q); residual norm(max(0, p − q)); bonus p",
             test("test_kernel_laws::test_exact_chain_draws_the_promised_law"),
-            f"exact: interval lengths by bisection, max deviation ≤ {kernel_tol:g} at V 8 / 49,152 / 262,144",
+            f"exact: interval lengths by bisection, max deviation ≤ {kernel_tol:g} at V 8 / 49,157 / 262,144 "
+            "(49,157: a last block of 5 entries); accept thresholds = p/q to the bit",
             f"{test('test_kernel_laws::test_control_a_biased_chain_kernel_is_caught')}: p mixed 1% uniform, p 1% "
             f"toward q, residual mixed 1% with p, index shift — each missed by > {margin}× the bound (≥ 5e-4); "
-            f"{test('test_kernel_laws::test_control_a_mutant_build_of_the_kernels_is_caught')}: the same faults "
-            "compiled in (`kernels.MUTANTS`)",
+            f"{test('test_kernel_laws::test_control_a_mutant_build_of_the_kernels_is_caught')}: faults compiled in "
+            f"(`kernels.MUTANTS`: residual + 1% p, index shift, accept iff u ≤ p/q, a point mass's residual keeping "
+            f"its guess, the eps fallback at 1e-3, draws never reaching a last partial block), each on a case the "
+            f"real build passes — missed by > {margin}× the bound, the ≤ by a threshold that is not p/q",
         ),
         (
             "compiled inverse-CDF draw (`inverse_cdf_rows`: proposers, plain sampling, bonus)",
             "a draw follows p",
             test("test_kernel_laws::test_inverse_cdf_rows_draws_p"),
-            f"exact, ≤ {kernel_tol:g} at V 8 / 49,152 / 262,144",
+            f"exact, ≤ {kernel_tol:g} at V 8 / 49,157 / 262,144",
             f"{test('test_kernel_laws::test_control_a_biased_inverse_cdf_kernel_is_caught')}: p mixed 1% uniform, "
-            "index shift; the index-shifting mutant build",
+            "index shift; the index-shifting and block-walk mutant builds",
         ),
         (
             "compiled sampling on every instruction set (AVX2 and plain-C builds against this machine's)",
-            "`exact_chain` and `inverse_cdf_rows` give the same tokens, float32 rows, V 8 / 49,152",
+            "`exact_chain` and `inverse_cdf_rows` give the same tokens, float32 rows, V 8 / 49,157",
             test("test_kernels::test_every_instruction_set_samples_the_same_tokens"),
-            "bitwise, at random uniforms and at every tested boundary ± 1e-12",
-            "the same test: each mutant build gives other tokens",
+            "bitwise, at random uniforms and at every tested boundary ± 1e-12, a guess with p = 0 at u = 0, a "
+            "residual of mass 5e-5",
+            "the same test: each mutant build gives other tokens; a mutant that does not build fails the test "
+            "where the native one builds (never a skip); `SPECDECODE_KERNELS=mutant_*` is refused outside the tests",
         ),
         (
             "engine through the compiled ops (`engine_law(through_kernels=True)`: decisions read off `exact_chain` / "
             "`inverse_cdf_rows` by bisection)",
-            "a draft model's chain (T 1): first token; point-mass chain and tree: first two tokens = the target's",
+            "a draft model's chain (T 1): first token; point-mass chain and tree: first two tokens = the target's; "
+            "at V = 150 (three 64-entry blocks, the last partial; T 1, top-k 8) a draft model's chain and prompt "
+            "lookup's (first token; first two)",
             f"{test('test_enumeration_kernels::test_a_draft_models_chain_through_the_compiled_ops_gives_the_targets_law')}, "  # noqa: E501
-            f"{test('test_enumeration_kernels::test_point_mass_laws_through_the_compiled_ops')}",
+            f"{test('test_enumeration_kernels::test_point_mass_laws_through_the_compiled_ops')}, "
+            f"{test('test_enumeration_kernels::test_laws_across_several_blocks_through_the_compiled_ops')}",
             f"exact, TV < {bound:g}",
             "the mutant builds (`SPECDECODE_KERNELS=mutant_*`): residual + 1% p (TV 6.1e-3), index shift "
-            "(TV 0.37–0.84); the chain op's residual draw mixed 1% with p (TV 0.019)",
+            "(TV 0.37–0.84); the chain op's residual draw mixed 1% with p (TV 0.019); at V = 150 the block-walk build "
+            "and the residual / point-mass builds (each > 100× the bound)",
         ),
         (
             "layer-skip self-drafts, γ = 1, 2, 3 (through the compiled ops, T 1, top-k 2)",
@@ -139,9 +150,9 @@ def _engine_rows() -> list[Row]:
             "engine, point-mass chains and trees (prompt lookup, suffix, deterministic trees), T1 / top-k / top-p",
             "law of the first two tokens = the target's",
             test("test_enumeration::test_point_mass_laws_are_the_targets_exactly"),
-            f"exact, TV < {bound:g} (torch verification path; the compiled path: the rows below)",
+            f"exact, TV < {bound:g}, on the torch path and through the compiled ops",
             f"{test('test_enumeration::test_a_residual_biased_by_one_percent_is_caught')}: residual mixed 1% "
-            "(TV 1.4–3.3e-3)",
+            "(torch path: TV 1.4–3.3e-3); through the compiled ops the chain's: the point-mass mutant build",
         ),
         (
             'engine, `gamma="auto"` in exact mode (fixed cost model)',
@@ -154,14 +165,15 @@ def _engine_rows() -> list[Row]:
             "engine, top-k with top-p; T = 1.5 (chain and tree)",
             "law of the first two tokens",
             test("test_enumeration_paths::test_warped_laws_are_the_targets_exactly"),
-            f"exact, TV < {bound:g}",
-            "the same test's controls: residual mixed 1% (TV 2.4–3.3e-3); top-p before top-k (TV 0.028–0.098)",
+            f"exact, TV < {bound:g}, on the torch path and through the compiled ops",
+            "the same test's controls: residual mixed 1% (torch path: TV 2.4–3.3e-3); through the compiled ops the "
+            "chain's point-mass-residual build; top-p before top-k (TV 0.028–0.098)",
         ),
         (
             "engine output: an EOS / a stop string inside an accepted run",
             "output (ids, text) law = plain sampling's, cut there, bonus dropped",
             test("test_enumeration_paths::test_an_eos_or_stop_string_inside_an_accepted_run_ends_the_output_exactly"),
-            f"exact, TV < {bound:g}",
+            f"exact, TV < {bound:g}, on the torch path and through the compiled ops",
             "the same test's control: a sink keeping the round whole (TV 0.13)",
         ),
         (
@@ -198,7 +210,7 @@ def _serving_and_identity_rows() -> list[Row]:
             "the same test: rejections resampled from p",
         ),
         (
-            "the server, reproducible mode, the same batches",
+            'the server, reproducible mode, the same batches, under `policy="always"` and the default `"auto"`',
             "text and logprobs (top 2 included) = plain sampling's, same seed",
             test("test_serving_exact::test_reproducible_mode_under_concurrency_gives_plain_sampling_text_and_logprobs"),
             "bitwise",
@@ -209,8 +221,10 @@ def _serving_and_identity_rows() -> list[Row]:
             "law of the first two tokens",
             f"{test('test_eagle::test_eagle_laws_enumerated_exactly')}, "
             f"{test('test_medusa::test_medusa_laws_enumerated_exactly')}",
-            "exact, TV < 1e-5 (the transformers runner's rounding reached 1.05e-6: a56cf86)",
-            "a head misstating its law by 20% (TV 4.6e-4); tree residuals mixed 1%",
+            "exact, TV < 1e-5 (the transformers runner's rounding reached 1.05e-6: a56cf86), on the torch path and "
+            "through the compiled ops",
+            "a head misstating its law by 20% (TV 4.6e-4); tree residuals mixed 1%; Medusa's chain residual (torch: "
+            "mixed 1%; compiled: the point-mass mutant build)",
         ),
         (
             "native runner, every weight format and dtype (and the server's 144-row batches)",
@@ -242,17 +256,20 @@ def _serving_and_identity_rows() -> list[Row]:
             f"{test('test_warps::test_warped_laws_are_plain_samplings_exactly')}, "
             f"{test('test_warps::test_greedy_speculation_equals_plain_decoding_with_each_warp')}, "
             f"{test('test_warps::test_reproducible_mode_equals_plain_sampling_with_each_warp')}",
-            "exact, TV < 1e-06; token for token",
+            "exact, TV < 1e-06, on the torch path and through the compiled ops; token for token",
             "counts one row late; context warps on row 0 only; min_p before temperature (each > 100× the bound); "
             f"{test('test_warps::test_greedy_identity_fails_with_the_counts_one_row_late')}",
         ),
         (
             "a grammar (structured output): each verified row masked in its own grammar state",
-            "law = plain constrained sampling's (chain, tree, sampled drafts); greedy and reproducible identity",
+            "law = plain constrained sampling's (chain, tree, sampled drafts; a grammar forcing tokens, drafted free "
+            "at a round's head); greedy and reproducible identity",
             f"{test('test_structured_law::test_the_law_under_a_grammar_is_plain_constrained_samplings')}, "
+            f"{test('test_structured_law::test_the_law_with_forced_tokens_is_plain_constrained_samplings')}, "
             f"{test('test_structured::test_greedy_and_reproducible_outputs_equal_plain_decodings')}",
-            "exact, TV < 1e-06; token for token",
-            f"{test('test_structured_law::test_a_mask_applied_one_row_late_is_caught')} (> 100× the bound)",
+            "exact, TV < 1e-06, on the torch path and through the compiled ops; token for token",
+            f"{test('test_structured_law::test_a_mask_applied_one_row_late_is_caught')}, and the forced-token test's "
+            "own (> 100× the bound)",
         ),
         (
             "a reused prefix (the library's next turn, the server's prefix cache: rows copied between runners)",
@@ -306,14 +323,19 @@ def _power_row(name: str, law, samples: int, threshold: float) -> str:
 
 
 def power_table() -> str:
-    """The power of the suite's engine-level exactness tests at their sizes and thresholds."""
+    """The power of the suite's engine-level exactness tests at their sizes and thresholds (the test modules' own
+    constants; check-exact's default family rate, halved over its two tests)."""
+    import inspect
+
     import numpy as np
     import torch
 
     import specdecode as sd
-    from specdecode.exactness.check import first_token_law, pair_law
+    from specdecode.exactness.check import check_exactness, first_token_law, pair_law
 
     models, engine = _module("helpers.models"), _module("test_decoder")
+    tree, check, suffix, eagle = (_module(name) for name in ("test_tree", "test_check", "test_suffix", "test_eagle"))
+    default_alpha = inspect.signature(check_exactness).parameters["alpha"].default
     small = sd.load_model(models.tiny_llama(models.SMALL_VOCAB, seed=0))
     large = sd.load_model(models.tiny_llama(models.LARGE_VOCAB, seed=10))
     t1 = sd.SamplingParams(temperature=1.0)
@@ -324,24 +346,25 @@ def power_table() -> str:
     for warp, params in engine.WARPS.items():  # test_decoder: chains (draft model, prompt lookup), 2-token joint
         joint = engine.exact_two_token_law(small, engine.LOOKUP_PROMPT, params).ravel()
         law = torch.from_numpy(np.ascontiguousarray(joint))
-        rows.append(_power_row(f"test_decoder chain, {warp}, joint of 2 tokens", law, 800, 1e-3))
+        rows.append(_power_row(f"test_decoder chain, {warp}, joint of 2 tokens", law, engine.SAMPLES, engine.ALPHA))
     pairs = pair_law(small, [1, 2, 3], t1, 64).probs
     first = first_token_law(small, [1, 2, 3], t1)
     for name, samples, threshold in (
-        ("test_tree (5 trees x 2 runners)", 800, 0.01 / 10 / 2),
-        ("test_check (check-exact)", 800, 0.01 / 2),
+        (f"test_tree ({tree.CASES // 2} trees x 2 runners)", tree.SAMPLES, tree.ALPHA / tree.CASES / 2),
+        ("test_check (check-exact)", check.SAMPLES, default_alpha / 2),
     ):
         rows.append(_power_row(f"{name}, first token", first, samples, threshold))
         rows.append(_power_row(f"{name}, joint of 2 tokens", pairs, samples, threshold))
     suffix_first = first_token_law(small, [3, 9, 4], t1)
     suffix_pairs = pair_law(small, [3, 9, 4], t1, 64).probs
-    rows.append(_power_row("test_suffix (4 cases), first token", suffix_first, 1500, 0.01 / 4 / 2))
-    rows.append(_power_row("test_suffix (4 cases), joint of 2 tokens", suffix_pairs, 1500, 0.01 / 4 / 2))
+    for what, law in (("first token", suffix_first), ("joint of 2 tokens", suffix_pairs)):
+        threshold = suffix.ALPHA / suffix.CASES / 2
+        rows.append(_power_row(f"test_suffix ({suffix.CASES} cases), {what}", law, suffix.SAMPLES, threshold))
     eagle_first = first_token_law(large, [3, 17, 5, 9], t1)
     eagle_pairs = pair_law(large, [3, 17, 5, 9], t1, 64).probs
-    rows.append(_power_row("test_eagle (chain, tree), first token", eagle_first, 600, 1e-3 / 2))
-    rows.append(_power_row("test_eagle (chain, tree), joint of 2 tokens", eagle_pairs, 600, 1e-3 / 2))
-    return "\n".join(rows)
+    for what, law in (("first token", eagle_first), ("joint of 2 tokens", eagle_pairs)):
+        rows.append(_power_row(f"test_eagle (chain, tree), {what}", law, eagle.EXACT_SAMPLES, eagle.EXACT_ALPHA / 2))
+    return "\n".join([POWER_BEGIN, *rows, POWER_END])
 
 
 def _law_row(label: str, decoder, prompt: list[int], params, tokens: int = 2) -> str:
@@ -387,7 +410,7 @@ def print_laws() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="docs/EXACTNESS.md's tables (default: the paths × promises one)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace the paths × promises table in docs/EXACTNESS.md")
+    mode.add_argument("--write", action="store_true", help="replace the generated tables in docs/EXACTNESS.md")
     mode.add_argument("--power", action="store_true", help="print the engine-level tests' power table")
     mode.add_argument("--laws", action="store_true", help="print the enumerated engine laws' table")
     args = parser.parse_args()
@@ -397,8 +420,10 @@ def main() -> None:
         print_laws()
     elif args.write:
         doc = DOC.read_text()
-        start, end = doc.index(BEGIN), doc.index(END) + len(END)
-        DOC.write_text(doc[:start] + table() + doc[end:])
+        for begin, end, text in ((BEGIN, END, table()), (POWER_BEGIN, POWER_END, power_table())):
+            start, stop = doc.index(begin), doc.index(end) + len(end)
+            doc = doc[:start] + text + doc[stop:]
+        DOC.write_text(doc)
     else:
         print(table())
 

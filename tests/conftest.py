@@ -11,6 +11,7 @@ from helpers.kernels import kernels_or_skip
 from helpers.models import LARGE_VOCAB, SMALL_VOCAB, perturbed, tiny_llama
 
 import specdecode as sd
+from specdecode import kernels
 
 torch.set_num_threads(1)  # one core a test: `pytest -n auto` (pytest-xdist) runs one worker a core
 
@@ -32,8 +33,11 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def pytest_runtest_setup(item) -> None:
     """A test marked ``needs_kernels`` skips where the compiled kernels do not build, or fails where they must
-    (``SPECDECODE_REQUIRE_KERNELS=1``: helpers/kernels.py)."""
+    (``SPECDECODE_REQUIRE_KERNELS=1``: helpers/kernels.py); it skips where ``SPECDECODE_KERNELS=0`` turns them off
+    (the fallback's run: the tests that hold on either path ask ``runs_kernels()`` instead)."""
     if item.get_closest_marker("needs_kernels") is not None:
+        if kernels.runner_variant() is None:
+            pytest.skip("SPECDECODE_KERNELS=0: the compiled kernels are turned off")
         kernels_or_skip()
 
 

@@ -20,6 +20,7 @@ from specdecode.exactness.check import (
     fit_test,
     pair_law,
     pool_cells,
+    pooled_shape,
     samples_for_tv,
     tv_upper_bound,
 )
@@ -50,6 +51,19 @@ def test_pool_cells_groups_small_expected_counts():
     assert pool_cells(probs, 100).tolist() == [0, 1, 2, 3, 3, -1]  # 4 < 5 joins the smallest cell
     assert pool_cells(probs, 60).tolist() == [0, 1, 2, 3, 3, -1]  # 3.6 + 2.4 pooled
     assert pool_cells(probs, 20).tolist() == [0, 1, 1, 1, 1, -1]
+
+
+def test_pooled_cells_hide_their_mass_less_the_smallest_cell():
+    """The TV a law can move inside a pooled group unseen is its mass m less its smallest cell (all of m moved onto
+    that cell), not half of m: three cells of 0.01 hide 0.02; a group that joined a well-filled cell hides that
+    cell's mass too."""
+    probs = torch.tensor([0.97, 0.01, 0.01, 0.01], dtype=torch.float64)
+    assert pool_cells(probs, 300).tolist() == [0, 1, 1, 1]
+    dof, hidden = pooled_shape(probs, 300)
+    worst = torch.tensor([0.97, 0.03, 0.0, 0.0], dtype=torch.float64)  # the group's mass on one cell: same counts
+    assert dof == 1 and hidden == pytest.approx(0.02) == 0.5 * float((worst - probs).abs().sum())
+    joined = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04, 0.0], dtype=torch.float64)  # at 100: 0.04 joins 0.06
+    assert pooled_shape(joined, 100) == (3, pytest.approx(0.06))
 
 
 def test_fit_test_verdicts():

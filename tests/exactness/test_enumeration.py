@@ -19,6 +19,7 @@ from helpers.enumeration import (
     case,
     guided_tables,
 )
+from helpers.kernels import use_build
 from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
 from helpers.trees import TreeProposer
 
@@ -41,12 +42,17 @@ def target() -> sd.LoadedModel:
 POINT_MASS = ("chain/lookup", "tree/lookup-3-branches", "tree/deep-wide-3-2", "tree/depth-3", "tree/suffix")
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("warp", list(WARPED))
 @pytest.mark.parametrize("name", POINT_MASS)
-def test_point_mass_laws_are_the_targets_exactly(target, name, warp):
+def test_point_mass_laws_are_the_targets_exactly(target, name, warp, path, monkeypatch):
+    """Every point-mass law, on the torch verification path and through the compiled ops a float32 CPU request runs
+    (``through_kernels``: the chain rule is ``exact_chain``, every draw ``inverse_cdf_rows``)."""
     params = WARPED[warp]
+    if path == "kernels":
+        use_build("native", monkeypatch)
     decoder, prompt = case(name, target)
-    result = engine_law(decoder, prompt, params, tokens=2)
+    result = engine_law(decoder, prompt, params, tokens=2, through_kernels=path == "kernels")
     assert sum(result.law.values()) == pytest.approx(1.0, abs=1e-12)
     tv = total_variation(result.law, prefix_law(target, prompt, params, tokens=2))
     assert tv < BOUND, (name, warp, tv, result.runs)
@@ -54,8 +60,15 @@ def test_point_mass_laws_are_the_targets_exactly(target, name, warp):
     assert result.accepted_mass > 0.05, result.accepted_mass  # the law went through verification
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("name", ["chain/lookup", "tree/lookup-3-branches", "tree/deep-wide-3-2"])
-def test_a_residual_biased_by_one_percent_is_caught(target, name, monkeypatch):
+def test_a_residual_biased_by_one_percent_is_caught(target, name, path, monkeypatch):
+    """Every residual mixed 1% with p (``verify._residual``: the torch path, and the tree rules on either path);
+    through the compiled ops a chain's residual is ``exact_chain``'s, so there the control is the build whose
+    point-mass residual keeps the guess (kernels.MUTANTS). Each must miss by ≥ 100× the bound."""
+    compiled = path == "kernels" and name.startswith("chain")
+    if path == "kernels":
+        use_build("mutant_point_mass" if compiled else "native", monkeypatch)
     decoder, prompt = case(name, target)
     reference = prefix_law(target, prompt, T1, tokens=2)
     correct = specdecode.sampling.verify._residual
@@ -64,8 +77,9 @@ def test_a_residual_biased_by_one_percent_is_caught(target, name, monkeypatch):
         residual = correct(target_probs, draft, token)
         return (1 - MIXED) * residual / residual.sum() + MIXED * target_probs / target_probs.sum()
 
-    monkeypatch.setattr(specdecode.sampling.verify, "_residual", mixed)
-    tv = total_variation(engine_law(decoder, prompt, T1, tokens=2).law, reference)
+    if not compiled:
+        monkeypatch.setattr(specdecode.sampling.verify, "_residual", mixed)
+    tv = total_variation(engine_law(decoder, prompt, T1, tokens=2, through_kernels=path == "kernels").law, reference)
     assert tv > 100 * BOUND, (name, tv)
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from helpers.enumeration import BOUND, LOOKUP_PROMPT, MIXED, T1, case, residual_mixed_with_p
-from helpers.kernels import unavailable
+from helpers.kernels import unavailable, use_build
 from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
 
 import specdecode as sd
@@ -39,13 +40,6 @@ def draft(target) -> sd.LoadedModel:
     return sd.load_model(perturbed(target.model, seed=1, noise=0.15))
 
 
-def built(monkeypatch, variant: str) -> None:
-    """Run the kernels of ``variant`` (a mutant build: a control) from here on, as ``SPECDECODE_KERNELS`` selects."""
-    if variant != "native" and kernels.ops(variant) is None:
-        unavailable(f"the {variant} build failed here")
-    monkeypatch.setenv("SPECDECODE_KERNELS", variant)
-
-
 def kernel_law(decoder, prompt, params, tokens):
     """engine_law through the kernels, and the number of exact_chain calls it made (it must have made some)."""
     calls = []
@@ -62,12 +56,12 @@ def kernel_law(decoder, prompt, params, tokens):
     return result
 
 
-@pytest.mark.parametrize("variant", ["native", *kernels.MUTANTS])
+@pytest.mark.parametrize("variant", ["native", "mutant_residual", "mutant_index"])  # V 16: the others at V 150 below
 def test_a_draft_models_chain_through_the_compiled_ops_gives_the_targets_law(target, draft, variant, monkeypatch):
     """Proves the compiled chain rule in the engine: a draft model's sampled chain (T 1, gamma 1, its guesses drawn
     by the compiled inverse CDF) gives the target's law of the first token to 1e-6, enumerated through exact_chain.
     Controls: the mutant builds (1% of p mixed into max(0, p − q); every draw one index off) miss by ≥ 100× it."""
-    built(monkeypatch, variant)
+    use_build(variant, monkeypatch)
     decoder = sd.SpeculativeDecoder(target, sd.DraftModelProposer(draft), gamma=1)
     result = kernel_law(decoder, LOOKUP_PROMPT, FIRST, tokens=1)
     tv = total_variation(result.law, prefix_law(target, LOOKUP_PROMPT, FIRST, tokens=1))
@@ -88,7 +82,7 @@ def test_point_mass_laws_through_the_compiled_ops(target, name, control, monkeyp
     each must miss by ≥ 100× the bound."""
     if control == "residual-mixed-1%" and name.startswith("tree"):
         pytest.skip("the tree rules' residual is torch code: test_enumeration's control; mutant_index is the kernel's")
-    built(monkeypatch, "mutant_index" if control == "mutant_index" else "native")
+    use_build("mutant_index" if control == "mutant_index" else "native", monkeypatch)
     if control == "residual-mixed-1%":
         chain_kernels = specdecode.sampling.verify._chain_kernels
         monkeypatch.setattr(
@@ -131,3 +125,65 @@ def test_a_draft_models_chain_of_two_tokens_through_the_compiled_ops(target, dra
     params = sd.SamplingParams(temperature=1.0, max_new_tokens=4)
     result = kernel_law(decoder, LOOKUP_PROMPT, params, tokens=2)
     assert total_variation(result.law, prefix_law(target, LOOKUP_PROMPT, params, tokens=2)) < BOUND
+
+
+# ------------------------------------------------------------------------------------------------ several blocks
+
+WIDE_VOCAB = 2 * 64 + 22  # the compiled draws walk three 64-entry blocks, the last one partial (tokens 128..149)
+TOP8 = sd.SamplingParams(temperature=1.0, top_k=8, max_new_tokens=3)  # top-k 8: a few dozen runs at V = 150
+
+
+@pytest.fixture(scope="module")
+def wide_target() -> sd.LoadedModel:
+    if kernels.ops("native") is None:
+        unavailable("the CPU kernels did not build here")
+    return sd.load_model(tiny_llama(WIDE_VOCAB, seed=3))
+
+
+def lookup_prompt(target: sd.LoadedModel) -> list[int]:
+    """[5, 9, c, 5, 9]: prompt lookup guesses c, chosen as the likeliest token whose target probability after the
+    prompt is in (0.1, 0.9) under top-k 8, so that the guess is accepted and rejected."""
+    runner = target.new_runner()
+    for c in range(WIDE_VOCAB):
+        runner.reset()
+        logits = runner.forward(torch.tensor([5, 9, c, 5, 9]))[-1]
+        p = float(torch.softmax(sd.sampling.warp_logits(logits[None], 1.0, 8, 1.0)[0].double(), -1)[c])
+        if 0.1 < p < 0.9:
+            return [5, 9, c, 5, 9]
+    raise AssertionError("no prompt makes prompt lookup's guess uncertain")
+
+
+WIDE_CASES = {  # case -> the mutant builds that must fail its law (the point mass keeps its guess; residual + 1% p)
+    "draft-model-chain": ("mutant_block", "mutant_residual"),
+    "lookup-chain": ("mutant_block", "mutant_point_mass"),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "variant"), [(name, variant) for name, mutants in WIDE_CASES.items() for variant in ("native", *mutants)]
+)
+def test_laws_across_several_blocks_through_the_compiled_ops(wide_target, name, variant, monkeypatch):
+    """Proves the compiled chain rule and draws keep the target's law at a vocabulary of 150 (three 64-entry blocks,
+    the last one partial; T 1, top-k 8): a draft model's sampled chain (γ 2, first token) and prompt lookup's
+    point-mass chain (γ 2, first two tokens), enumerated through exact_chain and inverse_cdf_rows, to 1e-6, with mass
+    on the last block's tokens. Controls: the build whose draws never reach the last block, and the one that fault
+    each chain's residual (max(0, p − q) + 1% p; the guess left in p) — each must miss by ≥ 100× the bound."""
+    use_build(variant, monkeypatch)
+    if name == "draft-model-chain":
+        draft = sd.load_model(perturbed(wide_target.model, seed=4, noise=0.15))
+        decoder, prompt = sd.SpeculativeDecoder(wide_target, sd.DraftModelProposer(draft), gamma=2), [5, 9, 11]
+    else:
+        decoder, prompt = (
+            sd.SpeculativeDecoder(wide_target, sd.PromptLookupProposer(), gamma=2),
+            lookup_prompt(wide_target),
+        )
+    tokens = 1 if name == "draft-model-chain" else 2  # a sampled chain's second token: thousands of runs
+    result = kernel_law(decoder, prompt, TOP8, tokens=tokens)
+    reference = prefix_law(wide_target, prompt, TOP8, tokens=tokens)
+    tv = total_variation(result.law, reference)
+    if variant == "native":
+        assert any(token >= 128 for outcome in reference for token in outcome), "no mass on the last block"
+        assert result.accepted_mass > 0.05 and result.runs > 8, result
+        assert tv < BOUND, (name, tv, result.runs)
+    else:
+        assert tv > 100 * BOUND, (name, variant, tv)

@@ -23,7 +23,7 @@ from collections import defaultdict
 import pytest
 import torch
 from helpers.enumeration import BOUND, LOOKUP_PROMPT, MIXED, guided_tables
-from helpers.kernels import unavailable
+from helpers.kernels import use_build
 from helpers.models import SMALL_VOCAB, tiny_llama, with_eos
 from helpers.tokenizers import fixed_width_words, word_tokenizer
 from helpers.trees import TreeProposer
@@ -32,7 +32,6 @@ import specdecode as sd
 import specdecode.engine.decoder
 import specdecode.engine.output
 import specdecode.sampling.verify
-from specdecode import kernels
 from specdecode.control import AcceptanceHistory, PassCosts
 from specdecode.exactness.enumeration import Enumerator, KernelEnumerator, engine_law, prefix_law, total_variation
 
@@ -139,12 +138,10 @@ def test_gamma_auto_in_exact_mode_gives_the_targets_law(target, control, monkeyp
     mixed 1% with p (torch path); the index-shifting kernels build (compiled path) — each must miss by ≥ 100× the
     bound."""
     through_kernels = control.startswith("through-kernels")
-    if through_kernels and kernels.ops("mutant_index" if control.endswith("index") else "native") is None:
-        unavailable("the CPU kernels did not build here")
+    if through_kernels:
+        use_build("mutant_index" if control.endswith("index") else "native", monkeypatch)
     if control == "residual-mixed-1%":
         residual_mixed(monkeypatch)
-    if control.endswith("mutant-index"):
-        monkeypatch.setenv("SPECDECODE_KERNELS", "mutant_index")
     law, runs, drafted = output_law(auto_decoder(target), LOOKUP_PROMPT, WHOLE, through_kernels=through_kernels)
     tv = total_variation(law, plain_output_law(target, LOOKUP_PROMPT, WHOLE))
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-12) and runs > 100
@@ -171,22 +168,30 @@ def top_p_before_top_k(logits, params):
     return torch.softmax(sd.sampling.warp_logits(scaled, 1.0, params.top_k, 1.0), dim=-1)
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("control", ["none", "residual-mixed-1%", "top-p-before-top-k"])
 @pytest.mark.parametrize("warp", list(WARPS))
 @pytest.mark.parametrize("name", ["chain/lookup", "tree/deep-wide-3-2"])
-def test_warped_laws_are_the_targets_exactly(target, name, warp, control, monkeypatch):
+def test_warped_laws_are_the_targets_exactly(target, name, warp, control, path, monkeypatch):
     """Proves top-k with top-p (applied in that order) and T > 1 keep the engine's law of the first two tokens the
-    target's to 1e-6, chain and tree. Controls: a residual mixed 1% with p; the warps applied in the wrong order in
-    the engine (top-p first) — each must miss by ≥ 100× the bound."""
+    target's to 1e-6, chain and tree, on the torch verification path and through the compiled ops a float32 CPU
+    request runs (``through_kernels``). Controls: a residual mixed 1% with p (through the kernels the chain's
+    residual is compiled code: there the build whose point-mass residual keeps the guess, kernels.MUTANTS; the
+    tree's residual is torch code on both paths); the warps applied in the wrong order in the engine (top-p first)
+    — each must miss by ≥ 100× the bound."""
     params = WARPS[warp]
     if control == "top-p-before-top-k" and not params.top_k:
         pytest.skip("one warp: no order to get wrong")
-    if control == "residual-mixed-1%":
+    through_kernels = path == "kernels"
+    compiled_residual = through_kernels and name.startswith("chain") and control == "residual-mixed-1%"
+    if through_kernels:
+        use_build("mutant_point_mass" if compiled_residual else "native", monkeypatch)
+    if control == "residual-mixed-1%" and not compiled_residual:
         residual_mixed(monkeypatch)
     if control == "top-p-before-top-k":
         monkeypatch.setattr(specdecode.engine.decoder, "probs_from_logits", top_p_before_top_k)
     decoder, prompt = warp_case(name, target)
-    result = engine_law(decoder, prompt, params, tokens=2)
+    result = engine_law(decoder, prompt, params, tokens=2, through_kernels=through_kernels)
     tv = total_variation(result.law, prefix_law(target, prompt, params, tokens=2))
     assert result.runs > 1 and result.accepted_mass > 0.05, result
     if control == "none":
@@ -219,20 +224,24 @@ ENDS = {  # after LOOKUP_PROMPT "7 4 1 7 4 1 7 4" prompt lookup guesses "1 7 4":
 }
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("control", [False, True], ids=["exact", "round-kept-whole-control"])
 @pytest.mark.parametrize("end", list(ENDS))
-def test_an_eos_or_stop_string_inside_an_accepted_run_ends_the_output_exactly(target, end, control, monkeypatch):
+def test_an_eos_or_stop_string_inside_an_accepted_run_ends_the_output_exactly(target, end, control, path, monkeypatch):
     """Proves the engine's output (token ids and text of whole 4-token requests, T 1.5, top-k 4, prompt lookup at
     gamma 3) has plain decoding's law to 1e-6 when an EOS token or a stop string spanning two tokens falls inside an
     accepted run (mass ≥ 5% does): the run is cut there, the bonus dropped, the text ends before the stop string.
-    Control: a sink that keeps a round's tokens whole and checks the end after them must miss by ≥ 100× the bound."""
+    Control: a sink that keeps a round's tokens whole and checks the end after them must miss by ≥ 100× the bound.
+    On the torch verification path and through the compiled ops (the sink is after either)."""
+    if path == "kernels":
+        use_build("native", monkeypatch)
     eos, stop = ENDS[end]
     loaded = with_eos(target, *eos)
     params = sd.SamplingParams(temperature=1.5, top_k=4, max_new_tokens=4, stop=stop)
     if control:
         monkeypatch.setattr(specdecode.engine.output.OutputSink, "push", keeps_the_round)
     decoder = sd.SpeculativeDecoder(loaded, sd.PromptLookupProposer(), gamma=3)
-    law, runs, _ = output_law(decoder, LOOKUP_PROMPT, params)
+    law, runs, _ = output_law(decoder, LOOKUP_PROMPT, params, through_kernels=path == "kernels")
     reference = plain_output_law(loaded, LOOKUP_PROMPT, params)
     ended_inside = sum(m for (tokens, _), m in reference.items() if tokens[:2] == (1, 7))  # "1 7": guesses 1 and 2
     assert ended_inside > 0.05, ended_inside

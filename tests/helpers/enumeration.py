@@ -9,10 +9,9 @@ import torch
 
 import specdecode as sd
 import specdecode.sampling.verify
-from helpers.kernels import unavailable
+from helpers.kernels import use_build
 from helpers.models import SMALL_VOCAB
 from helpers.trees import TreeProposer, random_tables
-from specdecode import kernels
 from specdecode.exactness.enumeration import EngineLaw, engine_law, prefix_law, total_variation
 from specdecode.proposers.suffix import SuffixHistory, SuffixProposer
 from specdecode.sampling.params import SamplingParams
@@ -93,8 +92,6 @@ def enumerated_tv(decoder: sd.SpeculativeDecoder, variant: str, monkeypatch) -> 
     """TV between the engine's law of its first two tokens — enumerated exactly through the compiled sampling ops
     (``engine_law(through_kernels=True)``, tests/exactness/test_enumeration_kernels.py) of build ``variant`` — and the
     target's; and the engine law."""
-    if kernels.ops(variant) is None:
-        unavailable(f"the {variant} build failed here")
-    monkeypatch.setenv("SPECDECODE_KERNELS", variant)
+    use_build(variant, monkeypatch)
     result = engine_law(decoder, LAW_PROMPT, TOP2, tokens=2, through_kernels=True)
     return total_variation(result.law, prefix_law(decoder.target, LAW_PROMPT, TOP2, tokens=2)), result

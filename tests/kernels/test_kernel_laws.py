@@ -14,11 +14,12 @@ its cumulative mass in float64 over at most V/64 block sums plus 64 entries (ker
 rounding moves a boundary by ≲ (V/64 + 64)·2⁻⁵³ ≈ 5e-13 at V = 262,144 in the worst case (measured: ≤ ~1e-15 at
 every V here). A kernel bias any sampled test could see (TV ≥ 1e-4) is eight orders of magnitude above it.
 
-At V = 8 every boundary of every row is found (chains of 8). At V = 49,152 and 262,144 a few hundred tokens are
-checked — random ones (with and without mass), the block edges the op's blocked sums turn on, the likeliest — with
-the bisection started in a 2e-10 bracket around the exact boundary (the op walks a CDF, so its boundary is where the
-reference cumulative sum is, to rounding; a bracket that does not hold falls back to all of [0, 1)), plus the ends:
-the first token with mass owns u = 0 and the last one the largest double below 1, so the intervals cover [0, 1).
+At V = 8 every boundary of every row is found (chains of 8). At V = 49,157 (not a multiple of 64: the last block
+has 5 entries) and 262,144 a few hundred tokens are checked — random ones (with and without mass), the block edges
+the op's blocked sums turn on, the likeliest — with the bisection started in a 2e-10 bracket around the exact
+boundary (the op walks a CDF, so its boundary is where the reference cumulative sum is, to rounding; a bracket that
+does not hold falls back to all of [0, 1)), plus the ends: the first token with mass owns u = 0 and the last one the
+largest double below 1, so the intervals cover [0, 1).
 
 Controls: the ops are a parameter (``kernel_ops``; a mutant build of the kernels plugs in as another ops object).
 Wrappers around the real compiled ops that feed them p mixed 1% with the uniform law, p moved 1% toward q, a residual
@@ -34,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.enumeration import residual_mixed_with_p
-from helpers.kernels import unavailable
+from helpers.kernels import mutant_build, unavailable
 
 from specdecode import kernels
 
@@ -220,7 +221,7 @@ def inverse_cdf_deviation(ops, probs: torch.Tensor, count: int = 0, seed: int = 
 # ------------------------------------------------------------------------------------------------ the laws
 
 # (vocabulary, chain length, tokens checked per row at a large V); at V = 8 every token of every row
-SIZES = [(8, 8, 0), (49_152, 3, 300), (262_144, 2, 200)]
+SIZES = [(8, 8, 0), (49_157, 3, 300), (262_144, 2, 200)]  # 49,157: the last block has 5 entries
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "point-masses"])
@@ -264,7 +265,7 @@ def test_the_chain_token_depends_on_the_accepted_count_only(kernel_ops):
         assert chain_draw(kernel_ops, target, draft, guesses, n)(u) == token
 
 
-@pytest.mark.parametrize(("vocab", "count"), [(8, 0), (49_152, 300), (262_144, 300)])
+@pytest.mark.parametrize(("vocab", "count"), [(8, 0), (49_157, 300), (262_144, 300)])
 def test_inverse_cdf_rows_draws_p(kernel_ops, vocab, count):
     """Proves the compiled inverse-CDF draw (every sampled token of exact mode: proposers, plain decoding, a
     residual after a tree's rejection) follows p to 1e-12 on a float32 row, with a quarter of the vocabulary at
@@ -331,11 +332,11 @@ CHAIN_CONTROLS = {  # mutant -> the rows whose law it breaks (the accept probabi
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "point-masses"])
-@pytest.mark.parametrize("vocab", [8, 49_152])
+@pytest.mark.parametrize("vocab", [8, 49_157])
 @pytest.mark.parametrize("name", list(CHAIN_CONTROLS))
 def test_control_a_biased_chain_kernel_is_caught(kernel_ops, name, vocab, sampled):
     """The chain law check run on the real compiled op behind one deliberate error: it must miss the promised law
-    by ≥ 1000× the tolerance (at V = 49,152 on 40 tokens a row), and the interval lengths alone must miss it too
+    by ≥ 1000× the tolerance (at V = 49,157 on 40 tokens a row), and the interval lengths alone must miss it too
     (not only the inverse-CDF premise: a mixed or shifted draw breaks that at once)."""
     k = 3
     target, draft, guesses = chain_case(vocab, k, sampled, seed=7 + sampled)
@@ -357,18 +358,66 @@ def test_control_a_biased_inverse_cdf_kernel_is_caught(kernel_ops, name, vocab):
         assert deviation > MARGIN * TOLERANCE, (name, premise, deviation)
 
 
+def strict_case():
+    """A guess the target excludes (p = 0): accepted with probability exactly 0, so the accept uniforms' threshold
+    is 0.0 itself (u = 0 must reject: a ≤ would accept it)."""
+    target = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    return target, torch.tensor([[0.5, 0.0, 0.0, 0.5]]), torch.tensor([0])
+
+
+def small_residual_case(vocab: int = 8, seed: int = 9, mass: float = 5e-5):
+    """q = p but for ``mass`` moved from p's second likeliest token b to its likeliest a, the guess: a rejection
+    leaves a residual of mass ≈ 5e-5 on b alone — above the eps fallback (1e-12), so the token drawn is b."""
+    target = softmax_rows(2, vocab, torch.Generator().manual_seed(seed))
+    a, b = torch.argsort(target[0], descending=True)[:2].tolist()
+    draft = target[:1].clone()
+    draft[0, a] += mass
+    draft[0, b] -= mass
+    return target, draft, torch.tensor([a])
+
+
+NOT_A_MULTIPLE_OF_64 = 8 * 64 + 37  # the draws' block walk ends in a partial block of 37 entries
+
+# mutant build -> (the chain case whose law it breaks: target, draft, guesses; the rows whose draws are checked)
+MUTANT_CASES = {
+    "mutant_residual": lambda: (chain_case(8, 3, True, seed=8), [0]),
+    "mutant_index": lambda: (chain_case(8, 3, True, seed=8), [0]),
+    "mutant_accept": lambda: (strict_case(), [0]),
+    "mutant_point_mass": lambda: (chain_case(8, 3, False, seed=8), [0]),
+    "mutant_eps": lambda: (small_residual_case(), [0]),
+    "mutant_block": lambda: (chain_case(NOT_A_MULTIPLE_OF_64, 2, True, seed=5), [0, 2]),
+}
+
+
+def test_every_mutant_build_has_a_case():
+    assert set(MUTANT_CASES) == set(kernels.MUTANTS)
+
+
 @pytest.mark.parametrize("variant", list(kernels.MUTANTS))
-def test_control_a_mutant_build_of_the_kernels_is_caught(variant):
+def test_control_a_mutant_build_of_the_kernels_is_caught(kernel_ops, variant, monkeypatch):
     """The same law checks on a mutant *build* (kernels.MUTANTS: the fault compiled into sampling.h, not a Python
-    wrapper): a rejected chain's residual draw and, for the index fault, the inverse CDF miss by ≥ 1000× the
-    tolerance."""
-    ops = kernels.ops(variant)
-    if ops is None:
-        unavailable(f"the {variant} build failed here")
-    target, draft, guesses = chain_case(8, 3, True, seed=8)
+    wrapper), each on a case where the real build keeps the law (deviation ≤ 1e-12, every accept threshold the
+    ratio to the bit) and the mutant misses it: by ≥ 1000× the tolerance (the residual mixed with p, the index
+    shift, the point mass keeping its guess, a 5e-5 residual taken for p, a last block of 37 entries never drawn),
+    or, for accept iff u ≤ p/q, by a threshold that is not the ratio (a guess with p = 0 accepted at u = 0). The
+    index and block faults fail the inverse CDF's law too."""
+    ops = mutant_build(variant, monkeypatch)
+    (target, draft, guesses), rows = MUTANT_CASES[variant]()
+
+    def thresholds_exact(build) -> bool:
+        found = [chain_threshold(build, target, draft, guesses, i) for i in range(len(guesses))]
+        return found == accept_probabilities(target, draft, guesses).tolist()
+
+    assert chain_deviation(kernel_ops, target, draft, guesses, rows) <= TOLERANCE and thresholds_exact(kernel_ops)
+    if variant == "mutant_accept":
+        assert not thresholds_exact(ops)
+        assert chain_threshold(ops, target, draft, guesses, 0) > 0.0  # u = 0 accepts the excluded guess
     for premise in (True, False):
-        deviation = chain_deviation(ops, target, draft, guesses, [0], 0, premise=premise)
-        assert deviation > MARGIN * TOLERANCE, (variant, premise, deviation)
-    if variant == "mutant_index":
-        probs = softmax_rows(1, 8, torch.Generator().manual_seed(8))[0]
-        assert inverse_cdf_deviation(ops, probs, 0) > MARGIN * TOLERANCE
+        if variant != "mutant_accept":
+            deviation = chain_deviation(ops, target, draft, guesses, rows, 0, premise=premise)
+            assert deviation > MARGIN * TOLERANCE, (variant, premise, deviation)
+    if variant in ("mutant_index", "mutant_block"):
+        vocab = 8 if variant == "mutant_index" else NOT_A_MULTIPLE_OF_64
+        probs = softmax_rows(1, vocab, torch.Generator().manual_seed(8))[0]
+        assert inverse_cdf_deviation(kernel_ops, probs) <= TOLERANCE
+        assert inverse_cdf_deviation(ops, probs, premise=False) > MARGIN * TOLERANCE

@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.kernels import kernels_or_skip, needs_kernels
+from helpers.kernels import kernels_or_skip, mutant_build, needs_kernels
+from helpers.models import tiny_llama
 
+import specdecode as sd
 from specdecode import kernels
 from specdecode.models.formats.blocks import IntBlocks
 from specdecode.models.formats.kernel_linear import KernelLinear, _tile_layout
@@ -250,12 +252,14 @@ def _grid_law(draw, vocab: int, points: int = 20_000) -> torch.Tensor:
     return counts / points
 
 
-@pytest.mark.parametrize("variant", ["native", *kernels.MUTANTS])
-def test_the_mutant_builds_break_the_compiled_draws_and_the_native_one_does_not(variant):
-    """The controls that reach the compiled sampling: each mutant build (one deliberate fault, SD_MUTANT_*) moves
-    the residual draw after a rejection or the plain inverse-CDF draw by ≥ 1e-3 in total variation, where the native
-    build is within the grid's 1/20,000 of the law (norm(max(0, p − q)), and p)."""
-    ops = kernels_or_skip(variant)
+@pytest.mark.parametrize("variant", ["native", "mutant_residual", "mutant_index", "mutant_block"])
+def test_the_mutant_builds_break_the_compiled_draws_and_the_native_one_does_not(variant, monkeypatch):
+    """The controls that reach the compiled sampling: the mutant builds whose fault a random row shows (SD_MUTANT_*:
+    the residual, the index, the block walk at V = 8, a lone partial block) move the residual draw after a
+    rejection or the plain inverse-CDF draw by ≥ 1e-3 in total variation, where the native build is within the
+    grid's 1/20,000 of the law (norm(max(0, p − q)), and p). The other mutants' faults need their own inputs:
+    tests/kernels/test_kernel_laws.py::test_control_a_mutant_build_of_the_kernels_is_caught."""
+    ops = kernels_or_skip(variant) if variant == "native" else mutant_build(variant, monkeypatch)
     gen = torch.Generator().manual_seed(30)
     p, q = torch.rand(2, 8, generator=gen, dtype=torch.float64).softmax(-1).float().unbind()
     x = int(torch.argmax(q / p))  # p(x) / q(x) < 1: a rejection at accept_u just below 1
@@ -278,6 +282,28 @@ def test_the_mutant_builds_break_the_compiled_draws_and_the_native_one_does_not(
         assert max(gaps) < 1e-4, gaps
     else:
         assert max(gaps) > 1e-3, gaps
+
+
+@pytest.mark.parametrize("variant", list(kernels.MUTANTS))
+def test_a_mutant_build_is_refused_outside_the_tests(variant, monkeypatch):
+    """A mutant build samples a biased law on purpose: ``SPECDECODE_KERNELS=mutant_*`` and ``kernels.ops(mutant)``
+    raise a ValueError that says so (before anything is built or loaded), unless a test turned the switch on
+    (helpers.kernels.mutant_build) — and even a build loaded by an earlier test is refused once the switch is off."""
+    target = sd.load_model(tiny_llama(16, seed=0))
+    monkeypatch.setenv("SPECDECODE_KERNELS", variant)
+    with pytest.raises(ValueError, match="deliberately biased build"):
+        kernels.runner_variant()
+    with pytest.raises(ValueError, match="deliberately biased build"):
+        kernels.ops()
+    decoder = sd.SpeculativeDecoder(target, sd.PromptLookupProposer(), gamma=2)
+    with pytest.raises(ValueError, match=f"SPECDECODE_KERNELS={variant} is a deliberately biased build"):
+        decoder.generate([1, 2, 1, 2], sd.SamplingParams(temperature=1.0, max_new_tokens=4, seed=0))
+    monkeypatch.delenv("SPECDECODE_KERNELS")
+    with pytest.raises(ValueError, match="deliberately biased build"):
+        kernels.ops(variant)
+    with pytest.raises(ValueError, match="deliberately biased build"):
+        kernels.build(variant)
+    assert kernels.runner_variant() == "native"
 
 
 def _argmax_cases() -> list[torch.Tensor]:
@@ -667,14 +693,24 @@ def _sampled_tokens(ops, vocab: int) -> list:
             accept_u = torch.zeros(k, dtype=torch.float64)
             accept_u[reject_at:] = 1 - 2**-53
             drawn += [list(ops.exact_chain(target, probs, guesses, accept_u, u)) for u in uniforms.tolist()]
+    excluded = target.clone()  # guess 0 given p = 0: rejected even at u = 0 (accept iff u < p/q, strict)
+    excluded[0, guesses[0]] = 0.0
+    drawn.append(list(ops.exact_chain(excluded, draft, guesses, torch.zeros(k, dtype=torch.float64), 0.5)))
+    a, b = torch.argsort(target[0], descending=True)[:2].tolist()  # q = p but 5e-5 moved from b to a, guess a: a
+    near = target[:1].clone()  # rejection's residual is 5e-5 on b, above the eps fallback
+    near[0, a], near[0, b] = near[0, a] + 5e-5, near[0, b] - 5e-5
+    rejected = torch.tensor([1 - 2**-53], dtype=torch.float64)
+    drawn += [list(ops.exact_chain(target[:2], near, torch.tensor([a]), rejected, u)) for u in uniforms.tolist()]
     return drawn
 
 
-@pytest.mark.parametrize("vocab", [8, 49_152])
+@pytest.mark.parametrize("vocab", [8, 49_157])
 @pytest.mark.parametrize("variant", ["avx2", "portable", *kernels.MUTANTS])
-def test_every_instruction_set_samples_the_same_tokens(variant, vocab):
+def test_every_instruction_set_samples_the_same_tokens(variant, vocab, monkeypatch):
     """The exact-sampling ops (``exact_chain``, ``inverse_cdf_rows``, float32 rows) give bitwise this machine's
-    build's tokens on the AVX2 and plain-C builds (issue 53). Control: each mutant build (kernels.MUTANTS) gives
-    other tokens somewhere on the same uniforms."""
-    same = _sampled_tokens(kernels_or_skip(variant), vocab) == _sampled_tokens(kernels.ops("native"), vocab)
+    build's tokens on the AVX2 and plain-C builds (issue 53), at a vocabulary inside one 64-entry block and at one
+    that ends in a partial block. Control: each mutant build (kernels.MUTANTS) gives other tokens somewhere on the
+    same inputs (a guess with p = 0 at u = 0 and a residual of mass 5e-5 among them)."""
+    ops = mutant_build(variant, monkeypatch) if variant in kernels.MUTANTS else kernels_or_skip(variant)
+    same = _sampled_tokens(ops, vocab) == _sampled_tokens(kernels.ops("native"), vocab)
     assert same is (variant not in kernels.MUTANTS), variant

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers.bench import check_bench_runs_chains_and_trees
 from helpers.fixtures import head_dir as head_dir
+from helpers.kernels import use_build
 from helpers.models import LARGE_VOCAB, tiny_llama, word_target
 
 import specdecode as sd
@@ -212,6 +213,9 @@ def test_drafts_for_the_target_as_loaded_quantized(head_dir):
         assert out.token_ids == sd.autoregressive_generate(target, prompt, GREEDY).token_ids
 
 
+EXACT_SAMPLES, EXACT_ALPHA = 600, 1e-3  # benchmarks/exactness_table.py --power reads them
+
+
 @pytest.mark.parametrize("tree_nodes", [None, 4])
 def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nodes):
     """Chain (siblings sampled with their law) and tree (top-k point masses): the first two tokens' law is the
@@ -220,7 +224,13 @@ def test_exact_sampling_follows_the_targets_law(large_target, head_dir, tree_nod
 
     proposer = EagleProposer(large_target, head=head_dir, tree_nodes=tree_nodes, branching=2)
     report = check_exactness(
-        large_target, proposer, [PROMPTS[0]], sd.SamplingParams(temperature=1.0), samples=600, gamma=2, alpha=1e-3
+        large_target,
+        proposer,
+        [PROMPTS[0]],
+        sd.SamplingParams(temperature=1.0),
+        samples=EXACT_SAMPLES,
+        gamma=2,
+        alpha=EXACT_ALPHA,
     )
     assert report.passed, report.verdict
     assert report.accepted > 0
@@ -320,14 +330,20 @@ ENUMERATED = sd.SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4)
         ("tree-residual-control", 4, PROMPTS[1]),
     ],
 )
-def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes, prompt, monkeypatch):
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes, prompt, path, monkeypatch):
     """The engine's exact law of the first two tokens (every decision enumerated, ``enumeration.engine_law``):
     EAGLE's sampled chain (also drafting at 0.6 of the request's temperature) and its top-k tree give the target's
     to float32 rounding (TV < 1e-5; measured ~1e-8 on the native runner, up to ~6e-7 on transformers').
     The controls — a head misstating its law by 20%; the tree's residuals mixed 1% with the target's law — are
     off by TV ≈ 4.6e-4 and 8e-4, far below what sampling could see (the strong tier detects 0.02). (On an Intel
-    Xeon with AMX and transformers 5.25 a 3% misstatement moved TV by only 6.5e-5, so the control misstates more.)"""
+    Xeon with AMX and transformers 5.25 a 3% misstatement moved TV by only 6.5e-5, so the control misstates more.)
+    On the torch verification path and through the compiled ops (both controls reach either: the misstated q is what
+    the chain op is given, the tree's residual is torch code)."""
     from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
+
+    if path == "kernels":
+        use_build("native", monkeypatch)
 
     if case == "tree-residual-control":
         correct = sd.verify._residual
@@ -340,7 +356,7 @@ def test_eagle_laws_enumerated_exactly(large_target, head_dir, case, tree_nodes,
     decoder = sd.SpeculativeDecoder(large_target, proposer, gamma=1)
     if tree_nodes:
         decoder.gamma = 3
-    result = engine_law(decoder, prompt, ENUMERATED, tokens=2)
+    result = engine_law(decoder, prompt, ENUMERATED, tokens=2, through_kernels=path == "kernels")
     tv = total_variation(result.law, prefix_law(large_target, prompt, ENUMERATED, tokens=2))
     assert result.accepted_mass > 0.1, result.accepted_mass
     if case.endswith("control"):

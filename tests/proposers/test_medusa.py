@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.bench import check_bench_runs_chains_and_trees
+from helpers.kernels import use_build
 from helpers.models import LARGE_VOCAB, tiny_llama, word_target
 from helpers.tokenizers import WORDS
 from safetensors.torch import load_file
@@ -220,16 +221,26 @@ ENUMERATED = sd.SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4)
 
 @pytest.mark.parametrize(
     ("case", "shape", "gamma"),
-    [("chain", {"tree_nodes": None}, 2), ("tree", {"choices": TREE}, 3), ("residual-control", {"choices": TREE}, 3)],
+    [
+        ("chain", {"tree_nodes": None}, 2),
+        ("tree", {"choices": TREE}, 3),
+        ("residual-control", {"choices": TREE}, 3),
+        ("chain-residual-control", {"tree_nodes": None}, 2),
+    ],
 )
-def test_medusa_laws_enumerated_exactly(large_target, heads_dir, case, shape, gamma, monkeypatch):
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_medusa_laws_enumerated_exactly(large_target, heads_dir, case, shape, gamma, path, monkeypatch):
     """The engine's exact law of the first two tokens (every decision enumerated, ``enumeration.engine_law``) with
     Medusa's point-mass chain and tree is the target's to float32 rounding (TV < 1e-5; measured ~1e-8 on the native
-    runner, up to ~1e-6 on transformers'); the control (the tree's residuals mixed 1% with the target's law) is off
-    by far more (~2e-3)."""
+    runner, up to ~1e-6 on transformers'), on the torch verification path and through the compiled ops; the
+    controls (the residuals mixed 1% with the target's law: the tree's, torch code on either path; the chain's,
+    through the compiled ops the build whose point-mass residual keeps the guess) are off by far more (~2e-3)."""
     from specdecode.exactness.enumeration import engine_law, prefix_law, total_variation
 
-    if case == "residual-control":
+    compiled = path == "kernels" and case == "chain-residual-control"
+    if path == "kernels":
+        use_build("mutant_point_mass" if compiled else "native", monkeypatch)
+    if case.endswith("residual-control") and not compiled:
         correct = sd.verify._residual
         monkeypatch.setattr(
             sd.verify, "_residual", lambda p, q, x: 0.99 * (r := correct(p, q, x)) / r.sum() + 0.01 * p / p.sum()
@@ -237,10 +248,10 @@ def test_medusa_laws_enumerated_exactly(large_target, heads_dir, case, shape, ga
     decoder = sd.SpeculativeDecoder(large_target, MedusaProposer(large_target, heads=heads_dir, **shape), gamma=gamma)
     tvs = []
     for prompt in PROMPTS[:2]:
-        result = engine_law(decoder, prompt, ENUMERATED, tokens=2)
+        result = engine_law(decoder, prompt, ENUMERATED, tokens=2, through_kernels=path == "kernels")
         tvs.append(total_variation(result.law, prefix_law(large_target, prompt, ENUMERATED, tokens=2)))
         assert result.accepted_mass > 0.05, result.accepted_mass
-    if case == "residual-control":
+    if case.endswith("residual-control"):
         assert max(tvs) > 1e-4, tvs
     else:
         assert max(tvs) < 1e-5, tvs

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.enumeration import BOUND, LOOKUP_PROMPT, guided_tables
+from helpers.kernels import use_build
 from helpers.laws import plain_law
 from helpers.models import SMALL_VOCAB, tiny_llama
 from helpers.trees import TreeProposer
@@ -128,19 +129,24 @@ def applies(control: str, warp: str, name: str) -> bool:
     return control == "none" or warp == "min_p"
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("control", ["none", *CONTROLS])
 @pytest.mark.parametrize("warp", list(LAW_WARPS))
 @pytest.mark.parametrize("name", ["chain/lookup", "tree/deep-wide-3-2"])
-def test_warped_laws_are_plain_samplings_exactly(target, name, warp, control, monkeypatch):
+def test_warped_laws_are_plain_samplings_exactly(target, name, warp, control, path, monkeypatch):
     """Proves each warp keeps the engine's law of the first two tokens that of plain sampling with the warp (written
-    out naively) to 1e-6, chain and tree; each control must miss by ≥ 100× the bound."""
+    out naively) to 1e-6, chain and tree, on the torch verification path and through the compiled ops a float32 CPU
+    request runs (the warps are torch code before either: each control reaches both); each control must miss by
+    ≥ 100× the bound."""
     if not applies(control, warp, name):
         pytest.skip("the control does not change this warp")
+    if path == "kernels":
+        use_build("native", monkeypatch)
     params = LAW_WARPS[warp]
     if control != "none":
         CONTROLS[control](monkeypatch)
     decoder, prompt = law_case(name, target)
-    result = engine_law(decoder, prompt, params, tokens=2)
+    result = engine_law(decoder, prompt, params, tokens=2, through_kernels=path == "kernels")
     tv = total_variation(result.law, reference_law(target, prompt, params))
     assert result.runs > 1 and result.accepted_mass > 0.05, result
     if control == "none":

@@ -11,7 +11,9 @@ server's law is the target's with that bound, not a sampled test's. Control: a s
 resamples every rejection from p must give other outputs for some request.
 
 Reproducible mode. Sampled text and logprobs (the chosen token's and the top alternatives', floats compared exactly)
-are plain decoding's for each request's seed, in the same mixed batches.
+are plain decoding's for each request's seed, in the same mixed batches — under ``policy="always"`` and under the
+server's default ``policy="auto"`` (which chooses each request's draft length, 0 included, from the measured
+acceptance and pass costs: identity must hold whatever it chooses).
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ def body_of(i: int, **extra) -> dict:
             "seed": p.seed, "speculative": speculative, **extra}  # fmt: skip
 
 
-def serve_all(target, mode: str, monkeypatch, **extra) -> tuple[list[dict], list[list[int]]]:
-    """The 16 requests sent at once to a fresh server in ``mode``; their JSON answers and the row counts of every
-    batched target pass (per request in the pass)."""
+def serve_all(target, mode: str, monkeypatch, policy: str = "always", **extra) -> tuple[list[dict], list[list[int]]]:
+    """The 16 requests sent at once to a fresh server in ``mode`` under ``policy``; their JSON answers and the row
+    counts of every batched target pass (per request in the pass)."""
     passes: list[list[int]] = []
     runner_class = type(target.new_runner())
     real = runner_class.forward_batch
@@ -72,7 +74,7 @@ def serve_all(target, mode: str, monkeypatch, **extra) -> tuple[list[dict], list
         return real(self, runners, tokens)
 
     monkeypatch.setattr(runner_class, "forward_batch", spy)
-    config = ServerConfig(target=target, gamma=GAMMA, policy="always", mode=mode, proposers=factories(target))
+    config = ServerConfig(target=target, gamma=GAMMA, policy=policy, mode=mode, proposers=factories(target))
     with LocalServer(create_app(config)) as running, httpx.Client(base_url=running.url, timeout=120) as http:
 
         def ask(i: int) -> dict:
@@ -143,15 +145,20 @@ def accept_every_guess(target_tokens, draft_tokens):
     return len(draft_tokens), int(target_tokens[len(draft_tokens)])
 
 
+@pytest.mark.parametrize("policy", ["always", "auto"])
 @pytest.mark.parametrize("control", [False, True], ids=["reproducible", "accept-every-guess-control"])
-def test_reproducible_mode_under_concurrency_gives_plain_sampling_text_and_logprobs(target, control, monkeypatch):
+def test_reproducible_mode_under_concurrency_gives_plain_sampling_text_and_logprobs(
+    target, control, policy, monkeypatch
+):
     """Proves the served reproducible mode: in batches of mixed proposers, each request's sampled text, token
-    logprobs and top-2 alternatives are plain decoding's for its seed, bitwise. Control: a coupled rule that keeps
-    every guess gives another text for some request."""
+    logprobs and top-2 alternatives are plain decoding's for its seed, bitwise — with every guess drafted and under
+    the default policy. Control: a coupled rule that keeps every guess gives another text for some request."""
     if control:
         monkeypatch.setattr(sd.engine.decoder, "coupled_verify", accept_every_guess)
-    answers, passes = serve_all(target, "reproducible", monkeypatch, logprobs=2)
-    assert_batched(passes)
+    answers, passes = serve_all(target, "reproducible", monkeypatch, policy=policy, logprobs=2)
+    if not (control and policy == "auto"):  # keeping every guess, "auto" measures acceptance 1 and drafts for all
+        assert_batched(passes)
+    assert sum(a["usage"]["drafted_tokens"] for a in answers) > 0, "the policy never speculated"
     plain = [engine_output(target, i, "reproducible", logprobs=2) for i in range(16)]
     if control:
         assert [a["choices"][0]["text"] for a in answers] != [p.text for p in plain]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.enumeration import BOUND, LOOKUP_PROMPT, guided_tables
+from helpers.kernels import use_build
 from helpers.laws import plain_law
 from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
 from helpers.tokenizers import word_tokenizer
@@ -61,10 +62,14 @@ def case(name: str, target: sd.LoadedModel) -> tuple[sd.SpeculativeDecoder, list
 CASES = ("chain/lookup", "tree/point-mass", "chain/draft-model")
 
 
+@pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("name", CASES)
-def test_the_law_under_a_grammar_is_plain_constrained_samplings(target, name):
+def test_the_law_under_a_grammar_is_plain_constrained_samplings(target, name, path, monkeypatch):
+    """On the torch verification path and through the compiled ops a float32 CPU request runs."""
+    if path == "kernels":
+        use_build("native", monkeypatch)
     decoder, prompt, params = case(name, target)
-    result = engine_law(decoder, prompt, params, tokens=3)
+    result = engine_law(decoder, prompt, params, tokens=3, through_kernels=path == "kernels")
     assert sum(result.law.values()) == pytest.approx(1.0, abs=1e-12)
     reference = constrained_law(target, prompt, params, tokens=3)
     tv = total_variation(result.law, reference)
@@ -94,3 +99,49 @@ def test_a_mask_applied_one_row_late_is_caught(target, name, monkeypatch):
     monkeypatch.setattr(Constraint, "advance", lenient)
     tv = total_variation(engine_law(decoder, prompt, params, tokens=3).law, reference)
     assert tv > 100 * BOUND, (name, tv)
+
+
+FORCING = sd.Grammar.regex("([a-c]hi|[d-g])+")  # after a, b or c the grammar forces h, then i
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+@pytest.mark.parametrize("control", [False, True], ids=["exact", "mask-one-row-late-control"])
+@pytest.mark.parametrize("name", ["chain/lookup", "chain/draft-model"])
+def test_the_law_with_forced_tokens_is_plain_constrained_samplings(target, name, control, path, monkeypatch):
+    """Proves the law of three tokens when the grammar forces some (drafted for free at the head of the round,
+    decoder.draft: ``Constraint.forced``) is plain constrained sampling's, to 1e-6, and that forced tokens led
+    rounds. Control: each row's mask one row late (as above), which must miss by ≥ 100× the bound. On the torch
+    verification path and through the compiled ops (the masks are torch code before either)."""
+    if path == "kernels":
+        use_build("native", monkeypatch)
+    decoder, prompt, params = case(name, target)
+    params = sd.SamplingParams(temperature=1.0, top_k=params.top_k, max_new_tokens=4, grammar=FORCING)
+    reference = constrained_law(target, prompt, params, tokens=3)
+    forced, real_forced = [], Constraint.forced
+
+    def counted(self, limit):
+        tokens = real_forced(self, limit)
+        forced.append(len(tokens))
+        return tokens
+
+    monkeypatch.setattr(Constraint, "forced", counted)
+    if control:
+        correct = specdecode.engine.request.mask_logits
+
+        def late(logits, allowed):  # row i under row i−1's grammar state (row 0 keeps its own)
+            return correct(logits, None if allowed is None else torch.cat([allowed[:1], allowed[:-1]]))
+
+        def lenient(self, tokens):  # the control's tokens break the grammar; its bookkeeping must not raise
+            for token in tokens:
+                self.consume(token)
+            return len(tokens)
+
+        monkeypatch.setattr(specdecode.engine.request, "mask_logits", late)
+        monkeypatch.setattr(Constraint, "advance", lenient)
+    law = engine_law(decoder, prompt, params, tokens=3, through_kernels=path == "kernels").law
+    tv = total_variation(law, reference)
+    assert max(forced) >= 2, forced  # rounds led by the forced h, i
+    if control:
+        assert tv > 100 * BOUND, (name, tv)
+    else:
+        assert tv < BOUND, (name, tv)

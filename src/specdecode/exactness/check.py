@@ -111,14 +111,19 @@ def pool_cells(probs: torch.Tensor, samples: int, min_expected: float = MIN_EXPE
 
 def pooled_shape(probs: torch.Tensor, samples: int) -> tuple[int, float]:
     """(degrees of freedom, hidden TV) of the chi-square test of ``probs`` at ``samples`` draws after
-    ``pool_cells``: the cells kept minus one, and half the mass of the cells pooled together (a law may move that
-    much TV among them unseen)."""
+    ``pool_cells``: the cells kept minus one, and Σ over the groups of several cells of their mass m less their
+    smallest cell's p_min — the TV a law moves unseen by putting all of m on that cell (½((m − p_min) + (m − p_min)),
+    the most any law keeping the group's mass can move: three cells of 0.01 hide 0.02)."""
     groups = pool_cells(probs, samples)
     kept = groups >= 0
     if not kept.any():
         return 0, 0.0
-    sizes = torch.bincount(groups[kept])
-    return int(groups.max()), 0.5 * float(probs[kept][sizes[groups[kept]] > 1].sum())
+    hidden = 0.0
+    for group in torch.unique(groups[kept]).tolist():
+        cells = probs[groups == group].double()
+        if len(cells) > 1:
+            hidden += float(cells.sum() - cells.min())
+    return int(groups.max()), hidden
 
 
 def tv_upper_bound(tv: float, cells: int, samples: int, delta: float) -> float:
@@ -146,7 +151,7 @@ def detectable_tv(samples: int, dof: int, threshold: float, power: float = POWER
     Under q, Pearson's statistic is approximately noncentral χ²_dof(λ), λ = N Σ (q − p)²/p. By Cauchy–Schwarz
     (Σ|q − p|)² ≤ Σ (q − p)²/p · Σ p, so λ ≥ 4 N TV² (equal for q − p = ±2 TV · p on two halves of p's mass):
     every q with TV ≥ √(λ*/4N) is detected with probability ≥ ``power``. ``hidden``: the TV a law can move inside
-    the pooled cells, unseen (half their mass), added on top.
+    the pooled cells, unseen (``pooled_shape``: per group its mass less its smallest cell), added on top.
     """
     if dof < 1:
         return 1.0
@@ -182,7 +187,7 @@ class FitTest:
     tv_null: float
     tv_upper: float
     threshold: float
-    hidden_tv: float = 0.0  # the TV a law could move inside the pooled cells (half their mass)
+    hidden_tv: float = 0.0  # the TV a law could move inside the pooled cells (per group: its mass − its smallest cell)
 
     @property
     def detectable_tv(self) -> float:

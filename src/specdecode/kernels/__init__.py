@@ -9,7 +9,8 @@ of ``disk_cache``, written whole, checked before it is loaded and rebuilt if dam
 with a bus error when loaded). It links torch's own OpenMP runtime, so the kernels run on torch's thread pool.
 ``SPECDECODE_KERNELS=0`` turns them off (the pure-torch formats of ``models.formats.weights`` run instead, as they
 do when the build fails: one warning line says why); ``=avx2`` or ``=portable`` runs another instruction set's build
-(portable: the tests' plain-C reference, built at -O1, not for speed).
+(portable: the tests' plain-C reference, built at -O1, not for speed). The mutant builds (``MUTANTS``, the exactness
+tests' controls) are refused outside the tests.
 """
 
 from __future__ import annotations
@@ -47,12 +48,19 @@ VARIANTS = {
 }
 # Mutant builds, for the exactness tests' controls only: the native build with one deliberate fault in the compiled
 # sampling (sampling.h), which every law test must catch when handed these ops (or the runner, SPECDECODE_KERNELS).
+# They draw a biased law, so ``ops`` and ``SPECDECODE_KERNELS`` refuse them unless the test suite's switch is on
+# (``_mutants_allowed``: set by tests/conftest.py's ``mutant_builds`` fixture, never by the library).
 MUTANTS = {
     "mutant_residual": ["-march=native", "-DSD_MUTANT_RESIDUAL"],  # 1% of p mixed into max(0, p - q)
     "mutant_index": ["-march=native", "-DSD_MUTANT_INDEX"],  # every inverse-CDF draw one index off
+    "mutant_accept": ["-march=native", "-DSD_MUTANT_ACCEPT"],  # accept iff u <= p/q (not <)
+    "mutant_point_mass": ["-march=native", "-DSD_MUTANT_POINT_MASS"],  # a point mass's residual keeps the guess
+    "mutant_eps": ["-march=native", "-DSD_MUTANT_EPS"],  # residuals of mass <= 1e-3 (not 1e-12) fall back to p
+    "mutant_block": ["-march=native", "-DSD_MUTANT_BLOCK"],  # draws never reach a last block of < 64 entries
 }
 VARIANTS |= MUTANTS
 LIBRARY_BYTES = 1 << 20  # a built library's size, about (0.65 MB with g++ 13): what a full disk's message asks for
+_mutants_allowed = False
 _lock = threading.Lock()
 _loaded: dict[str, SimpleNamespace | None] = {}
 
@@ -62,12 +70,22 @@ OFF = ("0", "false", "no", "off")
 
 def runner_variant() -> str | None:
     """The build models loaded now run on: ``SPECDECODE_KERNELS`` = 0 (off: the pure-torch path), avx2 or
-    portable (another instruction set's build, to compare it on this machine), a mutant (``MUTANTS``: an exactness
-    control, never for use), else native."""
+    portable (another instruction set's build, to compare it on this machine), else native. A mutant (``MUTANTS``)
+    raises ValueError: it is a test's control, biased on purpose."""
     value = os.environ.get("SPECDECODE_KERNELS", "native").strip().lower()
     if value in OFF:
         return None
-    return value if value in VARIANTS else "native"
+    return refuse_mutant(value) if value in VARIANTS else "native"
+
+
+def refuse_mutant(variant: str) -> str:
+    """``variant``, unless it is a mutant build outside the test suite (ValueError: it samples a biased law)."""
+    if variant in MUTANTS and not _mutants_allowed:
+        raise ValueError(
+            f"SPECDECODE_KERNELS={variant} is a deliberately biased build of the kernels, a control for the exactness "
+            "tests only; unset SPECDECODE_KERNELS (or set it to 0, avx2 or portable)"
+        )
+    return variant
 
 
 HUGE_PAGE = 1 << 21
@@ -95,6 +113,7 @@ def ops(variant: str | None = None) -> SimpleNamespace | None:
     variant = variant or runner_variant()
     if variant is None:
         return None
+    refuse_mutant(variant)
     with _lock:
         if variant not in _loaded:
             _loaded[variant] = _load(variant)
@@ -169,7 +188,7 @@ def built_for(variant: str) -> dict[str, str]:
 def build(variant: str = "native") -> Path:
     """The compiled library for ``variant``, built now unless the cache holds it whole (one build at a time per
     key; a damaged library, e.g. cut short by a full disk, is rebuilt with one warning line, never loaded)."""
-    meta = built_for(variant)
+    meta = built_for(refuse_mutant(variant))
     folder = cache_root() / "kernels" / f"{variant}-{meta['key']}"
     name = f"{_namespace(variant)}.so"
 

@@ -30,7 +30,7 @@ from helpers.architectures import (
     write,
 )
 from helpers.gguf import LAYOUTS
-from helpers.kernels import needs_kernels
+from helpers.kernels import runs_kernels
 from helpers.reference import no_cache_logits
 from transformers import (
     AutoModelForCausalLM,
@@ -42,7 +42,9 @@ import specdecode as sd
 from specdecode.errors import ModelNotAvailable
 from specdecode.models.native.architecture import architecture_of, unsupported_reason
 
-pytestmark = needs_kernels
+# The torch fallback (SPECDECODE_KERNELS=0) holds 4-bit blocks as int4 with bfloat16 scales and offsets and runs
+# bfloat16 activations: these random files' logits measured 0.8-2.7% from the dense forward (the kernels: < 0.2%).
+FALLBACK_ERROR = 0.04
 
 
 def transformers_weights(path: Path, config) -> dict[str, torch.Tensor]:
@@ -86,7 +88,7 @@ def test_each_architecture_runs_natively_from_its_blocks_with_transformers_logit
     path = write(tmp_path / f"{key}.gguf", spec)
     loaded = sd.load_model(path)
     assert loaded.backend == "native" and loaded.quantization == "gguf", loaded.describe()
-    assert loaded.new_runner().uses_kernels
+    assert loaded.new_runner().uses_kernels is runs_kernels()
     assert not any(p.is_meta for p in loaded.model.parameters())
     assert "dense" not in {p.name for p in cache.iterdir()} and loaded.tokenizer is None
     config = expected_config(key, spec)
@@ -102,7 +104,7 @@ def test_each_architecture_runs_natively_from_its_blocks_with_transformers_logit
     assert dense.backend == "native"
     tolerance = 1e-4 * expected.abs().max().item()
     torch.testing.assert_close(runner_logits(dense, IDS), expected, atol=tolerance, rtol=0)
-    assert relative(runner_logits(loaded, IDS), expected) < 2e-3
+    assert relative(runner_logits(loaded, IDS), expected) < (2e-3 if runs_kernels() else FALLBACK_ERROR)
     if key in ("llama3", "gemma3"):
         as_transformers_reads_it = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).config
         missed = no_cache_logits(reference(as_transformers_reads_it, weights), IDS)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.gguf import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, LAYOUTS, VOCAB, write_gguf
-from helpers.kernels import needs_kernels, unavailable
+from helpers.kernels import needs_kernels, runs_kernels, unavailable
 from transformers import AutoModelForCausalLM
 
 import specdecode as sd
@@ -18,8 +18,6 @@ from specdecode.errors import ModelNotAvailable
 from specdecode.models.gguf import conversions as gguf_cache
 from specdecode.models.loading import loader
 from specdecode.models.loading.quantize import Quantization, quantize_model
-
-pytestmark = needs_kernels
 
 
 def _logits(loaded: sd.LoadedModel, ids: torch.Tensor) -> torch.Tensor:
@@ -48,7 +46,7 @@ def test_a_gguf_loads_from_its_blocks_without_a_dense_copy_and_computes_the_earl
     path = write_gguf(tmp_path / f"{layout}.gguf", LAYOUTS[layout])
     loaded = sd.load_model(path)
     assert loaded.backend == "native" and loaded.quantization == "gguf"
-    assert loaded.new_runner().uses_kernels
+    assert loaded.new_runner().uses_kernels is runs_kernels()
     assert not any(p.is_meta for p in loaded.model.parameters())
     written = _written(cache)
     assert "dense" not in written and "gguf" in written, written  # the config only: no weights on disk
@@ -93,6 +91,7 @@ def build(request) -> str:
     return request.param
 
 
+@needs_kernels
 @pytest.mark.parametrize("build", ["native", "avx2"], indirect=True)
 def test_five_bit_blocks_held_in_high_bit_planes_give_the_one_byte_formats_logits_in_less_memory(
     build, tmp_path, cache, monkeypatch
@@ -125,12 +124,14 @@ def test_five_bit_blocks_held_in_high_bit_planes_give_the_one_byte_formats_logit
 def test_an_untied_head_runs_its_own_blocks_and_the_dense_load_dequantizes_the_same_file(tmp_path, cache):
     path = write_gguf(tmp_path / "untied.gguf", LAYOUTS["k-quants"], head="Q6_K")
     loaded = sd.load_model(path)
-    assert loaded.formats["Q6_K head"] == 1
+    assert loaded.formats["Q6_K head" if runs_kernels() else "int8 head"] == 1  # the fallback: int8 rows
     dense = sd.load_model(path, quantization=None)  # every weight dequantized in memory, none on disk
     assert "dense" not in _written(cache)
     ids = torch.randint(0, VOCAB, (48,), generator=torch.Generator().manual_seed(3))
     quantized, reference = _logits(loaded, ids), _logits(dense, ids)
-    assert (quantized - reference).norm() / reference.norm() < 2e-3  # int16 activations, a float16 cache
+    # the kernels: int16 activations, a float16 cache; the fallback (SPECDECODE_KERNELS=0): Q4_K as int4 with
+    # bfloat16 scales and offsets, bfloat16 activations — 12.8% measured on these random K-quant blocks
+    assert (quantized - reference).norm() / reference.norm() < (2e-3 if runs_kernels() else 0.15)
     earlier = AutoModelForCausalLM.from_pretrained(gguf_cache.dense_cache(path), dtype=torch.float32)
     for name, param in earlier.state_dict().items():  # the dense load holds the earlier dense copy's weights
         assert torch.equal(dense.model.state_dict()[name], param), name

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.kernels import kernels_or_skip, unavailable
+from helpers.kernels import kernels_or_skip, needs_kernels
 from helpers.native import (
     FAMILIES,
     SETTING_NAMES,
@@ -150,14 +150,11 @@ def test_a_batch_of_requests_gives_each_its_own_logits_bitwise(family, dtype, qu
         assert torch.equal(runner.hidden, alone.hidden)
 
 
+@needs_kernels
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kernels_compute_what_the_torch_path_computes(family):
     """The compiled decoder's Gemma/Qwen options (norms, GELU, windows, RoPE tables) against the torch path over
     the same int8 weights: equal up to the kernels' int16 activations and float16 cache."""
-    from specdecode.kernels import ops
-
-    if ops() is None:
-        unavailable("the CPU kernels did not build here")
     model = FAMILIES[family]()
     ids = random_ids(60, seed=2)
     fast = loaded_as(model, "float32", "int8", 32, "kernels").new_runner()

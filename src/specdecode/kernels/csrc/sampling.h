@@ -137,7 +137,11 @@ at::Tensor philox_uniforms(int64_t seed, int64_t position, int64_t count) {
 // P_{b+1} > u·P_B, or u·P_B reaches P_B, the draw is the last entry with weight there: off by at most float64
 // rounding, as any cumulative sum is.
 constexpr int64_t kDrawBlock = 64;
+#ifdef SD_MUTANT_EPS  // a test control's build (kernels.MUTANTS): residuals of mass up to 1e-3 replaced by p
+constexpr double kResidualEps = 1e-3;
+#else
 constexpr double kResidualEps = 1e-12;  // verify.RESIDUAL_EPS
+#endif
 
 enum class Weight { kP, kResidual, kWithout };  // p; max(0, p - q); p with one entry zeroed
 
@@ -152,6 +156,9 @@ static inline double draw_weight(const T* p, const float* q, int64_t removed, in
 #endif
     return d < 0.0 ? 0.0 : d;  // NaN stays NaN, as torch's clamp_min keeps it
   } else {
+#ifdef SD_MUTANT_POINT_MASS  // a test control's build (kernels.MUTANTS): the rejected guess left in p
+    return static_cast<double>(p[j]);
+#endif
     return j == removed ? 0.0 : static_cast<double>(p[j]);
   }
 }
@@ -170,7 +177,11 @@ static double block_sum(const T* p, const float* q, int64_t removed, int64_t sta
 // The total mass of the weights and their block sums (into ``sums``).
 template <Weight W, typename T>
 static double draw_mass(const T* p, const float* q, int64_t removed, int64_t vocab, std::vector<double>& sums) {
+#ifdef SD_MUTANT_BLOCK  // a test control's build (kernels.MUTANTS): the walk stops before a last, partial block
+  const int64_t blocks = vocab / kDrawBlock;
+#else
   const int64_t blocks = (vocab + kDrawBlock - 1) / kDrawBlock;
+#endif
   sums.resize(blocks);
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -367,7 +378,11 @@ std::vector<int64_t> exact_chain(const at::Tensor& target, const c10::optional<a
     const double px = pp[i * vocab + token];
     const double qx = qp ? static_cast<double>(qp[i * vocab + token]) : 1.0;
     const double ratio = qx > 0.0 ? px / std::max(qx, std::numeric_limits<double>::min()) : 0.0;
+#ifdef SD_MUTANT_ACCEPT  // a test control's build (kernels.MUTANTS): u <= ratio, so u = 0 accepts a p = 0 guess
+    if (!(ua.data_ptr<double>()[i] <= ratio)) {
+#else
     if (!(ua.data_ptr<double>()[i] < ratio)) {
+#endif
       n = i;
       break;
     }

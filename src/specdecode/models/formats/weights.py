@@ -100,6 +100,7 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        x = x.to(self.weight.dtype)  # a mixed file's activations may arrive in another format's dtype (int4: bfloat16)
         if self.weight.dtype == torch.float32:
             y = torch.stack([torch.mv(self.weight, row) for row in x])
         elif rows:
