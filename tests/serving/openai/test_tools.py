@@ -19,7 +19,7 @@ from helpers.structured import PIECES, SCHEMAS, piece_tokenizer
 from helpers.tokenizers import CHAT_TEMPLATE
 
 import specdecode as sd
-from specdecode.serving.openai.tool_calls import BARE, call_grammar
+from specdecode.serving.openai.tool_calls import BARE, HERMES, CallParser, call_grammar
 from specdecode.structured import Constraint
 
 # Renders each tool's name before the messages (as real templates render their schemas), and each earlier call's
@@ -264,3 +264,55 @@ def test_a_call_and_its_result_go_back_through_the_template(http, target):
         response = post(http, messages=messages)
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == "messages" and words in error["message"], error
+
+
+HERMES_PIECES = ["<eos>", "x", "y", "<tool_call>", "</tool_call>", "\n", '{"name": "', "f", "g", '", "arguments": ']
+HERMES_PIECES += ["{", "}", '"', "a", ":", "1"]
+HERMES_FUNCTIONS = {
+    "f": {"type": "object", "properties": {}, "additionalProperties": False},
+    "g": {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"], "additionalProperties": False},
+}
+HERMES_TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in HERMES_FUNCTIONS.items()]
+
+
+def test_auto_on_a_hermes_template_answers_text_or_calls_as_the_library_does_whole_and_streamed():
+    """A template with ``<tool_call>`` (the Hermes convention) over a vocabulary of a Hermes answer's pieces: each
+    sampled answer is the library's output under the "auto" grammar, parsed into content and ``tool_calls``, the same
+    with and without speculation, and its stream's deltas assemble into it."""
+    tokenizer = piece_tokenizer(HERMES_PIECES)
+    tokenizer.chat_template = "{% for t in tools or [] %}{{ t.function.name }} {% endfor %}<tool_call> x x y"
+    target = with_eos(sd.load_model(tiny_llama(len(HERMES_PIECES), seed=0), tokenizer=tokenizer), 0)
+    grammar = call_grammar(HERMES, HERMES_FUNCTIONS, tokenizer, auto=True, parallel=True, strict=False, compact=True)
+    ids = target.chat_ids(MESSAGES, HERMES_TOOLS)
+    kinds = set()
+    with serve(target) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        for seed in range(8):
+            params = sd.SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed, grammar=grammar)
+            expected = sd.autoregressive_generate(target, ids, params)
+            body = {"messages": MESSAGES, "tools": HERMES_TOOLS, "temperature": 1.0, "seed": seed, "max_tokens": 24}
+            answers = [client.post(PATHS["chat"], json={**body, "speculative": s}).json() for s in (True, False)]
+            assert "choices" in answers[0], answers[0]
+            choice = answers[0]["choices"][0]
+            for answer in answers:
+                assert answer["choices"][0]["finish_reason"] == choice["finish_reason"]
+                assert strip_ids(answer["choices"][0]["message"]) == strip_ids(choice["message"])
+            message, called = CallParser(HERMES).message(expected.text, cut=expected.finish_reason == "length")
+            assert strip_ids(choice["message"]) == strip_ids(message)
+            kinds.add(choice["finish_reason"])
+            chunks = [
+                json.loads(e) for e in events(client.post(PATHS["chat"], json={**body, "stream": True}).text)[:-1]
+            ]
+            deltas = [c["choices"][0]["delta"] for c in chunks]
+            assert deltas[0] == {"role": "assistant", "content": ""}
+            content = "".join(d.get("content") or "" for d in deltas)
+            assert content == (message["content"] or "")
+            whole_calls = [c["function"] for c in message.get("tool_calls") or ()]
+            if called:
+                assert streamed_calls(deltas) == whole_calls
+            assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert "tool_calls" in kinds and kinds - {"tool_calls"}  # both calls and text among the seeds
+
+
+def strip_ids(message: dict) -> dict:
+    calls = [{k: v for k, v in c.items() if k != "id"} for c in message.get("tool_calls") or ()]
+    return {**message, "tool_calls": calls}
