@@ -176,6 +176,16 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": named("cab")}, "tool_choice", "'cab', not among the tools (ab, ba)"),
     ({"tools": [*TOOLS, TOOLS[0]], "tool_choice": "required"}, "tools", "unique"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools", "letters"),
+    ({"tools": TOOLS * 200, "tool_choice": "none"}, "tools", "unique"),
+    (
+        {
+            "tools": [{**t, "function": {**t["function"], "name": f"f{i}"}} for i in range(600) for t in TOOLS[:1]],
+            "tool_choice": "required",
+        },
+        "messages",
+        "context window",
+    ),
     (
         {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
@@ -259,6 +269,8 @@ def test_a_call_and_its_result_go_back_through_the_template(http, target):
     for messages, words in (
         ([*MESSAGES, bad_arguments], "arguments must be a JSON object"),
         ([*MESSAGES, answer, {"role": "tool", "content": "ab"}], "tool_call_id"),
+        ([*MESSAGES, answer, {"role": "tool", "tool_call_id": "call_x", "content": "ab"}], "matches no earlier"),
+        ([*MESSAGES, {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "ab"}], "matches no"),
         ([{**MESSAGES[0], "tool_calls": answer["tool_calls"]}], "assistant"),
     ):
         response = post(http, messages=messages)
