@@ -8,12 +8,13 @@ Honoured: the sampling fields (``temperature``, ``top_p``, ``presence_penalty``,
 ``logit_bias``, ``seed``, ``stop``), ``n`` up to ``MAX_CHOICES`` (choice i samples with its own seed,
 ``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``,
 ``response_format`` (``text``, ``json_object``, ``json_schema``; extensions ``regex``, ``grammar``: ``structured``);
-chat's ``tools`` with ``tool_choice`` ``"required"``, a named function or ``"none"`` (``tools``);
+chat's ``tools`` with ``tool_choice`` ``"auto"``, ``"required"``, a named function or ``"none"`` and
+``parallel_tool_calls`` (``tools``, ``tool_calls``);
 ``user`` is accepted and does not change the answer. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-softmax, before any warp (``provenance``). Extensions: ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM's
 meanings; the warps' order and definitions: ``params.SamplingParams``, ``warps``); ``speculative`` (``false``,
 ``true`` or ``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every
-chunk, as vLLM); ``include_sources`` (top level or in ``stream_options``: each choice or chunk lists its tokens'
+chunk, as vLLM); ``json_whitespace`` (``compact``, the default, or ``flexible`` JSON); ``include_sources`` (top level or in ``stream_options``: each choice or chunk lists its tokens'
 sources, ``tokens.sources_json``); ``usage`` also counts drafted and accepted tokens and, in the final usage,
 what speculation did (``speculation``).
 """
