@@ -14,9 +14,9 @@ chat's ``tools`` with ``tool_choice`` ``"auto"``, ``"required"``, a named functi
 log-softmax, before any warp (``provenance``). Extensions: ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM's
 meanings; the warps' order and definitions: ``params.SamplingParams``, ``warps``); ``speculative`` (``false``,
 ``true`` or ``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every
-chunk, as vLLM); ``json_whitespace`` (``compact``, the default, or ``flexible`` JSON); ``include_sources`` (top level or in ``stream_options``: each choice or chunk lists its tokens'
-sources, ``tokens.sources_json``); ``usage`` also counts drafted and accepted tokens and, in the final usage,
-what speculation did (``speculation``).
+chunk, as vLLM); ``json_whitespace`` (``compact``, the default, or ``flexible`` JSON); ``include_sources`` (top
+level or in ``stream_options``: each choice or chunk lists its tokens' sources, ``tokens.sources_json``); ``usage``
+also counts drafted and accepted tokens and, in the final usage, what speculation did (``speculation``).
 """
 
 from __future__ import annotations
