@@ -3,7 +3,7 @@ structured-output tests constrain it with."""
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 # No whitespace pieces: the output is compact JSON, so a random model cannot spend its budget on blanks. Every letter
@@ -44,7 +44,21 @@ SCHEMAS = [
 
 
 def json_tokenizer() -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(PIECES)}, unk_token=PIECES[0]))
+    return piece_tokenizer(PIECES)
+
+
+def piece_tokenizer(pieces: list[str]) -> PreTrainedTokenizerFast:
+    """Id i is ``pieces[i]`` (``pieces[0]`` the EOS); text is the pieces joined (encode splits at whitespace)."""
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(pieces)}, unk_token=pieces[0]))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.Fuse()  # text = the pieces joined
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=PIECES[0], eos_token="<eos>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=pieces[0], eos_token=pieces[0])
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character and newline (id 0 the EOS): any such text, one character a token."""
+    chars = ["<eos>", "\n", *map(chr, range(32, 127))]
+    backend = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<eos>", eos_token="<eos>")

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 from helpers.models import perturbed, tiny_llama, with_eos
-from helpers.structured import PIECES, SCHEMAS, json_tokenizer
+from helpers.structured import PIECES, SCHEMAS, char_tokenizer, json_tokenizer
 
 import specdecode as sd
 from specdecode.structured import Constraint
@@ -137,3 +137,21 @@ def test_bad_grammars_raise_one_line_errors(build):
 
 def test_a_lenient_schema_ignores_unknown_formats():
     sd.Grammar.json_schema({"type": "string", "format": "no-such-format"}, strict=False)
+
+
+def test_json_is_compact_by_default_and_flexible_on_request():
+    """Compact JSON (OpenAI's: no whitespace) takes only ``,`` and ``:`` between tokens; flexible JSON also takes
+    bounded whitespace there (a newline and indentation, as pretty-printed JSON has)."""
+    tokenizer = char_tokenizer()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array"}}}
+
+    def accepts(grammar: sd.Grammar, text: str) -> bool:
+        constraint = Constraint(grammar, tokenizer, len(tokenizer), [0])
+        tokens = [*tokenizer.encode(text, add_special_tokens=False), 0]
+        return all(bool(constraint.mask()[t]) and constraint.consume(t) for t in tokens)
+
+    compact, pretty = '{"a":1,"b":[2,3]}', '{\n    "a": 1,\n    "b": [2, 3]\n}'
+    for build in (lambda **c: sd.Grammar.json_schema(schema, **c), lambda **c: sd.Grammar.json_object(**c)):
+        assert build().compact and accepts(build(), compact) and not accepts(build(), pretty)
+        assert accepts(build(compact=False), compact) and accepts(build(compact=False), pretty)
+    assert not accepts(sd.Grammar.json_object(compact=False), "{" + " " * 25 + '"a":1}')  # whitespace is bounded

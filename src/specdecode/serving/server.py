@@ -32,7 +32,7 @@ from .openai.protocol import APIError, ChatCompletionRequest, CompletionRequest,
 from .openai.response_format import response_grammar
 from .openai.responses import DONE, Shape, choice_seed, sse, usage
 from .openai.tokens import TokenRecord, TokenTrack
-from .openai.tools import AUTO_REFUSED, NO_TOOL_SUPPORT, ToolError, ToolPlan, tool_plan
+from .openai.tools import AUTO_REFUSED, NO_TOOL_SUPPORT, NO_TOOLS, ToolError, ToolPlan, tool_plan
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
@@ -132,9 +132,9 @@ class Server:
                 "model_not_found",
             )
         chat = isinstance(body, ChatCompletionRequest)
-        plan = self._tool_plan(body) if chat else ToolPlan(None, None, False)
+        plan = self._tool_plan(body) if chat else NO_TOOLS
         ids = self._chat_ids(body, plan.rendered) if chat else self._prompt_ids(body)
-        if plan.auto:  # after the template check: a model without tool support says so first
+        if plan.rendered is not None and plan.parser is None:  # after the template check: no tool support first
             raise APIError(400, AUTO_REFUSED, "tool_choice")
         max_tokens = self._max_tokens(body, len(ids), chat)
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -147,12 +147,12 @@ class Server:
             raise APIError(400, message, "logit_bias")
         seed = fresh_seed() if body.seed is None else body.seed
         try:
-            grammar = response_grammar(body.response_format)
+            grammar = response_grammar(body.response_format, compact=body.json_whitespace != "flexible")
         except ValueError as exc:
             raise APIError(400, f"response_format: {exc}", "response_format") from None
         if plan.grammar is not None:
             if grammar is not None:
-                message = "response_format and a forced tool call both constrain the output: send one of them"
+                message = "response_format and tool calls both constrain the output: send one of them"
                 raise APIError(400, message, "response_format")
             grammar = plan.grammar
         warps = {
@@ -171,8 +171,8 @@ class Server:
                 requests.append(Request(self.target, ids, params, None, logprobs))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        tool_calls = plan.grammar is not None
-        shape = Shape(chat, self.model_name, len(ids), body.wants_sources(), logprobs, seed, body.n, tool_calls)
+        extras = (body.wants_sources(), logprobs, seed, body.n, plan.parser, plan.forced)
+        shape = Shape(chat, self.model_name, len(ids), *extras)
         return requests, self._speculation(body.speculative), shape
 
     def _prompt_ids(self, body: CompletionRequest) -> list[int]:
@@ -185,10 +185,13 @@ class Server:
             raise APIError(400, "prompt is empty", "prompt")
         return ids
 
-    @staticmethod
-    def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        tokenizer = self.target.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        parallel = body.parallel_tool_calls is not False
+        compact = body.json_whitespace != "flexible"
         try:
-            return tool_plan(body.tools, body.tool_choice)
+            return tool_plan(body.tools, body.tool_choice, template, tokenizer, parallel, compact)
         except ToolError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
@@ -335,9 +338,9 @@ class Server:
                     if track is not None:  # the tokens whose text has been streamed
                         track.add(event.token_ids, event.sources, event.logprobs)
                         records = track.take(sent[index])
-                    if (event.text and not shape.tool_calls) or records:
-                        running = usage(shape.prompt_tokens, sum(generated)) if continuous else None
-                        yield shape.chunk(event.text, usage_=running, records=records, index=index)
+                    running = usage(shape.prompt_tokens, sum(generated)) if continuous else None
+                    for line in shape.pieces(event.text, running, records, index):
+                        yield line
                 elif event.kind == "done":
                     output = outputs[index] = event.output
                     generated[index] = len(output.token_ids)

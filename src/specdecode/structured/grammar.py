@@ -9,9 +9,18 @@ from typing import Any
 
 INSTALL = "structured output needs llguidance: pip install 'specdecode[structured]'"
 KINDS = ("json_object", "json_schema", "regex", "lark", "gbnf")
-# JSON whitespace between tokens, bounded so that a constrained model cannot spend its budget on blanks: room for
-# a newline and indentation to depth 5 (4 spaces a level), as pretty-printed JSON has.
+# Flexible JSON's whitespace between tokens, bounded so that a constrained model cannot spend its budget on blanks:
+# room for a newline and indentation to depth 5 (4 spaces a level), as pretty-printed JSON has.
 WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+
+
+def json_options(strict: bool, compact: bool) -> dict[str, Any]:
+    """llguidance's JSON options: ``compact`` fixes the separators (``,`` and ``:``, no whitespace anywhere, as
+    OpenAI's structured outputs return JSON), else bounded whitespace between tokens; ``strict``: unsupported schema
+    keywords are errors, not ignored."""
+    if compact:
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": not strict}
+    return {"whitespace_flexible": True, "whitespace_pattern": WHITESPACE, "lenient": not strict}
 
 
 def llguidance_module():
@@ -27,12 +36,14 @@ def llguidance_module():
 class Grammar:
     """A structured-output constraint: ``kind`` (one of ``KINDS``) and its ``source`` text (a JSON schema as JSON
     text, a regex, a Lark or a GBNF grammar; "" for ``json_object``). ``strict``: a JSON schema's unsupported
-    keywords are an error (OpenAI's ``strict: true``) rather than ignored. Build with the class methods; the
+    keywords are an error (OpenAI's ``strict: true``) rather than ignored; ``compact``: JSON without whitespace
+    (``json_options``; False: bounded whitespace between tokens). Build with the class methods; the
     grammar is compiled once here, so a bad one fails at construction with a one-line ``ValueError``."""
 
     kind: str
     source: str = ""
     strict: bool = True
+    compact: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -44,12 +55,12 @@ class Grammar:
             raise ValueError(f"invalid {self.kind.replace('_', ' ')}: {_one_line(error)}")
 
     @classmethod
-    def json_object(cls) -> Grammar:
+    def json_object(cls, compact: bool = True) -> Grammar:
         """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
-        return cls("json_object")
+        return cls("json_object", compact=compact)
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str, strict: bool = True) -> Grammar:
+    def json_schema(cls, schema: dict[str, Any] | str, strict: bool = True, compact: bool = True) -> Grammar:
         """A JSON value valid under ``schema`` (a dict or its JSON text)."""
         if isinstance(schema, str):
             try:
@@ -58,7 +69,7 @@ class Grammar:
                 raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema), strict)
+        return cls("json_schema", json.dumps(schema), strict, compact)
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
@@ -80,7 +91,7 @@ class Grammar:
         ll = llguidance_module()
         if self.kind in ("json_object", "json_schema"):
             schema = self.source or '{"type": "object"}'
-            options = {"whitespace_pattern": WHITESPACE, "lenient": not self.strict}
+            options = json_options(self.strict, self.compact)
             return ll.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if self.kind == "regex":
             return ll.LLMatcher.grammar_from_regex(self.source)

@@ -169,3 +169,20 @@ def test_the_openai_client_gets_json_and_parsed_objects(server, target):
         client.chat.completions.create(
             model="tiny", messages=messages, response_format={"type": "json_schema", "json_schema": {"name": "x"}}
         )
+
+
+def test_json_whitespace_flexible_is_the_flexible_grammar_and_a_cut_object_says_length(http, target):
+    """``json_whitespace: "flexible"`` asks for the grammar with bounded whitespace (the tiny vocabulary has no
+    blanks, so its text is compact's here: the request is checked against the library's output under the flexible
+    grammar); a JSON answer cut by max_tokens ends with ``finish_reason: "length"``."""
+    schema = SCHEMAS[2]  # {"age": 0..99}: letters and digits the vocabulary spells
+    response_format = {"type": "json_schema", "json_schema": {"name": "age", "schema": schema}}
+    expected = library(target, "chat", sd.Grammar.json_schema(schema, strict=False, compact=False), seed=3)
+    body = body_for("chat", PROMPT, max_tokens=40, temperature=1.0, seed=3, response_format=response_format)
+    got = http.post(PATHS["chat"], json={**body, "json_whitespace": "flexible"}).json()["choices"][0]
+    assert got["message"]["content"] == expected.text and got["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(expected.text), schema)
+    cut = http.post(PATHS["chat"], json={**body, "max_tokens": 3}).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and expected.text.startswith(cut["message"]["content"])
+    bad = http.post(PATHS["chat"], json={**body, "json_whitespace": "pretty"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "json_whitespace", bad.text

@@ -15,11 +15,12 @@ import openai
 import pytest
 from helpers.models import tiny_llama, with_eos
 from helpers.serving import PATHS, events, serve
-from helpers.structured import PIECES, SCHEMAS, json_tokenizer
+from helpers.structured import PIECES, SCHEMAS, piece_tokenizer
 from helpers.tokenizers import CHAT_TEMPLATE
 
 import specdecode as sd
-from specdecode.serving.openai.tools import FunctionSpec, call_schema
+from specdecode.serving.openai.tool_calls import BARE, HERMES, CallParser, call_grammar
+from specdecode.structured import Constraint
 
 # Renders each tool's name before the messages (as real templates render their schemas), and each earlier call's
 # name and whether its arguments came as a mapping (transformers' convention)
@@ -29,6 +30,8 @@ TOOL_TEMPLATE = (
     "{{ 'ab' if c['function']['arguments'] is mapping else 'x x x' }} {% endfor %}"
     "{{ m['content'] }} {% endfor %}"
 )
+# The JSON pieces and the letters a call's keys need besides ("arguments"; "ok" and its booleans)
+TOOL_PIECES = [*PIECES, "r", "u", "o", "k", "f", "l"]
 PROMPT = "{ [ a"
 MAX_TOKENS = 80
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -43,9 +46,9 @@ def named(name: str) -> dict:
 
 
 def model(template: str) -> sd.LoadedModel:
-    tokenizer = json_tokenizer()
+    tokenizer = piece_tokenizer(TOOL_PIECES)
     tokenizer.chat_template = template
-    return with_eos(sd.load_model(tiny_llama(len(PIECES), seed=0), tokenizer=tokenizer, backend="native"), 0)
+    return with_eos(sd.load_model(tiny_llama(len(TOOL_PIECES), seed=0), tokenizer=tokenizer, backend="native"), 0)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,9 @@ def library(target, grammar, temperature: float, seed: int, tools=TOOLS) -> sd.G
     return sd.autoregressive_generate(target, [int(t) for t in ids], params)
 
 
-def call_grammar(name: str) -> sd.Grammar:
-    return sd.Grammar.json_schema(call_schema(FunctionSpec(name=name, parameters=FUNCTIONS[name])))
+def forced(name: str) -> sd.Grammar:
+    """The grammar of one call of ``name`` (the template has no known convention: bare JSON)."""
+    return call_grammar(BARE, {name: FUNCTIONS[name]}, None, auto=False, parallel=False, strict=False, compact=True)
 
 
 def post(http, **extra) -> httpx.Response:
@@ -87,7 +91,7 @@ def the_call(choice: dict) -> dict:
 
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 def test_a_named_call_is_the_librarys_constrained_output_greedy_with_and_without_speculation(http, target, name):
-    expected = library(target, call_grammar(name), temperature=0.0, seed=0)
+    expected = library(target, forced(name), temperature=0.0, seed=0)
     assert expected.finish_reason == "eos"
     calls = []
     for speculative in (True, False):
@@ -107,32 +111,54 @@ def test_a_named_call_is_the_librarys_constrained_output_greedy_with_and_without
 
 def test_sampled_calls_replay_by_seed_and_required_picks_a_listed_function(http, target):
     names = set()
-    for seed in range(6):
+    for seed in range(12):
         body = {"tool_choice": "required", "tools": TOOLS, "temperature": 1.0, "seed": seed}
         whole = [the_call(post(http, **body, speculative=s).json()["choices"][0]) for s in (True, False)]
         assert whole[0] == whole[1]
         call = whole[0]
         jsonschema.validate(json.loads(call["arguments"]), FUNCTIONS[call["name"]])
         names.add(call["name"])
-    assert names == set(FUNCTIONS)  # both functions are called over the seeds
+    assert names <= set(FUNCTIONS)
+    either = call_grammar(BARE, FUNCTIONS, None, auto=False, parallel=False, strict=False, compact=True)
+    constraint = Constraint(either, target.tokenizer, target.vocab_size, target.eos_token_ids)
+    constraint.advance([TOOL_PIECES.index(piece) for piece in '{"name":"'])
+    assert {TOOL_PIECES[i] for i in constraint.mask().nonzero().flatten().tolist()} == {
+        "a",
+        "b",
+    }  # either name may come
     named_call = the_call(
         post(http, tool_choice=named("ab"), tools=TOOLS, temperature=1.0, seed=3).json()["choices"][0]
     )
-    expected = json.loads(library(target, call_grammar("ab"), temperature=1.0, seed=3).text)
+    expected = json.loads(library(target, forced("ab"), temperature=1.0, seed=3).text)
     assert {"name": named_call["name"], "arguments": json.loads(named_call["arguments"])} == expected
 
 
-def test_a_streamed_call_is_one_tool_calls_delta_at_the_end(http):
+def streamed_calls(deltas: list[dict]) -> list[dict]:
+    """The calls of a stream's deltas, checked in OpenAI's shape: a call's first delta has its index, id, type and
+    name (arguments ""), the others only the index and an arguments fragment."""
+    calls: list[dict] = []
+    for delta in deltas:
+        for part in delta.get("tool_calls") or ():
+            if part["index"] == len(calls):
+                assert set(part) == {"index", "id", "type", "function"} and part["function"]["arguments"] == ""
+                calls.append({"name": part["function"]["name"], "arguments": ""})
+            else:
+                assert set(part) == {"index", "function"} and set(part["function"]) == {"arguments"}, part
+                calls[part["index"]]["arguments"] += part["function"]["arguments"]
+    return calls
+
+
+def test_a_streamed_call_comes_in_fragments_as_openai_streams_it(http):
     body = {"tool_choice": named("ab"), "tools": TOOLS, "temperature": 1.0, "seed": 5, "n": 2}
     whole = post(http, **body).json()["choices"]
     chunks = [json.loads(e) for e in events(post(http, **body, stream=True).text) if e != "[DONE]"]
     for index in range(2):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
         assert mine[0]["delta"] == {"role": "assistant", "content": None}
-        deltas = [c["delta"] for c in mine if c["delta"].get("tool_calls")]
-        assert len(deltas) == 1 and all("content" not in c["delta"] for c in mine[1:])
-        (call,) = deltas[0]["tool_calls"]
-        assert call["index"] == 0 and call["function"] == the_call(whole[index])
+        assert all("content" not in c["delta"] for c in mine[1:])
+        deltas = [c["delta"] for c in mine]
+        assert sum(1 for d in deltas if d.get("tool_calls")) > 2  # the arguments in several fragments
+        assert streamed_calls(deltas) == [the_call(whole[index])]
         assert mine[-1]["finish_reason"] == "tool_calls" and mine[-1]["delta"] == {}
 
 
@@ -146,10 +172,20 @@ def test_none_is_plain_text_without_tools_and_a_cut_call_is_text(http):
 
 BAD = [
     ({"tools": TOOLS}, "tool_choice", '"auto"'),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool-call format"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool-call convention"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": named("cab")}, "tool_choice", "'cab', not among the tools (ab, ba)"),
     ({"tools": [*TOOLS, TOOLS[0]], "tool_choice": "required"}, "tools", "unique"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools", "letters"),
+    ({"tools": TOOLS * 200, "tool_choice": "none"}, "tools", "unique"),
+    (
+        {
+            "tools": [{**t, "function": {**t["function"], "name": f"f{i}"}} for i in range(600) for t in TOOLS[:1]],
+            "tool_choice": "required",
+        },
+        "messages",
+        "context window",
+    ),
     (
         {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
@@ -192,7 +228,7 @@ def test_the_openai_client_gets_tool_calls(server, target):
     choice = chat.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
-    expected = json.loads(library(target, call_grammar("ba"), temperature=0.0, seed=0).text)
+    expected = json.loads(library(target, forced("ba"), temperature=0.0, seed=0).text)
     assert call.function.name == "ba" and json.loads(call.function.arguments) == expected["arguments"]
     stream = client.chat.completions.create(
         model="tiny",
@@ -203,8 +239,8 @@ def test_the_openai_client_gets_tool_calls(server, target):
         tool_choice=named("ba"),
         stream=True,
     )
-    calls = [d.tool_calls[0] for c in stream if c.choices for d in [c.choices[0].delta] if d.tool_calls]
-    assert len(calls) == 1 and calls[0].function.arguments == call.function.arguments
+    deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in stream if c.choices]
+    assert streamed_calls(deltas) == [{"name": "ba", "arguments": call.function.arguments}]
 
 
 def test_a_call_and_its_result_go_back_through_the_template(http, target):
@@ -233,8 +269,62 @@ def test_a_call_and_its_result_go_back_through_the_template(http, target):
     for messages, words in (
         ([*MESSAGES, bad_arguments], "arguments must be a JSON object"),
         ([*MESSAGES, answer, {"role": "tool", "content": "ab"}], "tool_call_id"),
+        ([*MESSAGES, answer, {"role": "tool", "tool_call_id": "call_x", "content": "ab"}], "matches no earlier"),
+        ([*MESSAGES, {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "ab"}], "matches no"),
         ([{**MESSAGES[0], "tool_calls": answer["tool_calls"]}], "assistant"),
     ):
         response = post(http, messages=messages)
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == "messages" and words in error["message"], error
+
+
+HERMES_PIECES = ["<eos>", "x", "y", "<tool_call>", "</tool_call>", "\n", '{"name": "', "f", "g", '", "arguments": ']
+HERMES_PIECES += ["{", "}", '"', "a", ":", "1"]
+HERMES_FUNCTIONS = {
+    "f": {"type": "object", "properties": {}, "additionalProperties": False},
+    "g": {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"], "additionalProperties": False},
+}
+HERMES_TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in HERMES_FUNCTIONS.items()]
+
+
+def test_auto_on_a_hermes_template_answers_text_or_calls_as_the_library_does_whole_and_streamed():
+    """A template with ``<tool_call>`` (the Hermes convention) over a vocabulary of a Hermes answer's pieces: each
+    sampled answer is the library's output under the "auto" grammar, parsed into content and ``tool_calls``, the same
+    with and without speculation, and its stream's deltas assemble into it."""
+    tokenizer = piece_tokenizer(HERMES_PIECES)
+    tokenizer.chat_template = "{% for t in tools or [] %}{{ t.function.name }} {% endfor %}<tool_call> x x y"
+    target = with_eos(sd.load_model(tiny_llama(len(HERMES_PIECES), seed=0), tokenizer=tokenizer), 0)
+    grammar = call_grammar(HERMES, HERMES_FUNCTIONS, tokenizer, auto=True, parallel=True, strict=False, compact=True)
+    ids = target.chat_ids(MESSAGES, HERMES_TOOLS)
+    kinds = set()
+    with serve(target) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        for seed in range(8):
+            params = sd.SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed, grammar=grammar)
+            expected = sd.autoregressive_generate(target, ids, params)
+            body = {"messages": MESSAGES, "tools": HERMES_TOOLS, "temperature": 1.0, "seed": seed, "max_tokens": 24}
+            answers = [client.post(PATHS["chat"], json={**body, "speculative": s}).json() for s in (True, False)]
+            assert "choices" in answers[0], answers[0]
+            choice = answers[0]["choices"][0]
+            for answer in answers:
+                assert answer["choices"][0]["finish_reason"] == choice["finish_reason"]
+                assert strip_ids(answer["choices"][0]["message"]) == strip_ids(choice["message"])
+            message, called = CallParser(HERMES).message(expected.text, cut=expected.finish_reason == "length")
+            assert strip_ids(choice["message"]) == strip_ids(message)
+            kinds.add(choice["finish_reason"])
+            chunks = [
+                json.loads(e) for e in events(client.post(PATHS["chat"], json={**body, "stream": True}).text)[:-1]
+            ]
+            deltas = [c["choices"][0]["delta"] for c in chunks]
+            assert deltas[0] == {"role": "assistant", "content": ""}
+            content = "".join(d.get("content") or "" for d in deltas)
+            assert content == (message["content"] or "")
+            whole_calls = [c["function"] for c in message.get("tool_calls") or ()]
+            if called:
+                assert streamed_calls(deltas) == whole_calls
+            assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert "tool_calls" in kinds and kinds - {"tool_calls"}  # both calls and text among the seeds
+
+
+def strip_ids(message: dict) -> dict:
+    calls = [{k: v for k, v in c.items() if k != "id"} for c in message.get("tool_calls") or ()]
+    return {**message, "tool_calls": calls}

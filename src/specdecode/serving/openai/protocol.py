@@ -8,14 +8,15 @@ Honoured: the sampling fields (``temperature``, ``top_p``, ``presence_penalty``,
 ``logit_bias``, ``seed``, ``stop``), ``n`` up to ``MAX_CHOICES`` (choice i samples with its own seed,
 ``responses.choice_seed``), ``max_tokens`` / chat's ``max_completion_tokens``, ``stream_options.include_usage``,
 ``response_format`` (``text``, ``json_object``, ``json_schema``; extensions ``regex``, ``grammar``: ``structured``);
-chat's ``tools`` with ``tool_choice`` ``"required"``, a named function or ``"none"`` (``tools``);
+chat's ``tools`` with ``tool_choice`` ``"auto"``, ``"required"``, a named function or ``"none"`` and
+``parallel_tool_calls`` (``tools``, ``tool_calls``);
 ``user`` is accepted and does not change the answer. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-softmax, before any warp (``provenance``). Extensions: ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM's
 meanings; the warps' order and definitions: ``params.SamplingParams``, ``warps``); ``speculative`` (``false``,
 ``true`` or ``{"proposer": ..., "gamma": ...}``); ``stream_options.continuous_usage_stats`` (usage in every
-chunk, as vLLM); ``include_sources`` (top level or in ``stream_options``: each choice or chunk lists its tokens'
-sources, ``tokens.sources_json``); ``usage`` also counts drafted and accepted tokens and, in the final usage,
-what speculation did (``speculation``).
+chunk, as vLLM); ``json_whitespace`` (``compact``, the default, or ``flexible`` JSON); ``include_sources`` (top
+level or in ``stream_options``: each choice or chunk lists its tokens' sources, ``tokens.sources_json``); ``usage``
+also counts drafted and accepted tokens and, in the final usage, what speculation did (``speculation``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ...engine.provenance import MAX_TOP_LOGPROBS
 from .response_format import RESPONSE_FORMAT_HELP, ResponseFormat
-from .tools import TOOL_CHOICE_HELP, TOOLS_HELP, Tool, ToolCall, ToolChoice, template_tool_calls
+from .tools import PARALLEL_HELP, TOOL_CHOICE_HELP, TOOLS_HELP, Tool, ToolCall, ToolChoice, template_tool_calls
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 8
@@ -225,6 +226,11 @@ class _Sampling(_Strict):
     )
     user: str | None = Field(None, description="Accepted; it does not change the answer.")
     response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_HELP)
+    json_whitespace: Literal["compact", "flexible"] | None = Field(
+        None,
+        description="Extension: JSON under response_format and in tool arguments is compact (the default: no "
+        "whitespace, as OpenAI returns it) or flexible (the model may put bounded whitespace between tokens).",
+    )
 
     def checked_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -430,9 +436,7 @@ class ChatCompletionRequest(_Sampling):
     )
     tools: list[Tool] | None = Field(None, description=TOOLS_HELP)
     tool_choice: ToolChoice | None = Field(None, description=TOOL_CHOICE_HELP)
-    parallel_tool_calls: bool | None = Field(
-        None, description="Accepted: a forced tool choice makes exactly one call, which either value allows."
-    )
+    parallel_tool_calls: bool | None = Field(None, description=PARALLEL_HELP)
 
     def checked_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -449,6 +453,15 @@ class ChatCompletionRequest(_Sampling):
         super().check()
         if not self.messages:
             raise APIError(400, "messages is empty: give at least one message", "messages")
+        called: set[str] = set()
+        for message in self.messages:  # a tool result answers a call an earlier assistant message made
+            called.update(call.id for call in message.tool_calls or ())
+            if message.tool_call_id is not None and message.tool_call_id not in called:
+                raise APIError(
+                    400,
+                    f"a tool message's tool_call_id {message.tool_call_id!r} matches no earlier assistant tool call",
+                    "messages",
+                )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")

@@ -71,15 +71,16 @@ RESPONSE_FORMAT_HELP = (
 )
 
 
-def response_grammar(response_format: ResponseFormat | None) -> Grammar | None:
-    """The grammar ``response_format`` asks for (None: free text); a ``ValueError`` if it does not compile."""
+def response_grammar(response_format: ResponseFormat | None, compact: bool = True) -> Grammar | None:
+    """The grammar ``response_format`` asks for (None: free text; JSON ``compact`` or with bounded whitespace); a
+    ``ValueError`` if it does not compile."""
     if response_format is None or isinstance(response_format, TextFormat):
         return None
     if isinstance(response_format, JsonObjectFormat):
-        return Grammar.json_object()
+        return Grammar.json_object(compact)
     if isinstance(response_format, JsonSchemaFormat):
         spec = response_format.json_schema
-        return Grammar.json_schema(spec.schema_, strict=bool(spec.strict))
+        return Grammar.json_schema(spec.schema_, strict=bool(spec.strict), compact=compact)
     if isinstance(response_format, RegexFormat):
         return Grammar.regex(response_format.regex)
     if response_format.syntax == "lark":

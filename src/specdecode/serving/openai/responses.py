@@ -12,7 +12,7 @@ from ...engine.request import GenerationOutput
 from ...engine.stats import DecodeStats
 from .protocol import MAX_SEED
 from .tokens import TokenRecord, chat_logprobs_json, completion_logprobs_json, sources_json
-from .tools import tool_call_message
+from .tool_calls import CallParser, CallStream
 
 
 def finish_reason(output: GenerationOutput) -> str:
@@ -65,9 +65,10 @@ def choice_seed(seed: int, index: int) -> int:
 
 class Shape:
     """Responses and stream chunks of one request, in the shape of its route; with ``sources`` or
-    ``logprobs`` (not None), each choice also carries its tokens' records (``tokens``); with ``tool_calls`` (a forced
-    call), a whole call is answered as OpenAI ``tool_calls`` (streamed: one delta at the end) with ``finish_reason``
-    ``tool_calls``, and a call cut short (max_tokens) as its text."""
+    ``logprobs`` (not None), each choice also carries its tokens' records (``tokens``); with ``calls`` (the parser of
+    the model's tool-call convention), the calls of an answer are OpenAI ``tool_calls`` with ``finish_reason``
+    ``tool_calls`` (streamed as OpenAI streams them: ``CallStream``), and an answer cut (max_tokens) inside a call is
+    its text; ``forced``: the answer is calls only (its first chunk says ``content: null``)."""
 
     def __init__(
         self,
@@ -78,10 +79,13 @@ class Shape:
         logprobs: int | None = None,
         seed: int | None = None,
         choices: int = 1,
-        tool_calls: bool = False,
+        calls: CallParser | None = None,
+        forced: bool = False,
     ) -> None:
         self.chat = chat
-        self.tool_calls = tool_calls
+        self.calls = calls if chat else None
+        self.forced = forced
+        self._streams = [CallStream(calls) for _ in range(choices)] if self.calls is not None else []
         self.seed = seed  # the request's seed, in every body and chunk (a run can be replayed)
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -141,11 +145,42 @@ class Shape:
         return self._envelope(kind, choices, final_usage(self.prompt_tokens, outputs))
 
     def _message(self, output: GenerationOutput) -> tuple[dict[str, Any], str]:
-        """A chat choice's message and finish reason: a whole forced call as ``tool_calls``, else the text."""
-        call = tool_call_message(output.text) if self.tool_calls else None
-        if call is not None:
-            return call, "tool_calls"
+        """A chat choice's message and finish reason: its calls as ``tool_calls``, else the text."""
+        if self.calls is not None:
+            message, called = self.calls.message(output.text, cut=output.finish_reason == "length")
+            return message, "tool_calls" if called else finish_reason(output)
         return {"role": "assistant", "content": output.text}, finish_reason(output)
+
+    def pieces(
+        self,
+        text: str,
+        usage_: dict[str, Any] | None = None,
+        records: list[TokenRecord] | None = None,
+        index: int = 0,
+    ) -> list[str]:
+        """The events of choice ``index``'s next ``text`` (none if it settles nothing and has no records); with
+        ``calls``, one event per content or tool-call delta (``CallStream``), the records on the last."""
+        if self.calls is None:
+            return [self.chunk(text, usage_=usage_, records=records, index=index)] if text or records else []
+        deltas = self._streams[index].feed(text)
+        if not deltas and records:
+            deltas = [{}]
+        last = len(deltas) - 1
+        return [
+            self._delta(delta, None, usage_ if i == last else None, records if i == last else None, index)
+            for i, delta in enumerate(deltas)
+        ]
+
+    def _delta(
+        self,
+        delta: dict[str, Any],
+        reason: str | None,
+        usage_: dict[str, Any] | None,
+        records: list[TokenRecord] | None,
+        index: int,
+    ) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return sse(self._envelope("chat.completion.chunk", [self._extras(choice, records)], usage_))
 
     def finish(
         self,
@@ -154,20 +189,13 @@ class Shape:
         records: list[TokenRecord] | None = None,
         index: int = 0,
     ) -> list[str]:
-        """A choice's last events: with a forced call, its text (held back) as one ``tool_calls`` delta (each call
-        with its ``index``) or as a content delta if cut short; then the finish reason."""
-        if not (self.chat and self.tool_calls):
+        """A choice's last events: with ``calls``, the deltas the whole answer settles (held-back text, the end of
+        a call); then the finish reason."""
+        if self.calls is None:
             return [self.chunk("", finish_reason(output), usage_, records=records, index=index)]
-        message, reason = self._message(output)
-        if message["content"] is None:
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
-        else:
-            delta = {"content": message["content"]}
-        held = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        last = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
-        last = self._extras(last, records)
-        kind = "chat.completion.chunk"
-        return [sse(self._envelope(kind, [held], None)), sse(self._envelope(kind, [last], usage_))]
+        events = [self._delta(delta, None, None, None, index) for delta in self._streams[index].feed("", final=True)]
+        _, reason = self._message(output)
+        return [*events, self._delta({}, reason, usage_, records, index)]
 
     def chunk(
         self,
@@ -178,13 +206,13 @@ class Shape:
         records: list[TokenRecord] | None = None,
         index: int = 0,
     ) -> str:
-        """One server-sent event for choice ``index``: a text delta (chat: the first carries the role) with its
-        tokens' ``records``, or the finish reason."""
+        """One server-sent event for choice ``index``: a text delta (chat: the first carries the role; an answer of
+        calls only says ``content: null``) with its tokens' ``records``, or the finish reason."""
         if self.chat:
-            if self.tool_calls:  # a forced call's text is held back for finish()
-                delta: dict[str, Any] = {"role": "assistant", "content": None} if role else {}
+            if role:
+                delta: dict[str, Any] = {"role": "assistant", "content": None if self.forced else text}
             else:
-                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+                delta = {"content": text} if text else {}
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}

@@ -1,24 +1,25 @@
 """``tools`` and ``tool_choice`` on /v1/chat/completions (OpenAI's shapes). The tools are rendered into the prompt by
 the model's chat template (``LoadedModel.chat_ids(messages, tools)``); a template that renders them no differently has
-no tool support (a 400). A forced call (``tool_choice`` ``"required"`` or a named function) is constrained by the
-grammar of ``{"name": <a function's name>, "arguments": <valid under that function's parameters>}`` (JSON schema
-``anyOf`` over the functions, or the named one only), so the grammar's mask is part of the target's law at every
-verified row, as for ``response_format``, and the answer is returned as OpenAI ``tool_calls``. ``"none"`` renders no
-tools (plain text). ``"auto"`` (OpenAI's default with tools) is refused: telling a call from text means parsing the
-model's own tool-call format, which is model-dependent. The loop's next turn goes back through the template: an
-assistant message's ``tool_calls`` (their ``arguments`` as mappings, transformers' convention) and ``tool``
-messages with their ``tool_call_id``."""
+no tool support (a 400). The answer is constrained by the grammar of the template's own call convention
+(``tool_calls``: Hermes/Qwen ``<tool_call>`` blocks, Llama 3 JSON): ``"auto"`` free text or calls, ``"required"``
+calls only, a named function one call of it — each call's arguments valid under its function's parameters — so the
+grammar's mask is part of the target's law at every verified row, as for ``response_format``, and the calls are
+returned as OpenAI ``tool_calls``. A template that renders tools in no known convention takes forced calls as bare
+``{"name", "arguments"}`` JSON and refuses ``"auto"``. ``"none"`` renders no tools (plain text). The loop's next turn
+goes back through the template: an assistant message's ``tool_calls`` (their ``arguments`` as mappings,
+transformers' convention) and ``tool`` messages with their ``tool_call_id``."""
 
 from __future__ import annotations
 
 import json
-import uuid
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...structured import Grammar
+from .tool_calls import BARE, CallParser, call_grammar, convention_of
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
 
@@ -89,10 +90,13 @@ TOOLS_HELP = (
     "rendered by the model's chat template (a template without tool support is a 400)."
 )
 TOOL_CHOICE_HELP = (
-    '"required" or {"type": "function", "function": {"name"}}: the answer is one call, constrained by the '
-    'function\'s parameters schema, returned as tool_calls; "none": plain text, no tools rendered. "auto" (the '
-    "default with tools) is refused: it needs a parser of the model's own tool-call format."
+    '"auto" (the default with tools; needs a template whose call convention the server parses: Hermes/Qwen '
+    "<tool_call> or Llama 3 JSON): text or calls, each call constrained by its function's parameters once it opens; "
+    '"required" or {"type": "function", "function": {"name"}}: the answer is calls only; "none": plain text, no tools '
+    "rendered."
 )
+PARALLEL_HELP = "false: at most one call (default true: several, where the model's convention has them)."
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 class ToolError(ValueError):
@@ -105,74 +109,70 @@ class ToolError(ValueError):
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tools ask for: the tools the template renders (None: none) and the grammar of the forced
-    call (None: free text)."""
+    """What a request's tools ask for: the tools the template renders (None: none), the grammar of the answer
+    (None: free text) and the parser of its calls (None: no calls)."""
 
     rendered: list[dict[str, Any]] | None
     grammar: Grammar | None
-    auto: bool
+    parser: CallParser | None
+    forced: bool = False
 
 
-def call_schema(function: FunctionSpec) -> dict[str, Any]:
-    """The JSON schema of one call of ``function``: its name, and arguments valid under its parameters."""
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function.name}, "arguments": function.parameters or NO_ARGUMENTS},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
+NO_TOOLS = ToolPlan(None, None, None)
 
 
-def tool_plan(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
-    """Check ``tools`` and ``tool_choice`` and say what to render and constrain; a ``ToolError`` naming the field."""
+def tool_plan(
+    tools: list[Tool] | None,
+    choice: ToolChoice | None,
+    template: str | None,
+    tokenizer: Any,
+    parallel: bool = True,
+    compact: bool = True,
+) -> ToolPlan:
+    """Check ``tools`` and ``tool_choice`` and say what to render, constrain and parse, in the call convention of
+    the chat ``template``; a ``ToolError`` naming the field."""
     if not tools:
         if choice is None or choice == "none":
-            return ToolPlan(None, None, False)
+            return NO_TOOLS
         raise ToolError("tool_choice needs tools: send tools or remove tool_choice", "tool_choice")
     functions = [tool.function for tool in tools]
     names = [f.name for f in functions]
+    for name in names:
+        if not NAME.fullmatch(name):
+            raise ToolError(f"tools: function name {name!r} must be 1-64 letters, digits, '_' or '-'", "tools")
     if len(set(names)) < len(names):
         raise ToolError(f"tools: function names must be unique, got {names}", "tools")
-    grammars = {}
     for function in functions:  # every function's parameters must compile, whichever is called
         try:
-            grammars[function.name] = Grammar.json_schema(call_schema(function), strict=bool(function.strict))
+            Grammar.json_schema(function.parameters or NO_ARGUMENTS, strict=bool(function.strict))
         except ValueError as exc:
             raise ToolError(f"tools: function {function.name!r} has a bad parameters schema: {exc}", "tools") from None
     if choice == "none":
-        return ToolPlan(None, None, False)
+        return NO_TOOLS
     rendered = [tool.model_dump(exclude_none=True) for tool in tools]
-    if choice is None or choice == "auto":
-        return ToolPlan(rendered, None, True)
-    if choice == "required":
-        if len(functions) == 1:
-            return ToolPlan(rendered, grammars[names[0]], False)
-        schema = {"anyOf": [call_schema(f) for f in functions]}
-        return ToolPlan(rendered, Grammar.json_schema(schema, strict=any(f.strict for f in functions)), False)
-    if choice.function.name not in grammars:
+    if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
         message = f"tool_choice names function {choice.function.name!r}, not among the tools ({', '.join(names)})"
         raise ToolError(message, "tool_choice")
-    return ToolPlan(rendered, grammars[choice.function.name], False)
+    convention = convention_of(template)
+    auto = choice is None or choice == "auto"
+    if convention is None:
+        if auto:
+            return ToolPlan(rendered, None, None)  # refused once the template is known to render the tools
+        convention = BARE
+    if not isinstance(choice, str) and choice is not None:
+        functions = [f for f in functions if f.name == choice.function.name]
+        parallel = False
+    schemas = {f.name: f.parameters or NO_ARGUMENTS for f in functions}
+    strict = any(f.strict for f in functions)
+    grammar = call_grammar(convention, schemas, tokenizer, auto=auto, parallel=parallel, strict=strict, compact=compact)
+    return ToolPlan(rendered, grammar, CallParser(convention), forced=not auto)
 
 
 AUTO_REFUSED = (
-    'tool_choice "auto" (the default with tools) is not supported: telling a tool call from text needs a parser of '
-    'this model\'s own tool-call format; send tool_choice "required", a named function, or "none"'
+    'tool_choice "auto" (the default with tools) needs the model\'s own tool-call convention, and this chat template '
+    'uses neither known one (Hermes/Qwen <tool_call> blocks, Llama 3 JSON); send tool_choice "required", a named '
+    'function, or "none"'
 )
 NO_TOOL_SUPPORT = (
     "tools are not supported by this model's chat template (rendering them does not change the prompt): remove them"
 )
-
-
-def tool_call_message(text: str) -> dict[str, Any] | None:
-    """The assistant message of a forced call whose text is ``{"name", "arguments"}`` (OpenAI's ``tool_calls``,
-    ``content: null``, ``arguments`` a JSON string); None if the text is not a whole call (cut by max_tokens)."""
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
-        return None
-    function = {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}
-    tool_call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
-    return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
