@@ -3,8 +3,12 @@ structured-output tests constrain it with."""
 
 from __future__ import annotations
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+import specdecode.engine.request
+from specdecode.structured import Constraint
 
 # No whitespace pieces: the output is compact JSON, so a random model cannot spend its budget on blanks. Every letter
 # of the literals and keys is a piece too: llguidance masks bytes, and a piece that starts a word no pieces can finish
@@ -62,3 +66,20 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<eos>", eos_token="<eos>")
+
+
+def mask_one_row_late(monkeypatch) -> None:
+    """The grammar controls' fault: row i of a verify pass masked with row i−1's grammar state (row 0 keeps its
+    own), and the constraint's bookkeeping made lenient, since the control's tokens break the grammar."""
+    correct = specdecode.engine.request.mask_logits
+
+    def late(logits, allowed):
+        return correct(logits, None if allowed is None else torch.cat([allowed[:1], allowed[:-1]]))
+
+    def lenient(self, tokens):
+        for token in tokens:
+            self.consume(token)  # a refused token leaves the matcher where it was
+        return len(tokens)
+
+    monkeypatch.setattr(specdecode.engine.request, "mask_logits", late)
+    monkeypatch.setattr(Constraint, "advance", lenient)

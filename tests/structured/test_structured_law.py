@@ -17,6 +17,7 @@ from helpers.enumeration import BOUND, LOOKUP_PROMPT, guided_tables
 from helpers.kernels import use_build
 from helpers.laws import plain_law
 from helpers.models import SMALL_VOCAB, perturbed, tiny_llama
+from helpers.structured import mask_one_row_late
 from helpers.tokenizers import word_tokenizer
 from helpers.trees import TreeProposer
 
@@ -85,18 +86,7 @@ def test_the_law_under_a_grammar_is_plain_constrained_samplings(target, name, pa
 def test_a_mask_applied_one_row_late_is_caught(target, name, monkeypatch):
     decoder, prompt, params = case(name, target)
     reference = constrained_law(target, prompt, params, tokens=3)
-    correct = specdecode.engine.request.mask_logits
-
-    def late(logits, allowed):  # row i under row i−1's grammar state (row 0 keeps its own)
-        return correct(logits, None if allowed is None else torch.cat([allowed[:1], allowed[:-1]]))
-
-    def lenient(self, tokens):  # the control's tokens break the grammar; its bookkeeping must not raise
-        for token in tokens:
-            self.consume(token)  # a refused token leaves the matcher where it was
-        return len(tokens)
-
-    monkeypatch.setattr(specdecode.engine.request, "mask_logits", late)
-    monkeypatch.setattr(Constraint, "advance", lenient)
+    mask_one_row_late(monkeypatch)
     tv = total_variation(engine_law(decoder, prompt, params, tokens=3).law, reference)
     assert tv > 100 * BOUND, (name, tv)
 
@@ -126,18 +116,7 @@ def test_the_law_with_forced_tokens_is_plain_constrained_samplings(target, name,
 
     monkeypatch.setattr(Constraint, "forced", counted)
     if control:
-        correct = specdecode.engine.request.mask_logits
-
-        def late(logits, allowed):  # row i under row i−1's grammar state (row 0 keeps its own)
-            return correct(logits, None if allowed is None else torch.cat([allowed[:1], allowed[:-1]]))
-
-        def lenient(self, tokens):  # the control's tokens break the grammar; its bookkeeping must not raise
-            for token in tokens:
-                self.consume(token)
-            return len(tokens)
-
-        monkeypatch.setattr(specdecode.engine.request, "mask_logits", late)
-        monkeypatch.setattr(Constraint, "advance", lenient)
+        mask_one_row_late(monkeypatch)
     law = engine_law(decoder, prompt, params, tokens=3, through_kernels=path == "kernels").law
     tv = total_variation(law, reference)
     assert max(forced) >= 2, forced  # rounds led by the forced h, i

@@ -17,7 +17,7 @@ import torch
 from helpers.enumeration import BOUND, guided_tables
 from helpers.laws import plain_law
 from helpers.models import tiny_llama, with_eos
-from helpers.structured import piece_tokenizer
+from helpers.structured import mask_one_row_late, piece_tokenizer
 from helpers.trees import TreeProposer
 
 import specdecode as sd
@@ -96,17 +96,6 @@ def test_auto_tool_calls_keep_the_constrained_law_under_speculation(target, gram
 def test_a_mask_applied_one_row_late_is_caught(target, grammar, name, monkeypatch):
     decoder, params = case(name, target, grammar)
     reference = constrained_law(target, PROMPT, params, tokens=TOKENS)
-    correct = specdecode.engine.request.mask_logits
-
-    def late(logits, allowed):  # row i under row i−1's grammar state (row 0 keeps its own)
-        return correct(logits, None if allowed is None else torch.cat([allowed[:1], allowed[:-1]]))
-
-    def lenient(self, tokens):  # the control's tokens break the grammar; its bookkeeping must not raise
-        for token in tokens:
-            self.consume(token)
-        return len(tokens)
-
-    monkeypatch.setattr(specdecode.engine.request, "mask_logits", late)
-    monkeypatch.setattr(Constraint, "advance", lenient)
+    mask_one_row_late(monkeypatch)
     tv = total_variation(engine_law(decoder, PROMPT, params, tokens=TOKENS).law, reference)
     assert tv > 100 * BOUND, (name, tv)
